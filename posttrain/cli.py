@@ -1,0 +1,41 @@
+"""``posttrain`` command line. Commands validate params first: a bad config exits 2 with one line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from posttrain import __version__
+from posttrain.config import EXIT_CONFIG_ERROR, ConfigError, Params, load_params
+
+app = typer.Typer(help="posttrain: a reproducible, versioned pipeline for LLM reasoning post-training.",
+                  no_args_is_help=True, add_completion=False)
+
+PARAMS = typer.Option(Path("params.yaml"), "--params", "-p", help="params file")
+
+
+def _params(path: Path) -> Params:
+    try:
+        return load_params(path)
+    except ConfigError as e:
+        print(f"posttrain: {e}", file=sys.stderr)
+        raise typer.Exit(EXIT_CONFIG_ERROR) from None
+
+
+@app.command()
+def validate(params: Path = PARAMS) -> None:
+    """Check params.yaml (unknown keys, types, ranges, input files) without running anything."""
+    p = _params(params)
+    typer.echo(f"{params}: ok (task {p.task.kind}, model {p.model.base})")
+
+
+@app.command()
+def version() -> None:
+    """Print the posttrain version."""
+    typer.echo(__version__)
+
+
+if __name__ == "__main__":
+    app()

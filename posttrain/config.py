@@ -1,0 +1,335 @@
+"""Typed models of ``params.yaml``.
+
+Every section of ``params.yaml`` is a pydantic model with ``extra="forbid"``: an unknown key, a wrong
+type, an out-of-range value or a missing input file fails in :func:`load_params` before any work,
+with a :class:`ConfigError` whose message names the key path (``sft.lr: ...``). Stage ``main()``
+functions and the CLI turn that error into one line on stderr and exit code 2.
+
+Every field is documented where it is declared; ``params.yaml`` carries the values.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+EXIT_CONFIG_ERROR = 2
+
+
+class ConfigError(ValueError):
+    """A params file that cannot be used. ``str()`` is one line naming the key path."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------------------------- paths
+class Paths(_Model):
+    """Every file and folder the pipeline reads or writes. ``dvc.yaml`` reads these through ``${paths.*}``."""
+
+    curated_dir: str = Field(description="curate outputs: train.parquet, sft.parquet, eval.parquet, quarantine")
+    curate_report_dir: str = Field(description="decontamination report (JSON + Markdown)")
+    base_model: str = Field(description="the starting checkpoint, saved by sft (HF folder)")
+    sft_model: str = Field(description="the cold-start SFT checkpoint (HF folder)")
+    sft_checkpoints: str = Field(description="resumable sft checkpoints; NOT a DVC out, so a re-run finds them")
+    sft_report_dir: str = Field(description="sft training log (CSV for dvc plots)")
+    eval_report_dir: str = Field(description="evaluate report: generations.parquet, report.md")
+    metrics_dir: str = Field(description="one <stage>.json per stage, for `dvc metrics show`")
+
+
+# ---------------------------------------------------------------------------------------------- task
+class ArithTask(_Model):
+    """The embedded synthetic task: ``a*b=`` with a multi-digit ``a`` and a one-digit ``b``.
+
+    Its chain of thought multiplies digit by digit from the right with explicit carries and ends in
+    ``answer: <n>``; the verifier is an exact integer check.
+    """
+
+    kind: Literal["arith"] = "arith"
+    min_digits: int = Field(2, ge=1, le=12, description="fewest digits of the multi-digit factor a")
+    max_digits: int = Field(4, ge=1, le=12, description="most digits of a (difficulty knob)")
+    min_multiplier: int = Field(2, ge=0, le=9, description="smallest one-digit factor b")
+    max_multiplier: int = Field(9, ge=0, le=9, description="largest one-digit factor b")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> ArithTask:
+        if self.min_digits > self.max_digits:
+            raise ValueError("min_digits must be <= max_digits")
+        if self.min_multiplier > self.max_multiplier:
+            raise ValueError("min_multiplier must be <= max_multiplier")
+        return self
+
+
+class MathTask(_Model):
+    """Math word problems (GSM8K / MATH / AIME formats), scored with ``math-verify``."""
+
+    kind: Literal["math"] = "math"
+
+
+TaskSpec = Annotated[ArithTask | MathTask, Field(discriminator="kind")]
+
+
+# ---------------------------------------------------------------------------------------------- model
+class TinyModel(_Model):
+    """Size of the Llama-architecture model built from a config when ``model.base`` is ``tiny``."""
+
+    hidden_size: int = Field(128, ge=8, description="width (d_model)")
+    num_layers: int = Field(4, ge=1, description="decoder layers")
+    num_heads: int = Field(4, ge=1, description="attention heads (hidden_size must divide evenly)")
+    intermediate_size: int = Field(512, ge=8, description="SwiGLU MLP width")
+    max_position_embeddings: int = Field(256, ge=16, description="longest prompt + completion, in tokens")
+
+    @model_validator(mode="after")
+    def _heads(self) -> TinyModel:
+        if self.hidden_size % self.num_heads:
+            raise ValueError("hidden_size must be divisible by num_heads")
+        return self
+
+
+class ModelCfg(_Model):
+    base: str = Field(
+        "tiny",
+        description="'tiny' builds a fresh Llama from model.tiny + a character tokenizer; otherwise a local "
+        "HF folder or a hub id (needs the hub; with HF_HUB_OFFLINE=1 a hub id fails fast)",
+    )
+    tiny: TinyModel = Field(default_factory=TinyModel, description="used only when base == 'tiny'")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype on load")
+
+
+# -------------------------------------------------------------------------------------------- runtime
+class Runtime(_Model):
+    train_threads: int = Field(2, ge=1, description="torch threads for training steps (2 is fastest here)")
+    generate_threads: int = Field(1, ge=1, description="torch threads for generation (1 is fastest for "
+                                  "tiny models on CPU: per-token work is too small to split)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
+    progress: bool = Field(True, description="show tqdm progress bars on long loops")
+
+
+# --------------------------------------------------------------------------------------------- curate
+class SyntheticSource(_Model):
+    """Problems drawn from the task generator (``task`` must be ``arith``)."""
+
+    kind: Literal["synthetic"] = "synthetic"
+    name: str = Field("arith", description="source name recorded in every row's `source`")
+    num_rows: int = Field(4000, ge=1, description="rows to generate (duplicates are then removed)")
+
+
+class FileSource(_Model):
+    """A local JSONL or Parquet file, read line by line (JSONL) so malformed rows are quarantined."""
+
+    kind: Literal["file"] = "file"
+    name: str = Field(description="source name recorded in every row's `source`")
+    path: str = Field(description="path to .jsonl/.json/.parquet, relative to the repo root")
+    format: Literal["gsm8k", "math", "generic"] = Field(
+        description="gsm8k: question/answer with '#### n'; math: problem/answer (or solution with \\boxed{}); "
+        "generic: prompt/answer[/solution]"
+    )
+    limit: int | None = Field(None, ge=1, description="read at most this many rows")
+
+    @field_validator("path")
+    @classmethod
+    def _exists(cls, v: str) -> str:
+        if not Path(v).is_file():
+            raise ValueError(f"file not found: {v}")
+        return v
+
+
+class HubSource(_Model):
+    """A dataset loaded by ``datasets.load_dataset(hub_id, config, split=split)``."""
+
+    kind: Literal["hub"] = "hub"
+    name: str = Field(description="source name recorded in every row's `source`")
+    hub_id: str = Field(description="e.g. openai/gsm8k")
+    config: str | None = Field(None, description="dataset config name, e.g. 'main'")
+    split: str = Field("train", description="split to load")
+    format: Literal["gsm8k", "math", "generic"] = Field(description="see FileSource.format")
+    limit: int | None = Field(None, ge=1, description="read at most this many rows")
+
+
+SourceSpec = Annotated[SyntheticSource | FileSource | HubSource, Field(discriminator="kind")]
+BenchmarkSpec = Annotated[FileSource | HubSource, Field(discriminator="kind")]
+
+
+class Decontam(_Model):
+    ngram: int = Field(8, ge=1, description="word n-gram size; texts shorter than n words form one n-gram")
+    threshold: float = Field(
+        0.5, gt=0, le=1,
+        description="flag a row when the share of its n-grams found in a benchmark item, or the share of a "
+        "benchmark item's n-grams found in the row, reaches this",
+    )
+    boilerplate_frac: float = Field(
+        0.2, gt=0, le=1,
+        description="n-grams present in more than this share of a benchmark's items (shared instructions "
+        "such as 'put your final answer within \\boxed{}') are not indexed",
+    )
+    benchmarks: list[BenchmarkSpec] = Field(
+        default_factory=list,
+        description="benchmark sets to decontaminate against; the held-out eval split is always included",
+    )
+    max_contaminated_frac: float | None = Field(
+        None, ge=0, le=1, description="fail the stage when more than this share of rows is contaminated"
+    )
+
+
+class Dedup(_Model):
+    near_ngram: int = Field(5, ge=1, description="n-gram size for near-duplicate detection")
+    near_threshold: float = Field(0.8, gt=0, le=1, description="n-gram overlap at which a row is a near-duplicate")
+
+
+class Validation(_Model):
+    min_prompt_chars: int = Field(3, ge=1, description="shorter prompts are quarantined")
+    max_prompt_chars: int = Field(4000, ge=1, description="longer prompts are quarantined (absurd length)")
+    max_answer_chars: int = Field(200, ge=1, description="longer gold answers are quarantined")
+
+
+class CurateEval(_Model):
+    """The held-out eval split. Training rows are always decontaminated against it."""
+
+    source: SourceSpec | None = Field(
+        None, description="where eval problems come from; None = the task generator (task arith only), "
+        "seeded apart from the training draw"
+    )
+    size: int = Field(200, ge=1, description="eval rows kept (after validation and dedup)")
+
+
+class Curate(_Model):
+    sources: list[SourceSpec] = Field(min_length=1, description="where training problems come from")
+    eval: CurateEval = Field(default_factory=CurateEval)
+    sft_size: int = Field(2000, ge=0, description="rows set aside, with solutions, as SFT demonstrations")
+    dedup: Dedup = Field(default_factory=Dedup)
+    decontam: Decontam = Field(default_factory=Decontam)
+    validation: Validation = Field(default_factory=Validation)
+
+
+# ------------------------------------------------------------------------------------------------ sft
+class SftPhase(_Model):
+    """One phase of the cold start. The default mixed-format cold start is two phases: full chain-of-thought
+    demos, then a short phase whose demos are mostly bare answers (``4738*7=`` -> ``answer: 33166``).
+    The model then answers directly by default (often wrong) but can still reason when it samples a CoT:
+    exactly what RL can reinforce (an SFT model merely stopped early gives GRPO nothing to work with)."""
+
+    steps: int = Field(ge=1, description="optimizer steps in this phase")
+    cot_frac: float = Field(1.0, ge=0, le=1, description="share of demos shown with their full solution; "
+                            "the rest show the bare final answer")
+
+
+class Sft(_Model):
+    phases: list[SftPhase] = Field(min_length=1, description="run in order; the LR schedule spans all phases")
+    batch_size: int = Field(64, ge=1, description="sequences per optimizer step (micro_batch * accumulation)")
+    micro_batch_size: int = Field(64, ge=1, description="sequences per forward pass")
+    lr: float = Field(2e-3, gt=0, description="peak AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(20, ge=0, description="linear warmup, then cosine decay to 0")
+    max_grad_norm: float = Field(1.0, gt=0)
+    checkpoint_every: int = Field(100, ge=1, description="save a resumable checkpoint every N steps")
+    log_every: int = Field(10, ge=1, description="write a training-log row every N steps")
+
+    @model_validator(mode="after")
+    def _micro(self) -> Sft:
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError("batch_size must be a multiple of micro_batch_size")
+        return self
+
+    @property
+    def total_steps(self) -> int:
+        return sum(p.steps for p in self.phases)
+
+
+# ------------------------------------------------------------------------------------------- evaluate
+class Sampling(_Model):
+    temperature: float = Field(1.0, ge=0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(96, ge=1)
+
+
+class Evaluate(_Model):
+    models: dict[str, str] = Field(
+        min_length=1,
+        description="name -> checkpoint path (or hub id), evaluated side by side in this order",
+    )
+    backend: Literal["hf", "vllm"] = Field("hf", description="rollout backend used for generation")
+    num_samples: int = Field(8, ge=1, description="samples per prompt for pass@k / maj@k")
+    ks: list[int] = Field(default_factory=lambda: [1, 4, 8], description="k values for pass@k and maj@k")
+    sampling: Sampling = Field(default_factory=Sampling, description="sampled decoding (greedy is always run)")
+    batch_size: int = Field(256, ge=1, description="sequences per generate() call")
+    limit: int | None = Field(None, ge=1, description="evaluate at most this many prompts per split")
+    benchmarks: list[BenchmarkSpec] = Field(default_factory=list, description="extra benchmark files/hub sets")
+    bootstrap: int = Field(1000, ge=10, description="bootstrap resamples for 95% intervals")
+
+    @model_validator(mode="after")
+    def _ks(self) -> Evaluate:
+        bad = [k for k in self.ks if k < 1 or k > self.num_samples]
+        if bad:
+            raise ValueError(f"every k must be in [1, num_samples={self.num_samples}], got {bad}")
+        return self
+
+
+# ------------------------------------------------------------------------------------------------ root
+class Params(_Model):
+    seed: int = Field(0, description="one seed for data generation, init, sampling and shuffling")
+    paths: Paths
+    runtime: Runtime = Field(default_factory=Runtime)
+    task: TaskSpec = Field(default_factory=ArithTask)
+    model: ModelCfg = Field(default_factory=ModelCfg)
+    curate: Curate
+    sft: Sft
+    evaluate: Evaluate
+
+    @model_validator(mode="after")
+    def _cross(self) -> Params:
+        synthetic = any(isinstance(s, SyntheticSource) for s in self.curate.sources)
+        if (synthetic or self.curate.eval.source is None) and self.task.kind != "arith":
+            raise ValueError("curate: the synthetic generator (a synthetic source, or eval.source unset) "
+                             "needs task.kind == 'arith'")
+        return self
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    """``('curate', 'sources', 0, 'file', 'path')`` -> ``curate.sources[0].path`` (union tags dropped)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in {"synthetic", "file", "hub", "arith", "math"} or "[" in str(part):
+            continue  # discriminated-union branch names are not keys of the file
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "<root>"
+
+
+def _describe(err: dict[str, Any]) -> str:
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif "input" in err and err["type"] not in {"missing"} and not isinstance(err["input"], dict | list):
+        msg = f"{msg}, got {err['input']!r}"
+    return msg
+
+
+def parse_params(raw: dict[str, Any], origin: str = "params") -> Params:
+    """Validate a params mapping; raise :class:`ConfigError` naming the first bad key path."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{origin}: expected a mapping at the top level")
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as e:
+        errs = e.errors()
+        first = errs[0]
+        more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
+        raise ConfigError(f"{origin}: {_loc(first['loc'])}: {_describe(first)}{more}") from None
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read and validate ``params.yaml``. Raises :class:`ConfigError` (one line) on any problem."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: file not found")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
+    return parse_params(raw or {}, origin=str(p))

@@ -1,0 +1,66 @@
+"""Rollout backends behind one Protocol.
+
+``generate(prompt_ids, n, sampling)`` takes chat-formatted prompts as token ids (so no backend adds a
+second BOS) and returns, per prompt, ``n`` :class:`Completion` s with text, token ids, per-token sampler
+log-probs (of the distribution actually sampled from, after temperature/top-p) and a finish reason.
+
+``BACKENDS`` maps ``rollout.backend`` names to constructors with one signature
+``(model, tokenizer, batch_size) -> RolloutBackend``. ``vllm`` is imported only when asked for: it lives
+in the GPU-worker environment (see ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 96
+    seed: int = 0
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]  # generated tokens, EOS included when finish_reason == "stop"
+    logprobs: list[float]  # sampler log-prob of each generated token, same length as token_ids
+    finish_reason: str  # "stop" (EOS) | "length" (max_new_tokens)
+
+
+class RolloutBackend(Protocol):
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
+        ...
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[int]]:
+    """Token ids of each user prompt rendered with the tokenizer's chat template + generation prompt."""
+    out = []
+    for p in prompts:
+        enc = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                            tokenize=True)
+        out.append(list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc))
+    return out
+
+
+def _hf(model: Any, tokenizer: PreTrainedTokenizerBase, batch_size: int) -> RolloutBackend:
+    from posttrain.rollout.hf import HFBackend
+
+    return HFBackend(model, tokenizer, batch_size)
+
+
+def _vllm(model: Any, tokenizer: PreTrainedTokenizerBase, batch_size: int) -> RolloutBackend:
+    try:
+        from posttrain.rollout.vllm import VLLMBackend  # noqa: F401  (GPU worker environment only)
+    except ImportError as e:
+        raise RuntimeError("rollout backend 'vllm' needs the GPU-worker environment (pip install vllm)") from e
+    return VLLMBackend(model, tokenizer, batch_size)
+
+
+BACKENDS: dict[str, Callable[[Any, PreTrainedTokenizerBase, int], RolloutBackend]] = {"hf": _hf, "vllm": _vllm}

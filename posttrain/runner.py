@@ -1,0 +1,63 @@
+"""What every stage's ``main()`` shares: load params (exit 2 on a bad config), set threads and seeds.
+
+A stage module looks like::
+
+    def run(params, inputs, out) -> dict: ...      # pure of params.yaml, argv and path choices
+    def main() -> None:
+        stage_main("curate", lambda p: run(p, inputs_from(p), outs_from(p)))
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from posttrain.config import EXIT_CONFIG_ERROR, ConfigError, Params, load_params
+from posttrain.errors import StageError
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    if "torch" in sys.modules:  # stages that never import torch (curate) do not pay for it
+        sys.modules["torch"].manual_seed(seed)
+
+
+def setup(params: Params) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(params.runtime.train_threads)
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    seed_everything(params.seed)
+
+
+def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[str] | None = None) -> None:
+    """Parse ``--params``, validate, run ``body``; one-line errors: config -> exit 2, stage -> exit 1."""
+    ap = argparse.ArgumentParser(prog=f"python -m stages.{name}")
+    ap.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(message)s", datefmt="%H:%M:%S")
+    try:
+        params = load_params(args.params)
+    except ConfigError as e:
+        print(f"posttrain: {e}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
+    setup(params)
+    t0 = time.time()
+    try:
+        body(params)
+    except StageError as e:
+        print(f"posttrain {name}: {e}", file=sys.stderr)
+        sys.exit(1)
+    logging.getLogger(name).info("done in %.1fs", time.time() - t0)

@@ -1,0 +1,107 @@
+"""Row types of the pipeline's data artifacts and their atomic Parquet / JSON I/O.
+
+Every artifact is written to a temporary sibling and renamed into place, so a killed stage never leaves
+a half-written file that a later stage (or DVC) would take for a finished one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypedDict
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+class Problem(TypedDict):
+    """One curated problem. ``id`` is ``<source>:<row index in the source>`` (traceable to the raw line)."""
+
+    id: str
+    source: str
+    task: str  # key of posttrain.tasks.TASKS: how to verify it
+    prompt: str
+    answer: str
+    solution: str | None
+
+
+PROBLEM_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("source", pa.string()),
+        ("task", pa.string()),
+        ("prompt", pa.string()),
+        ("answer", pa.string()),
+        ("solution", pa.string()),
+    ]
+)
+
+# One generated completion, as the evaluate stage (and later rollout) records it.
+GENERATION_SCHEMA = pa.schema(
+    [
+        ("model", pa.string()),
+        ("split", pa.string()),
+        ("id", pa.string()),
+        ("mode", pa.string()),  # greedy | sample
+        ("sample", pa.int32()),
+        ("completion", pa.string()),
+        ("num_tokens", pa.int32()),
+        ("finish_reason", pa.string()),  # stop | length
+        ("extracted", pa.string()),
+        ("correct", pa.bool_()),  # null = unscorable
+    ]
+)
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; on success rename it over ``path`` (file or folder)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent)) / path.name
+    try:
+        yield tmp
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp.parent, ignore_errors=True)
+
+
+def write_parquet(path: str | Path, rows: Sequence[dict[str, Any]], schema: pa.Schema) -> None:
+    table = pa.Table.from_pylist(list(rows), schema=schema)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+
+
+def read_parquet(path: str | Path) -> list[dict[str, Any]]:
+    return pq.read_table(path).to_pylist()
+
+
+def read_problems(path: str | Path) -> list[Problem]:
+    rows = read_parquet(path)
+    missing = set(PROBLEM_SCHEMA.names) - set(rows[0]) if rows else set()
+    if missing:
+        raise ValueError(f"{path}: not a problems file (missing columns {sorted(missing)})")
+    return rows  # type: ignore[return-value]
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def write_text(path: str | Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_jsonl(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
+    with atomic_path(path) as tmp, tmp.open("w") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False, default=str) + "\n")

@@ -1,0 +1,123 @@
+"""Reading problem sources into one schema: the task generator, local JSONL/Parquet files, hub datasets.
+
+Local JSONL is read line by line (not through ``datasets``) so that one undecodable or malformed line is
+reported (and quarantined by the caller) instead of failing the whole file; Parquet files and hub ids go
+through ``datasets.load_dataset``. Every yielded row is ``(id, {prompt, answer, solution} | None, error)``
+with ``id = <source name>:<row index>``, traceable to the raw line.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from typing import Any
+
+from posttrain.config import (
+    ArithTask,
+    BenchmarkSpec,
+    FileSource,
+    HubSource,
+    SourceSpec,
+    SyntheticSource,
+    Validation,
+)
+from posttrain.schema import Problem
+from posttrain.tasks import arith, get_task, mathfmt
+
+# A raw row: (row id, parsed dict) or (row id, error reason) when it could not even be read.
+Raw = tuple[str, dict[str, Any] | None, str | None]
+
+
+# ------------------------------------------------------------------------------------------ reading
+def _synthetic(name: str, n: int, task: ArithTask, rng: random.Random) -> Iterator[Raw]:
+    for i in range(n):
+        a, b = arith.sample_operands(rng, task.min_digits, task.max_digits, task.min_multiplier,
+                                     task.max_multiplier)
+        prompt, answer = arith.make_problem(a, b)
+        yield f"{name}:{i}", {"prompt": prompt, "answer": answer, "solution": arith.chain_of_thought(a, b)}, None
+
+
+def _jsonl(src: FileSource) -> Iterator[Raw]:
+    """Line by line, so one undecodable or malformed line is quarantined instead of failing the file."""
+    with open(src.path, "rb") as f:
+        for i, line in enumerate(f):
+            if src.limit is not None and i >= src.limit:
+                return
+            rid = f"{src.name}:{i}"
+            if not line.strip():
+                yield rid, None, "empty line"
+                continue
+            try:
+                obj = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError:
+                yield rid, None, "undecodable text (not UTF-8)"
+                continue
+            except json.JSONDecodeError as e:
+                yield rid, None, f"invalid JSON: {e.msg}"
+                continue
+            yield (rid, obj, None) if isinstance(obj, dict) else (rid, None, "row is not a JSON object")
+
+
+def _datasets_rows(src: FileSource | HubSource) -> Iterator[Raw]:
+    """Parquet files and hub datasets go through ``datasets.load_dataset``."""
+    import datasets
+
+    if isinstance(src, FileSource):
+        ds = datasets.load_dataset("parquet", data_files=src.path, split="train")
+    else:
+        ds = datasets.load_dataset(src.hub_id, src.config, split=src.split)
+    for i, row in enumerate(ds):
+        if src.limit is not None and i >= src.limit:
+            return
+        yield f"{src.name}:{i}", dict(row), None
+
+
+def read_source(src: SourceSpec | BenchmarkSpec, task: Any, seed: int) -> Iterator[Raw]:
+    """Raw rows of one source, each normalised to ``{prompt, answer, solution}`` or with an error."""
+    if isinstance(src, SyntheticSource):
+        yield from _synthetic(src.name, src.num_rows, task, random.Random(seed))
+        return
+    raw = _jsonl(src) if isinstance(src, FileSource) and src.path.endswith((".jsonl", ".json")) \
+        else _datasets_rows(src)
+    adapter = mathfmt.ADAPTERS[src.format]
+    for rid, obj, err in raw:
+        if err is not None:
+            yield rid, None, err
+            continue
+        try:
+            yield rid, adapter(obj), None
+        except ValueError as e:
+            yield rid, None, f"malformed row: {e}"
+
+
+def validate(row: dict[str, Any], task_kind: str, v: Validation) -> str | None:
+    """The reason a normalised row is unusable, or None."""
+    p, a = row["prompt"], row["answer"]
+    if not p.strip():
+        return "empty prompt"
+    if not a.strip():
+        return "empty answer"
+    if "\ufffd" in p or "\ufffd" in a:
+        return "undecodable text (replacement character)"
+    if len(p) < v.min_prompt_chars or len(p) > v.max_prompt_chars:
+        return f"prompt length {len(p)} outside [{v.min_prompt_chars}, {v.max_prompt_chars}]"
+    if len(a) > v.max_answer_chars:
+        return f"answer length {len(a)} > {v.max_answer_chars}"
+    if not get_task(task_kind).gold_ok(a):
+        return "unparseable gold answer"
+    return None
+
+
+def problems_from(src: SourceSpec | BenchmarkSpec, task: Any, seed: int, v: Validation
+                  ) -> tuple[list[Problem], list[dict[str, Any]]]:
+    """Valid problems of one source and the rejected rows (with reasons), for evaluation sets."""
+    ok, bad = [], []
+    for rid, obj, err in read_source(src, task, seed):
+        err = err or validate(obj, task.kind, v)
+        if err:
+            bad.append({"id": rid, "reason": err})
+        else:
+            ok.append(Problem(id=rid, source=src.name, task=task.kind, prompt=obj["prompt"],
+                              answer=obj["answer"].strip(), solution=obj.get("solution")))
+    return ok, bad

@@ -1,0 +1,148 @@
+"""evaluate: every configured model, side by side, on the held-out split and any benchmark sets.
+
+Inputs: ``paths.curated_dir/eval.parquet``; the checkpoints named in ``evaluate.models`` (name -> path);
+benchmark files/hub sets in ``evaluate.benchmarks`` (GSM8K / MATH formats, scored with math-verify).
+Outputs: ``metrics/evaluate.json`` (``{split: {model: {greedy, pass@k, maj@k, ...}}}`` for
+``dvc metrics show``), ``paths.eval_report_dir/generations.parquet`` (every completion with its
+extracted answer and verdict, for audit) and ``report.md`` (tables with 95% bootstrap intervals).
+
+Per model and split: greedy accuracy; ``num_samples`` samples per prompt at ``evaluate.sampling`` give
+sampled pass@1 (mean over samples), unbiased pass@k, maj@k (vote over the first k samples), mean
+completion length and the share cut at ``max_new_tokens``. A problem whose gold answer cannot be parsed is
+unscorable: counted, and left out of every denominator (never counted correct).
+
+Run: ``dvc repro evaluate`` or ``python -m stages.evaluate [--params params.yaml]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from posttrain import metrics as M
+from posttrain import modeling
+from posttrain.config import MathTask, Params, Validation
+from posttrain.rollout import BACKENDS, Completion, SamplingParams, chat_prompt_ids
+from posttrain.runner import stage_main
+from posttrain.schema import GENERATION_SCHEMA, Problem, read_problems, write_json, write_parquet, write_text
+from posttrain.sources import problems_from
+from posttrain.tasks import get_task
+
+log = logging.getLogger("evaluate")
+
+
+def score_problem(p: Problem, greedy: Completion, samples: list[Completion], ks: list[int]
+                  ) -> tuple[dict[str, Any] | None, list[tuple[str | None, bool | None]]]:
+    """Per-problem metrics (None when unscorable) and (extracted, correct) of greedy + each sample."""
+    task = get_task(p["task"])
+    verdicts = [(task.extract(c.text), task.verify(p["answer"], c.text)) for c in [greedy, *samples]]
+    if verdicts[0][1] is None:
+        return None, verdicts
+    s = verdicts[1:]
+    c = sum(bool(v) for _, v in s)
+    row = {"greedy": float(bool(verdicts[0][1])), "pass@1": c / len(s)}
+    for k in ks:
+        row[f"pass@{k}"] = M.pass_at_k(len(s), c, k)
+        row[f"maj@{k}"] = float(M.maj_at_k([a for a, _ in s], [v for _, v in s], k))
+    row["len"] = float(np.mean([len(x.token_ids) for x in samples]))
+    row["greedy_len"] = float(len(greedy.token_ids))
+    row["truncated"] = float(np.mean([x.finish_reason == "length" for x in samples]))
+    return row, verdicts
+
+
+def summarize(rows: list[dict[str, Any]], n_unscorable: int, n_boot: int, seed: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"n": len(rows), "unscorable": n_unscorable}
+    if not rows:
+        return out
+    for key in rows[0]:
+        vals = [r[key] for r in rows]
+        out[key] = round(float(np.mean(vals)), 4)
+        if key not in {"len", "greedy_len", "truncated"}:
+            out[f"{key}_ci"] = [round(x, 4) for x in M.bootstrap_ci(vals, n_boot, seed)]
+    return out
+
+
+def report_markdown(results: dict[str, dict[str, dict[str, Any]]], ks: list[int], sampling: Any) -> str:
+    cols = ["greedy", "pass@1"] + [f"pass@{k}" for k in ks if k != 1] + [f"maj@{ks[-1]}"]
+    lines = ["# Evaluation", "",
+             f"Sampled metrics at temperature {sampling.temperature}, top-p {sampling.top_p}; "
+             "95% bootstrap intervals over problems in brackets.", ""]
+    for split, by_model in results.items():
+        lines += [f"## {split}", "", "| model | n | " + " | ".join(cols) + " | mean len | cut at max |",
+                  "|---|---:|" + "---:|" * (len(cols) + 2)]
+        for name, m in by_model.items():
+            if not m.get("n"):
+                lines.append(f"| {name} | 0 | " + " | ".join("—" for _ in cols) + " | — | — |")
+                continue
+            cells = [f"{100 * m[c]:.1f} [{100 * m[c + '_ci'][0]:.1f}, {100 * m[c + '_ci'][1]:.1f}]" for c in cols]
+            lines.append(f"| {name} | {m['n']} | " + " | ".join(cells)
+                         + f" | {m['len']:.1f} | {100 * m['truncated']:.0f}% |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[str, Any]:
+    """Evaluate. ``inputs``: eval (eval.parquet), models (name -> checkpoint). ``out``: report_dir, metrics."""
+    cfg = params.evaluate
+    torch.set_num_threads(params.runtime.generate_threads)
+    device = modeling.resolve_device(params.runtime.device)
+    splits: dict[str, list[Problem]] = {"eval": read_problems(inputs["eval"])[: cfg.limit]}
+    for b in cfg.benchmarks:
+        probs, bad = problems_from(b, MathTask(), params.seed, Validation())
+        splits[b.name] = probs[: cfg.limit]
+        if bad:
+            log.warning("%s: %d rows unusable (first: %s)", b.name, len(bad), bad[0]["reason"])
+
+    greedy_sp = SamplingParams(0.0, 1.0, cfg.sampling.max_new_tokens, params.seed)
+    sample_sp = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens,
+                               params.seed)
+    results: dict[str, dict[str, Any]] = {s: {} for s in splits}
+    gen_rows: list[dict[str, Any]] = []
+    for name, path in tqdm(inputs["models"].items(), desc="evaluate", disable=not params.runtime.progress):
+        model = modeling.load_model(path, params.model.dtype, device)
+        tok = modeling.load_tokenizer(path)
+        backend = BACKENDS[cfg.backend](model, tok, cfg.batch_size)
+        for split, probs in splits.items():
+            t0 = time.time()
+            ids = chat_prompt_ids(tok, [p["prompt"] for p in probs])
+            greedy = backend.generate(ids, 1, greedy_sp)
+            samples = backend.generate(ids, cfg.num_samples, sample_sp)
+            per, unscorable = [], 0
+            for p, g, ss in zip(probs, greedy, samples, strict=True):
+                row, verdicts = score_problem(p, g[0], ss, cfg.ks)
+                if row is None:
+                    unscorable += 1
+                else:
+                    per.append(row)
+                for j, (c, (ext, ok)) in enumerate(zip([g[0], *ss], verdicts, strict=True)):
+                    gen_rows.append({"model": name, "split": split, "id": p["id"], "mode": "greedy" if j == 0
+                                     else "sample", "sample": max(j - 1, 0), "completion": c.text,
+                                     "num_tokens": len(c.token_ids), "finish_reason": c.finish_reason,
+                                     "extracted": ext, "correct": ok})
+            results[split][name] = summarize(per, unscorable, cfg.bootstrap, params.seed)
+            results[split][name]["seconds"] = round(time.time() - t0, 1)
+            r = results[split][name]
+            log.info("%s/%s: greedy %.3f pass@1 %.3f (n=%d, %.1fs)", name, split, r.get("greedy", float("nan")),
+                     r.get("pass@1", float("nan")), r["n"], r["seconds"])
+        del model
+
+    write_parquet(out["report_dir"] / "generations.parquet", gen_rows, GENERATION_SCHEMA)
+    write_text(out["report_dir"] / "report.md", report_markdown(results, cfg.ks, cfg.sampling))
+    write_json(out["metrics"], results)
+    return results
+
+
+def main() -> None:
+    stage_main("evaluate", lambda p: run(
+        p, {"eval": Path(p.paths.curated_dir) / "eval.parquet", "models": dict(p.evaluate.models)},
+        {"report_dir": Path(p.paths.eval_report_dir), "metrics": Path(p.paths.metrics_dir) / "evaluate.json"}))
+
+
+if __name__ == "__main__":
+    main()
