@@ -105,7 +105,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                                   tok.pad_token_id)
             s, _ = training.sum_token_nll(model, {k: v.to(device) for k, v in mb.items()})
             (s / max(n_tok, 1)).backward()
-            loss_sum += float(s)
+            loss_sum += s.item()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
         opt.step()
         sched.step()

@@ -20,12 +20,18 @@ _CALC_RE = re.compile(r"<<[^>]*>>")
 
 @functools.lru_cache(maxsize=65536)
 def _parse_gold(gold: str) -> tuple[Any, ...]:
+    """math-verify's parse of a gold answer, or () when it yields no math object.
+
+    math-verify falls back to echoing unparseable text as a string (``\\frac{`` -> ``['\\frac{']``);
+    such a gold cannot be checked for equivalence, so it counts as unparseable (unscorable).
+    """
     text = gold if ("$" in gold or "\\boxed" in gold) else f"${gold}$"
-    return tuple(parse(text))
+    parsed = tuple(parse(text))
+    return parsed if any(not isinstance(x, str) for x in parsed) else ()
 
 
 def gold_ok(answer: str) -> bool:
-    """True when math-verify can parse the gold answer."""
+    """True when math-verify parses the gold answer into a math object."""
     return bool(answer.strip()) and len(_parse_gold(answer.strip())) > 0
 
 

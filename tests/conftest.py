@@ -1,0 +1,46 @@
+"""Shared fixtures: a tiny, fast configuration rooted in a temp folder."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO.parent / "shared" / "benchmarks"
+
+
+def repo_params() -> dict[str, Any]:
+    return yaml.safe_load((REPO / "params.yaml").read_text())
+
+
+def tiny_raw(root: Path | None) -> dict[str, Any]:
+    """The repo's params.yaml shrunk to seconds of CPU, every path under ``root`` (None: kept relative)."""
+    p = copy.deepcopy(repo_params())
+    if root is not None:
+        p["paths"] = {k: str(root / v) for k, v in p["paths"].items()}
+    p["evaluate"]["models"] = {"base": p["paths"]["base_model"], "sft": p["paths"]["sft_model"]}
+    p["runtime"]["progress"] = False
+    p["model"]["tiny"] = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64,
+                          "max_position_embeddings": 128}
+    p["curate"]["sources"][0]["num_rows"] = 300
+    p["curate"]["eval"]["size"] = 12
+    p["curate"]["sft_size"] = 100
+    p["sft"].update({"phases": [{"steps": 6, "cot_frac": 1.0}, {"steps": 2, "cot_frac": 0.5}],
+                     "batch_size": 8, "micro_batch_size": 4, "warmup_steps": 2, "checkpoint_every": 3,
+                     "log_every": 2})
+    p["evaluate"].update({"num_samples": 4, "ks": [1, 2, 4], "batch_size": 64, "bootstrap": 50})
+    p["evaluate"]["sampling"]["max_new_tokens"] = 24
+    return p
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> dict[str, Any]:
+    return tiny_raw(tmp_path)

@@ -1,0 +1,58 @@
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from conftest import REPO, repo_params
+
+from posttrain.config import ConfigError, load_params, parse_params
+from posttrain.errors import ModelLoadError
+from posttrain.modeling import load_model
+
+
+def test_repo_params_validate():
+    p = load_params(REPO / "params.yaml")
+    assert p.sft.total_steps == sum(ph.steps for ph in p.sft.phases)
+
+
+@pytest.mark.parametrize("mutate,expected", [
+    (lambda p: p["sft"].update(bach_size=3), "sft.bach_size: unknown key"),
+    (lambda p: p["sft"].update(lr="fast"), "sft.lr: Input should be a valid number"),
+    (lambda p: p["curate"]["decontam"].update(threshold=1.5), "curate.decontam.threshold: Input should be less"),
+    (lambda p: p.update(curate={**p["curate"], "sources": [{"kind": "file", "name": "x", "path": "nope.jsonl",
+                                                            "format": "gsm8k"}]}),
+     "curate.sources[0].path: Value error, file not found: nope.jsonl"),
+    (lambda p: p["evaluate"].update(ks=[1, 16]), "evaluate: Value error, every k must be in [1, num_samples=8]"),
+    (lambda p: p.pop("sft"), "sft: Field required"),
+    (lambda p: p["task"].update(kind="chess"), "task: Input tag 'chess'"),
+])
+def test_bad_config_names_the_key(mutate, expected):
+    raw = repo_params()
+    mutate(raw)
+    with pytest.raises(ConfigError) as e:
+        parse_params(raw)
+    assert expected in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("cmd", [["posttrain.cli", "validate", "--params"], ["stages.curate", "--params"]])
+def test_broken_params_exit_2_with_one_line(tmp_path, cmd):
+    raw = repo_params()
+    raw["sft"]["lr"] = "fast"
+    bad = tmp_path / "params.yaml"
+    bad.write_text(yaml.safe_dump(raw))
+    r = subprocess.run([sys.executable, "-m", *cmd, str(bad)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "sft.lr" in r.stderr
+    assert not (tmp_path / "data").exists()  # failed before any work
+
+
+def test_hub_id_offline_fails_fast(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t = time.time()
+    with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE"):
+        load_model("someone/not-a-cached-model")
+    assert time.time() - t < 10
+    with pytest.raises(ModelLoadError, match="no such folder"):
+        load_model("./models/does-not-exist")

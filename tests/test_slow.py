@@ -1,0 +1,108 @@
+"""Slow end-to-end tests: a real SIGKILL of sft and resume; dvc repro on a temp copy of the repo."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import REPO, tiny_raw
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _sft_params(root: Path) -> Path:
+    raw = tiny_raw(root)
+    raw["sft"].update({"phases": [{"steps": 300, "cot_frac": 1.0}, {"steps": 60, "cot_frac": 0.4}],
+                       "checkpoint_every": 20, "log_every": 10})
+    path = root / "params.yaml"
+    root.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _stage(name: str, params: Path, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", f"stages.{name}", "--params", str(params)], cwd=REPO, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_sft_sigkill_then_rerun_resumes_to_the_same_result(tmp_path):
+    runs = {}
+    for name in ("straight", "killed"):
+        params = _sft_params(tmp_path / name)
+        assert _stage("curate", params).wait() == 0
+        runs[name] = params
+    assert _stage("sft", runs["straight"]).wait() == 0
+
+    ckpt = tmp_path / "killed" / "checkpoints" / "sft"
+    proc = _stage("sft", runs["killed"])
+    deadline = time.time() + 120
+    while not list(ckpt.glob("step_*.pt")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    time.sleep(0.3)  # a little past the first checkpoint
+    assert proc.poll() is None, "sft finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max(int(p.stem.split("_")[1]) for p in ckpt.glob("step_*.pt"))
+    assert not (tmp_path / "killed" / "models" / "sft").exists()
+    assert _stage("sft", runs["killed"]).wait() == 0
+
+    m = {n: json.loads((tmp_path / n / "metrics" / "sft.json").read_text()) for n in runs}
+    assert m["straight"]["resumed_from_step"] == 0
+    assert m["killed"]["resumed_from_step"] >= killed_at > 0
+    assert m["killed"]["final_loss"] == pytest.approx(m["straight"]["final_loss"], rel=1e-5, abs=1e-6)
+    w = {n: load_file(tmp_path / n / "models" / "sft" / "model.safetensors") for n in runs}
+    for k in w["straight"]:
+        torch.testing.assert_close(w["killed"][k], w["straight"][k], rtol=1e-5, atol=1e-6)
+    logs = {n: (tmp_path / n / "reports" / "sft" / "train_log.csv").read_text().splitlines() for n in runs}
+    assert len(logs["killed"]) == len(logs["straight"])  # the log carries over the pre-crash rows
+
+
+def _copy_repo(dst: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if (REPO / f).is_file() and not f.startswith(("metrics/", "dvc.lock")):
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / f, dst / f)
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
+                ["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "copy"]):
+        subprocess.run(cmd, cwd=dst, check=True)
+
+
+def _dvc(repo: Path, *args: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=ENV, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout + r.stderr
+
+
+def test_dvc_repro_end_to_end(tmp_path):
+    repo = tmp_path / "repo"
+    _copy_repo(repo)
+    raw = tiny_raw(None)
+    (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+
+    out = _dvc(repo, "repro")
+    for stage in ("curate", "sft", "evaluate"):
+        assert f"Running stage '{stage}'" in out
+    res = json.loads((repo / "metrics" / "evaluate.json").read_text())
+    assert set(res["eval"]) == {"base", "sft"}
+    assert (repo / "dvc.lock").exists()
+
+    assert "Data and pipelines are up to date" in _dvc(repo, "repro")  # a second repro is a no-op
+
+    raw["evaluate"]["bootstrap"] = 60  # an evaluate-only param: only evaluate re-runs
+    (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    out = _dvc(repo, "repro")
+    assert "Running stage 'evaluate'" in out
+    assert "Running stage 'sft'" not in out and "Running stage 'curate'" not in out
+    metrics = _dvc(repo, "metrics", "show")
+    assert "evaluate.json" in metrics and "curate.json" in metrics

@@ -1,0 +1,83 @@
+import random
+
+import pytest
+
+from posttrain.tasks import arith, get_task, mathfmt
+
+
+def test_chain_of_thought_hand_checked():
+    # 4738*7: 8*7=56 -> write 6 carry 5; 3*7+5=26 -> 66 carry 2; 7*7+2=51 -> 166 carry 5; 4*7+5=33 -> 33166
+    assert arith.chain_of_thought(4738, 7) == "8*7+0=56 6;3*7+5=26 66;7*7+2=51 166;4*7+5=33 33166;answer: 33166"
+    # 10*9: 0*9=0 -> 0 carry 0; 1*9+0=9 -> 90
+    assert arith.chain_of_thought(10, 9) == "0*9+0=0 0;1*9+0=9 90;answer: 90"
+
+
+def test_cot_answer_is_the_product_for_many_operands():
+    rng = random.Random(1)
+    for _ in range(500):
+        a, b = arith.sample_operands(rng, 1, 6, 0, 9)
+        cot = arith.chain_of_thought(a, b)
+        assert arith.verify(str(a * b), cot) is True
+        assert int(cot.split(";")[-2].split(" ")[-1]) == a * b  # the last partial is the full product
+
+
+def test_sampling_is_deterministic_and_in_range():
+    draw = [arith.sample_operands(random.Random(7), 2, 4, 2, 9) for _ in range(2)]
+    assert draw[0] == draw[1]
+    rng = random.Random(0)
+    for _ in range(1000):
+        a, b = arith.sample_operands(rng, 2, 4, 2, 9)
+        assert 10 <= a <= 9999 and 2 <= b <= 9
+
+
+@pytest.mark.parametrize("completion,expected", [
+    ("answer: 33166", True),
+    ("8*7+0=56 6;answer: 1;answer: 33166", True),  # the last answer counts
+    ("answer: 33166;answer: 1", False),
+    ("33166", False),  # no answer marker
+    ("", False),
+    ("answer: 033166", True),  # integer comparison
+])
+def test_arith_verify(completion, expected):
+    assert arith.verify("33166", completion) is expected
+
+
+def test_arith_unparseable_gold_is_unscorable():
+    assert arith.verify("abc", "answer: 1") is None
+
+
+def test_gsm8k_adapter_strips_calculator_annotations():
+    row = {"question": "Q?", "answer": "48/2 = <<48/2=24>>24 clips.\n#### 1,072"}
+    out = mathfmt.from_gsm8k(row)
+    assert out["answer"] == "1072"
+    assert "<<" not in out["solution"] and out["solution"].endswith("\\boxed{1072}.")
+    with pytest.raises(ValueError):
+        mathfmt.from_gsm8k({"question": "Q?", "answer": "no marker"})
+
+
+def test_math_adapter_takes_boxed_from_solution():
+    assert mathfmt.from_math({"problem": "p", "solution": "so \\boxed{\\frac{1}{2}} done"})["answer"] == "\\frac{1}{2}"
+    assert mathfmt.last_boxed("\\boxed{a} and \\boxed{b{c}}") == "b{c}"
+
+
+@pytest.mark.parametrize("gold,completion,expected", [
+    ("72", "so the answer is \\boxed{72}", True),
+    ("72", "\\boxed{71}", False),
+    ("\\frac{1}{2}", "\\boxed{0.5}", True),
+    ("72", "", False),
+    ("72", "I think \\boxed{72} but actually \\boxed{70}", False),  # the final boxed answer counts
+])
+def test_math_verify(gold, completion, expected):
+    assert mathfmt.verify(gold, completion) is expected
+
+
+def test_math_verify_order_and_unscorable_gold():
+    # an unparseable gold is never a free "correct"
+    assert mathfmt.verify("", "\\boxed{1}") is None
+    assert mathfmt.gold_ok("72") and not mathfmt.gold_ok("")
+
+
+def test_task_registry():
+    assert get_task("arith").extract("x;answer: 12") == "12"
+    with pytest.raises(KeyError, match="known"):
+        get_task("nope")

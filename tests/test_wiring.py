@@ -1,0 +1,85 @@
+"""dvc.yaml, params.yaml and the code agree: one name per stage, deps = the modules a stage imports."""
+
+import ast
+from pathlib import Path
+
+import yaml
+from conftest import REPO, repo_params
+
+DVC = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+
+
+def _module_file(mod: str) -> Path | None:
+    base = REPO / Path(*mod.split("."))
+    for cand in (base.with_suffix(".py"), base / "__init__.py"):
+        if cand.exists():
+            return cand
+    return None
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    mods = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            mods.add(node.module)
+            mods.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            mods.update(a.name for a in node.names)
+    return {m for m in mods if m.split(".")[0] in {"posttrain", "stages"}}
+
+
+def transitive_files(stage: str) -> set[Path]:
+    seen, todo = set(), [REPO / "stages" / f"{stage}.py"]
+    while todo:
+        f = todo.pop()
+        if f in seen:
+            continue
+        seen.add(f)
+        for m in _imports(f):
+            g = _module_file(m)
+            if g is not None:
+                todo.append(g)
+    return seen
+
+
+def _covered(f: Path, deps: list[str]) -> bool:
+    rel = f.relative_to(REPO)
+    return any(rel == Path(d) or Path(d) in rel.parents for d in deps)
+
+
+def test_stage_names_match_modules_and_params():
+    params = repo_params()
+    for name, stage in DVC.items():
+        assert (REPO / "stages" / f"{name}.py").exists()
+        assert stage["cmd"] == f"python -m stages.{name}"
+        assert name in params, f"params.yaml has no section {name!r}"
+
+
+def test_deps_list_every_imported_library_module():
+    for name, stage in DVC.items():
+        deps = [d for d in stage["deps"] if not d.startswith("${")]
+        for f in transitive_files(name):
+            if f.name == "__init__.py" and f.parent.name in {"stages", "posttrain"}:
+                continue  # package markers only
+            assert _covered(f, deps), f"dvc.yaml stage {name!r}: deps miss {f.relative_to(REPO)}"
+
+
+def test_stages_do_not_import_each_other():
+    for name in DVC:
+        others = {f"stages.{o}" for o in DVC if o != name}
+        assert not _imports(REPO / "stages" / f"{name}.py") & others
+
+
+def test_all_paths_come_from_params():
+    params = repo_params()
+    literal = {v for v in params["paths"].values()}
+    for name, stage in DVC.items():
+        entries = [e if isinstance(e, str) else next(iter(e)) for key in ("deps", "outs", "metrics", "plots")
+                   for e in stage.get(key, [])]
+        for e in entries:
+            assert not any(e == v or e.startswith(v + "/") for v in literal), \
+                f"stage {name}: {e} written in dvc.yaml instead of ${{paths.*}}"
+    for model_path in params["evaluate"]["models"].values():  # evaluated checkpoints are evaluate deps
+        key = next(k for k, v in params["paths"].items() if v == model_path)
+        assert f"${{paths.{key}}}" in DVC["evaluate"]["deps"]
