@@ -32,6 +32,15 @@ def validate(params: Path = PARAMS) -> None:
 
 
 @app.command()
+def unlock(repo: Path = typer.Option(Path("."), help="DVC repository root")) -> None:
+    """Clear DVC run locks left by a killed `dvc repro` (only entries whose process is gone)."""
+    from posttrain.dvcrepo import clear_stale_locks
+
+    freed = clear_stale_locks(repo)
+    typer.echo(f"unlocked {len(freed)} path(s)" + "".join(f"\n  {p}" for p in freed))
+
+
+@app.command()
 def version() -> None:
     """Print the posttrain version."""
     typer.echo(__version__)
