@@ -65,7 +65,9 @@ def test_math_adapter_takes_boxed_from_solution():
     ("72", "\\boxed{71}", False),
     ("\\frac{1}{2}", "\\boxed{0.5}", True),
     ("72", "", False),
-    ("72", "I think \\boxed{72} but actually \\boxed{70}", False),  # the final boxed answer counts
+    ("72", "I think \\boxed{72} but actually \\boxed{70}", False),  # several answers: no credit
+    ("72", "The question has 72 apples", False),  # a number without an answer anchor does not count
+    ("72", "The answer is 72.", True),
 ])
 def test_math_verify(gold, completion, expected):
     assert mathfmt.verify(gold, completion) is expected

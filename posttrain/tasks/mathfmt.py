@@ -12,8 +12,14 @@ import functools
 import re
 from typing import Any
 
-from math_verify import parse
+from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 from math_verify import verify as _mv_verify
+
+# Predictions are read only at an anchor (\\boxed{}, "the answer is", "final answer:"): math-verify's default
+# also takes any bare number, so a completion that merely echoes the question's numbers would score.
+# Several boxed answers parse as a set, which never equals a single gold: hedging earns nothing.
+PRED_CONFIG = [LatexExtractionConfig(try_extract_without_anchor=False),
+               ExprExtractionConfig(try_extract_without_anchor=False)]
 
 _CALC_RE = re.compile(r"<<[^>]*>>")
 
@@ -40,7 +46,7 @@ def verify(gold: str, completion: str) -> bool | None:
     g = _parse_gold(gold.strip()) if gold.strip() else ()
     if not g:
         return None
-    pred = parse(completion)
+    pred = parse(completion, extraction_config=PRED_CONFIG)
     if not pred:
         return False
     return bool(_mv_verify(list(g), pred))
@@ -48,7 +54,7 @@ def verify(gold: str, completion: str) -> bool | None:
 
 def extract_answer(completion: str) -> str | None:
     """The completion's final answer as math-verify extracts it (its string form), or None."""
-    parsed = parse(completion)
+    parsed = parse(completion, extraction_config=PRED_CONFIG)
     return str(parsed[-1]) if parsed else None
 
 

@@ -1,0 +1,158 @@
+"""ADVANTAGES and POLICY_LOSSES registries, loss aggregation and KL estimators.
+
+Names follow the papers: ``logp`` (current policy), ``old_logp`` (behaviour policy), ``ref_logp`` (frozen
+reference), ``ratio = exp(logp - old_logp)``, ``adv``, ``mask`` (1 on completion tokens). Shapes in
+comments: N prompts, G samples per prompt, B = N*G sequences, T completion tokens.
+
+Advantages (one signature): ``fn(r [N, G], valid [N, G]) -> adv [N, G]``; invalid (unscorable) entries get 0
+and are excluded from every statistic. Std is the unbiased sample std (as in TRL and verl).
+Policy losses (one signature): ``fn(logp, old_logp, adv, cfg) -> (loss [B, T], clipped [B, T] bool)``.
+Aggregation is separate from the loss, and exact under micro-batching: each micro-batch divides by
+full-batch totals, so summing micro-batch losses gives the full-batch loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+EPS = 1e-6
+
+
+def _masked_mean(x: torch.Tensor, m: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    return (x * m).sum(dim) / m.sum(dim).clamp_min(1)
+
+
+def _masked_std(x: torch.Tensor, m: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Unbiased std over masked entries (0 when fewer than 2)."""
+    mean = _masked_mean(x, m, dim)
+    mean = mean.unsqueeze(dim) if dim is not None else mean
+    n = m.sum(dim)
+    var = (((x - mean) ** 2) * m).sum(dim) / (n - 1).clamp_min(1)
+    return torch.where(n > 1, var.sqrt(), torch.zeros_like(var))
+
+
+def grpo(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """GRPO (Shao et al. 2024, DeepSeekMath): (r - group mean) / (group std + eps). r, valid: [N, G]."""
+    m = valid.float()
+    mean = _masked_mean(r, m, 1).unsqueeze(1)  # [N, 1]
+    std = _masked_std(r, m, 1).unsqueeze(1)  # [N, 1]
+    return (r - mean) / (std + EPS) * m
+
+
+def dr_grpo(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): r - group mean, no std division.
+    Pair with ``seq-mean-token-sum-norm`` aggregation (no length normalisation)."""
+    m = valid.float()
+    return (r - _masked_mean(r, m, 1).unsqueeze(1)) * m
+
+
+def rloo(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): r_i - mean of the other valid samples of the group."""
+    m = valid.float()
+    n = m.sum(1, keepdim=True)  # [N, 1]
+    others = ((r * m).sum(1, keepdim=True) - r * m) / (n - 1).clamp_min(1)
+    return torch.where(n > 1, r - others, torch.zeros_like(r)) * m
+
+
+def reinforce_pp(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): no per-prompt baseline; normalise by the whole batch's mean and std."""
+    m = valid.float()
+    return (r - _masked_mean(r, m)) / (_masked_std(r, m) + EPS) * m
+
+
+def grpo_batch_std(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Lite PPO (Liu et al. 2025, "Tricks or traps"): group-mean baseline, batch-level std."""
+    m = valid.float()
+    centered = (r - _masked_mean(r, m, 1).unsqueeze(1)) * m
+    return centered / (_masked_std(r, m) + EPS)
+
+
+ADVANTAGES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp, "grpo_batch_std": grpo_batch_std,
+}
+
+
+@dataclass(frozen=True)
+class LossCfg:
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2  # DAPO clip-higher: > clip_eps_low
+    dual_clip: float | None = None  # Ye et al. 2020 dual-clip constant c > 1 (applies when adv < 0)
+
+
+def ppo_clip(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, cfg: LossCfg
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped surrogate (Schulman et al. 2017) with asymmetric clip (DAPO) and optional dual-clip.
+
+    logp, old_logp: [B, T]; adv: [B] (one advantage per sequence, broadcast over tokens).
+    loss = max(-adv * ratio, -adv * clip(ratio, 1 - eps_low, 1 + eps_high)); with dual-clip and adv < 0 the
+    loss is further capped at -adv * c.
+    """
+    a = adv.unsqueeze(-1)  # [B, 1]
+    ratio = torch.exp(logp - old_logp)  # [B, T]
+    pg1 = -a * ratio
+    pg2 = -a * ratio.clamp(1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high)
+    loss = torch.maximum(pg1, pg2)
+    clipped = pg2 > pg1
+    if cfg.dual_clip is not None:
+        pg3 = -a * cfg.dual_clip
+        capped = (a < 0) & (loss > pg3)
+        loss = torch.where(a < 0, torch.minimum(loss, pg3), loss)
+        clipped = clipped | capped
+    return loss, clipped
+
+
+def vanilla_pg(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, cfg: LossCfg
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unclipped importance-weighted policy gradient: -adv * ratio. [B, T]"""
+    ratio = torch.exp(logp - old_logp)
+    return -adv.unsqueeze(-1) * ratio, torch.zeros_like(ratio, dtype=torch.bool)
+
+
+POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "ppo_clip": ppo_clip, "vanilla_pg": vanilla_pg,
+}
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str, n_seqs: int, n_tokens: int, norm_len: int
+              ) -> torch.Tensor:
+    """Reduce a per-token quantity [B, T] of one micro-batch to its share of the full-batch scalar.
+
+    ``n_seqs`` / ``n_tokens``: totals over the *full* batch (all micro-batches), so that summing the
+    micro-batch results equals aggregating the full batch at once.
+    - token-mean: sum over all tokens / total tokens (DAPO).
+    - seq-mean-token-mean: mean over sequences of each sequence's token mean (original GRPO).
+    - seq-mean-token-sum-norm: sum over all tokens / (sequences * norm_len) (Dr. GRPO; constant norm).
+    """
+    m = mask.to(x.dtype)
+    if mode == "token-mean":
+        return (x * m).sum() / max(n_tokens, 1)
+    if mode == "seq-mean-token-mean":
+        return ((x * m).sum(-1) / m.sum(-1).clamp_min(1)).sum() / max(n_seqs, 1)
+    if mode == "seq-mean-token-sum-norm":
+        return (x * m).sum() / (max(n_seqs, 1) * norm_len)
+    raise ValueError(f"unknown loss aggregation {mode!r}; known: {AGGREGATIONS}")
+
+
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k1 = log p - log p_ref (unbiased, high variance; Schulman 2020 "Approximating KL"). [B, T]"""
+    return logp - ref_logp
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(ref - logp) - (ref - logp) - 1 >= 0 (unbiased, low variance; as in GRPO). [B, T]"""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k1": kl_k1, "k3": kl_k3}
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Per-token entropy of softmax(logits). logits: [B, T, V] -> [B, T]"""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
