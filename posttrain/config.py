@@ -37,6 +37,13 @@ class Paths(_Model):
     sft_model: str = Field(description="the cold-start SFT checkpoint (HF folder)")
     sft_checkpoints: str = Field(description="resumable sft checkpoints; NOT a DVC out, so a re-run finds them")
     sft_report_dir: str = Field(description="sft training log (CSV for dvc plots)")
+    rollout_dir: str = Field(description="rollout stage: rollouts.parquet (G samples per prompt, SFT policy)")
+    reward_dir: str = Field(description="reward stage: scored.parquet, pass_rates.parquet")
+    reward_report_dir: str = Field(description="reward audit (JSON + Markdown)")
+    rl_model: str = Field(description="the RL policy (HF folder)")
+    rl_dir: str = Field(description="rl stage data: per-step rollout shards, the selected prompts")
+    rl_checkpoints: str = Field(description="resumable rl checkpoints + in-flight shards; NOT a DVC out")
+    rl_report_dir: str = Field(description="rl training log (CSV for dvc plots)")
     eval_report_dir: str = Field(description="evaluate report: generations.parquet, report.md")
     metrics_dir: str = Field(description="one <stage>.json per stage, for `dvc metrics show`")
 
@@ -239,11 +246,104 @@ class Sft(_Model):
         return sum(p.steps for p in self.phases)
 
 
-# ------------------------------------------------------------------------------------------- evaluate
 class Sampling(_Model):
     temperature: float = Field(1.0, ge=0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(96, ge=1)
+
+
+def _registered(kind: str, name: str) -> str:
+    """Fail at config load on a name no registry knows, listing the valid ones."""
+    if kind == "reward":
+        from posttrain.rewards import REWARDS as reg
+    elif kind == "advantage":
+        from posttrain.algos import ADVANTAGES as reg
+    else:
+        from posttrain.algos import POLICY_LOSSES as reg
+    if name not in reg:
+        raise ValueError(f"unknown {kind} {name!r}; valid: {sorted(reg)}")
+    return name
+
+
+# -------------------------------------------------------------------------------------------- rollout
+class Rollout(_Model):
+    backend: Literal["hf", "vllm"] = Field("hf", description="rollout backend (vllm: GPU-worker environment)")
+    num_prompts: int = Field(512, ge=1, description="train prompts to sample (a seeded shuffle's first N)")
+    group_size: int = Field(8, ge=1, description="G: completions per prompt")
+    sampling: Sampling = Field(default_factory=Sampling)
+    batch_size: int = Field(256, ge=1, description="sequences per generate() call")
+
+
+# --------------------------------------------------------------------------------------------- reward
+class RewardSpec(_Model):
+    name: str = Field(description="a key of posttrain.rewards.REWARDS")
+    weight: float = Field(1.0, description="weight in the summed reward (0 = logged only)")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the reward function")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        return _registered("reward", v)
+
+
+class Reward(_Model):
+    rewards: list[RewardSpec] = Field(min_length=1, description="summed with their weights")
+    max_unscorable_frac: float = Field(0.05, ge=0, le=1, description="fail the stage above this unscorable share")
+    audit_examples: int = Field(3, ge=0, description="scored completions shown per reward bucket in the audit")
+
+
+# ------------------------------------------------------------------------------------------------- rl
+class RlSelect(_Model):
+    """Prompt selection from the reward stage's pass rates (of the SFT policy)."""
+
+    min_pass_rate: float = Field(0.01, ge=0, le=1, description="drop prompts solved less often (never solved)")
+    max_pass_rate: float = Field(0.99, ge=0, le=1, description="drop prompts solved more often (always solved)")
+
+
+class Rl(_Model):
+    steps: int = Field(40, ge=1, description="rollout -> reward -> update rounds")
+    prompts_per_step: int = Field(16, ge=1, description="B: prompts per round")
+    group_size: int = Field(8, ge=2, description="G: samples per prompt")
+    sampling: Sampling = Field(default_factory=Sampling)
+    generate_batch_size: int = Field(256, ge=1, description="sequences per generate() call")
+    lr: float = Field(3e-5, gt=0, description="AdamW learning rate (constant); tiny models collapse at >= 1e-4")
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    advantage: str = Field("grpo", description="a key of posttrain.algos.ADVANTAGES")
+    policy_loss: str = Field("ppo_clip", description="a key of posttrain.algos.POLICY_LOSSES")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="how per-token losses reduce to a scalar (separate from the loss)")
+    clip_eps_low: float = Field(0.2, ge=0, lt=1, description="ratio clip below 1")
+    clip_eps_high: float = Field(0.28, ge=0, description="ratio clip above 1 (DAPO clip-higher)")
+    dual_clip: float | None = Field(None, gt=1, description="dual-clip constant c for negative advantages")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the frozen SFT reference; 0 = no reference loaded")
+    kl_estimator: Literal["k1", "k3"] = Field("k3", description="per-token KL estimator")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient")
+    epochs: int = Field(1, ge=1, description="passes over each rollout batch")
+    minibatches: int = Field(1, ge=1, description="optimizer steps per pass (old log-probs are recomputed "
+                             "when epochs * minibatches > 1; otherwise the update is exactly on-policy)")
+    micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward (gradient accumulation)")
+    dynamic_sampling: Literal["off", "skip", "refill"] = Field(
+        "skip", description="DAPO: groups whose rewards are all equal carry no signal: off = keep them, skip = "
+        "drop them from the update, refill = sample more prompts until the batch is full (or max_refill_rounds)")
+    max_refill_rounds: int = Field(2, ge=0, description="extra sampling rounds per step with refill")
+    select: RlSelect = Field(default_factory=RlSelect)
+    checkpoint_every: int = Field(10, ge=1, description="resumable checkpoint every N steps")
+    save_steps: list[int] = Field(default_factory=list, description="also save HF checkpoints of these steps "
+                                  "(under paths.rl_dir/checkpoints/step_N) for evaluation")
+
+    @field_validator("advantage")
+    @classmethod
+    def _adv(cls, v: str) -> str:
+        return _registered("advantage", v)
+
+    @field_validator("policy_loss")
+    @classmethod
+    def _loss(cls, v: str) -> str:
+        return _registered("policy_loss", v)
+
+
+# ------------------------------------------------------------------------------------------- evaluate
 
 
 class Evaluate(_Model):
@@ -277,6 +377,9 @@ class Params(_Model):
     model: ModelCfg = Field(default_factory=ModelCfg)
     curate: Curate
     sft: Sft
+    rollout: Rollout
+    reward: Reward
+    rl: Rl
     evaluate: Evaluate
 
     @model_validator(mode="after")

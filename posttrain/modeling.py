@@ -126,6 +126,22 @@ def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     tokenizer.save_pretrained(path)
 
 
+def checkpoint_digest(path: str | Path) -> str:
+    """Short sha256 of a checkpoint folder's weight files (what sampled a rollout), or of a hub id's name."""
+    import hashlib
+
+    p = Path(path)
+    files = sorted(p.glob("*.safetensors")) + sorted(p.glob("*.bin")) if p.is_dir() else []
+    if not files:
+        return f"name:{path}"
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
 def resolve_device(pref: str) -> torch.device:
     if pref == "cuda" or (pref == "auto" and torch.cuda.is_available()):
         return torch.device("cuda")

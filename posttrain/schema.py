@@ -58,6 +58,36 @@ GENERATION_SCHEMA = pa.schema(
 )
 
 
+# One sampled completion (rollout stage, and every RL step's shard), then the columns later stages add.
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        ("prompt_id", pa.string()),
+        ("sample", pa.int32()),
+        ("prompt", pa.string()),
+        ("answer", pa.string()),
+        ("task", pa.string()),
+        ("completion", pa.string()),
+        ("token_ids", pa.list_(pa.int32())),
+        ("logprobs", pa.list_(pa.float32())),  # sampler log-prob of each token in token_ids
+        ("finish_reason", pa.string()),
+        ("policy", pa.string()),  # digest of the weights that sampled it (+ "@step<N>" inside rl)
+        ("temperature", pa.float32()),
+        ("top_p", pa.float32()),
+        ("max_new_tokens", pa.int32()),
+        ("seed", pa.int64()),
+    ]
+)
+SCORED_SCHEMA = ROLLOUT_SCHEMA.append(pa.field("reward", pa.float32())).append(  # null = unscorable
+    pa.field("rewards", pa.string()))  # JSON: each configured reward's value
+SHARD_SCHEMA = (SCORED_SCHEMA.append(pa.field("step", pa.int32())).append(pa.field("advantage", pa.float32()))
+                .append(pa.field("used", pa.bool_())))  # used = entered the update (not skipped/unscorable)
+
+PASS_RATE_SCHEMA = pa.schema(
+    [("prompt_id", pa.string()), ("n", pa.int32()), ("scorable", pa.int32()), ("n_correct", pa.int32()),
+     ("pass_rate", pa.float32()), ("mean_reward", pa.float32())]
+)
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; on success rename it over ``path`` (file or folder)."""

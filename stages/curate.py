@@ -141,12 +141,14 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
     return counts
 
 
+def paths(p: Params) -> tuple[dict[str, Any], dict[str, Path]]:
+    """This stage's inputs and outputs, from ``params.paths`` (used by ``main`` and by tests)."""
+    return {}, {"curated_dir": Path(p.paths.curated_dir), "report_dir": Path(p.paths.curate_report_dir),
+                "metrics": Path(p.paths.metrics_dir) / "curate.json"}
+
+
 def main() -> None:
-    stage_main("curate", lambda p: run(p, {}, {
-        "curated_dir": Path(p.paths.curated_dir),
-        "report_dir": Path(p.paths.curate_report_dir),
-        "metrics": Path(p.paths.metrics_dir) / "curate.json",
-    }))
+    stage_main("curate", lambda p: run(p, *paths(p)))
 
 
 if __name__ == "__main__":

@@ -138,10 +138,14 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
     return results
 
 
+def paths(p: Params) -> tuple[dict[str, Any], dict[str, Path]]:
+    """This stage's inputs and outputs, from ``params`` (used by ``main`` and by tests)."""
+    return ({"eval": Path(p.paths.curated_dir) / "eval.parquet", "models": dict(p.evaluate.models)},
+            {"report_dir": Path(p.paths.eval_report_dir), "metrics": Path(p.paths.metrics_dir) / "evaluate.json"})
+
+
 def main() -> None:
-    stage_main("evaluate", lambda p: run(
-        p, {"eval": Path(p.paths.curated_dir) / "eval.parquet", "models": dict(p.evaluate.models)},
-        {"report_dir": Path(p.paths.eval_report_dir), "metrics": Path(p.paths.metrics_dir) / "evaluate.json"}))
+    stage_main("evaluate", lambda p: run(p, *paths(p)))
 
 
 if __name__ == "__main__":

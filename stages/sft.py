@@ -143,14 +143,16 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     return metrics
 
 
-def main() -> None:
-    def body(p: Params) -> dict[str, Any]:
-        return run(p, {"demos": Path(p.paths.curated_dir) / "sft.parquet"}, {
-            "base_model": Path(p.paths.base_model), "model": Path(p.paths.sft_model),
-            "checkpoints": Path(p.paths.sft_checkpoints), "report_dir": Path(p.paths.sft_report_dir),
-            "metrics": Path(p.paths.metrics_dir) / "sft.json"})
+def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
+    """This stage's inputs and outputs, from ``params.paths`` (used by ``main`` and by tests)."""
+    P = p.paths
+    return {"demos": Path(P.curated_dir) / "sft.parquet"}, {
+        "base_model": Path(P.base_model), "model": Path(P.sft_model), "checkpoints": Path(P.sft_checkpoints),
+        "report_dir": Path(P.sft_report_dir), "metrics": Path(P.metrics_dir) / "sft.json"}
 
-    stage_main("sft", body)
+
+def main() -> None:
+    stage_main("sft", lambda p: run(p, *paths(p)))
 
 
 if __name__ == "__main__":

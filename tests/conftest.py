@@ -26,7 +26,8 @@ def tiny_raw(root: Path | None) -> dict[str, Any]:
     p = copy.deepcopy(repo_params())
     if root is not None:
         p["paths"] = {k: str(root / v) for k, v in p["paths"].items()}
-    p["evaluate"]["models"] = {"base": p["paths"]["base_model"], "sft": p["paths"]["sft_model"]}
+    p["evaluate"]["models"] = {"base": p["paths"]["base_model"], "sft": p["paths"]["sft_model"],
+                               "rl": p["paths"]["rl_model"]}
     p["runtime"]["progress"] = False
     p["model"]["tiny"] = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64,
                           "max_position_embeddings": 128}
@@ -36,6 +37,14 @@ def tiny_raw(root: Path | None) -> dict[str, Any]:
     p["sft"].update({"phases": [{"steps": 6, "cot_frac": 1.0}, {"steps": 2, "cot_frac": 0.5}],
                      "batch_size": 8, "micro_batch_size": 4, "warmup_steps": 2, "checkpoint_every": 3,
                      "log_every": 2})
+    p["rollout"].update({"num_prompts": 8, "group_size": 4, "batch_size": 64})
+    p["rollout"]["sampling"]["max_new_tokens"] = 24
+    # an untrained tiny policy never solves the task: a length penalty gives groups reward variance
+    p["reward"]["rewards"] = [{"name": "correct", "weight": 1.0},
+                              {"name": "overlong", "weight": 1.0, "kwargs": {"buffer": 24}}]
+    p["rl"].update({"steps": 4, "prompts_per_step": 4, "group_size": 4, "micro_batch_size": 8,
+                    "checkpoint_every": 2, "select": {"min_pass_rate": 0.0, "max_pass_rate": 1.0}})
+    p["rl"]["sampling"]["max_new_tokens"] = 24
     p["evaluate"].update({"num_samples": 4, "ks": [1, 2, 4], "batch_size": 64, "bootstrap": 50})
     p["evaluate"]["sampling"]["max_new_tokens"] = 24
     return p

@@ -9,18 +9,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from posttrain.config import parse_params
 from posttrain.errors import StageError
 from posttrain.schema import read_parquet, read_problems
-from stages import curate, evaluate, sft
+from stages import curate, evaluate, reward, rl, rollout, sft
+
+STAGES = {"curate": curate, "sft": sft, "rollout": rollout, "reward": reward, "rl": rl, "evaluate": evaluate}
 
 
 def _outs(p):
-    P = p.paths
-    return {
-        "curate": {"curated_dir": Path(P.curated_dir), "report_dir": Path(P.curate_report_dir),
-                   "metrics": Path(P.metrics_dir) / "curate.json"},
-        "sft": {"base_model": Path(P.base_model), "model": Path(P.sft_model), "checkpoints": Path(P.sft_checkpoints),
-                "report_dir": Path(P.sft_report_dir), "metrics": Path(P.metrics_dir) / "sft.json"},
-        "evaluate": {"report_dir": Path(P.eval_report_dir), "metrics": Path(P.metrics_dir) / "evaluate.json"},
-    }
+    return {name: mod.paths(p)[1] for name, mod in STAGES.items()}
+
+
+def _ins(p, name):
+    return STAGES[name].paths(p)[0]
 
 
 def _messy_jsonl(path: Path) -> None:
@@ -93,7 +92,7 @@ def test_sft_then_evaluate(tiny):
     p = parse_params(tiny)
     o = _outs(p)
     curate.run(p, {}, o["curate"])
-    m = sft.run(p, {"demos": Path(p.paths.curated_dir) / "sft.parquet"}, o["sft"])
+    m = sft.run(p, _ins(p, "sft"), o["sft"])
     assert m["steps"] == 8 and m["resumed_from_step"] == 0
     log_lines = (Path(p.paths.sft_report_dir) / "train_log.csv").read_text().splitlines()
     assert log_lines[0].startswith("step,phase,loss") and len(log_lines) == 1 + 4
@@ -102,8 +101,8 @@ def test_sft_then_evaluate(tiny):
         AutoModelForCausalLM.from_pretrained(path)
         assert AutoTokenizer.from_pretrained(path).chat_template
 
-    res = evaluate.run(p, {"eval": Path(p.paths.curated_dir) / "eval.parquet", "models": dict(p.evaluate.models)},
-                       o["evaluate"])
+    res = evaluate.run(p, {**_ins(p, "evaluate"),
+                           "models": {k: v for k, v in p.evaluate.models.items() if k != "rl"}}, o["evaluate"])
     for name in ("base", "sft"):
         r = res["eval"][name]
         assert r["n"] == 12 and 0 <= r["greedy"] <= 1
@@ -121,9 +120,62 @@ def test_evaluate_counts_unscorable_gold_out_of_denominators(tiny, tmp_path):
     p = parse_params(tiny)
     o = _outs(p)
     curate.run(p, {}, o["curate"])
-    sft.run(p, {"demos": Path(p.paths.curated_dir) / "sft.parquet"}, o["sft"])
+    sft.run(p, _ins(p, "sft"), o["sft"])
     rows = [{"id": "g:0", "source": "g", "task": "arith", "prompt": "12*3=", "answer": "36", "solution": None},
             {"id": "g:1", "source": "g", "task": "arith", "prompt": "12*4=", "answer": "n/a", "solution": None}]
     write_parquet(tmp_path / "ev.parquet", rows, PROBLEM_SCHEMA)
     res = evaluate.run(p, {"eval": tmp_path / "ev.parquet", "models": {"sft": p.paths.sft_model}}, o["evaluate"])
     assert res["eval"]["sft"]["n"] == 1 and res["eval"]["sft"]["unscorable"] == 1
+
+
+def test_rollout_reward_rl_then_evaluate(tiny):
+    p = parse_params(tiny)
+    o = _outs(p)
+    P = p.paths
+    curate.run(p, {}, o["curate"])
+    sft.run(p, _ins(p, "sft"), o["sft"])
+
+    m = rollout.run(p, _ins(p, "rollout"), o["rollout"])
+    rows = read_parquet(o["rollout"]["rollouts"])
+    assert m["samples"] == len(rows) == 8 * 4
+    assert {r["sample"] for r in rows} == {0, 1, 2, 3}
+    assert all(len(r["token_ids"]) == len(r["logprobs"]) for r in rows)
+    assert len({r["policy"] for r in rows}) == 1 and len(rows[0]["policy"]) == 16  # weight digest
+
+    m = reward.run(p, {"rollouts": o["rollout"]["rollouts"]}, o["reward"])
+    scored = read_parquet(o["reward"]["scored"])
+    assert len(scored) == 32 and all(r["reward"] is not None for r in scored)
+    rates = read_parquet(o["reward"]["pass_rates"])
+    assert len(rates) == 8 and all(r["n"] == 4 for r in rates)
+    assert (Path(P.reward_report_dir) / "audit.md").read_text().startswith("# Reward audit")
+
+    m = rl.run(p, _ins(p, "rl"), o["rl"])
+    assert m["steps"] == 4 and m["shards"] == 4 and m["resumed_from_step"] == 0
+    shards = sorted((Path(P.rl_dir) / "shards").glob("step_*.parquet"))
+    assert [s.name for s in shards] == [f"step_{i:05d}.parquet" for i in range(1, 5)]
+    first = read_parquet(shards[0])
+    assert len(first) == 4 * 4 and {r["step"] for r in first} == {1}
+    used = [r for r in first if r["used"]]
+    assert used and all(r["advantage"] is not None for r in used)
+    for grp in {r["prompt_id"] for r in used}:  # group-normalised advantages sum to ~0 within each group
+        assert abs(sum(r["advantage"] for r in used if r["prompt_id"] == grp)) < 1e-4
+    log_lines = (Path(P.rl_report_dir) / "train_log.csv").read_text().splitlines()
+    assert len(log_lines) == 1 + 4 and log_lines[0].startswith("step,reward_mean,pass_rate,zero_var_frac")
+    assert not Path(P.rl_checkpoints).exists()
+    AutoModelForCausalLM.from_pretrained(P.rl_model)
+
+    res = evaluate.run(p, _ins(p, "evaluate"), o["evaluate"])
+    assert set(res["eval"]) == {"base", "sft", "rl"}
+
+
+def test_reward_stage_fails_on_unscorable_share(tiny, tmp_path):
+    from posttrain.schema import ROLLOUT_SCHEMA, write_parquet
+
+    p = parse_params(tiny)
+    row = {"prompt_id": "x:0", "sample": 0, "prompt": "12*3=", "answer": "n/a", "task": "arith",
+           "completion": "answer: 36", "token_ids": [1, 2], "logprobs": [-0.1, -0.2], "finish_reason": "stop",
+           "policy": "p", "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 24, "seed": 0}
+    write_parquet(tmp_path / "r.parquet", [row], ROLLOUT_SCHEMA)
+    with pytest.raises(StageError, match="unscorable share 1.000"):
+        reward.run(p, {"rollouts": tmp_path / "r.parquet"}, _outs(p)["reward"])
+    assert json.loads((Path(p.paths.reward_report_dir) / "audit.json").read_text())["unscorable"] == 1

@@ -17,10 +17,15 @@ def _module_file(mod: str) -> Path | None:
     return None
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, lazy: bool = True) -> set[str]:
+    """posttrain/stages modules imported by ``path``; ``lazy=False`` skips imports inside functions (the
+    registry-name checks in config.py import registries lazily: they decide which names validate, not what a
+    stage computes)."""
     tree = ast.parse(path.read_text())
+    nodes = ast.walk(tree) if lazy else [n for top in tree.body if not isinstance(top, ast.FunctionDef | ast.ClassDef)
+                                         for n in ast.walk(top)]
     mods = set()
-    for node in ast.walk(tree):
+    for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.module:
             mods.add(node.module)
             mods.update(f"{node.module}.{a.name}" for a in node.names)
@@ -36,7 +41,7 @@ def transitive_files(stage: str) -> set[Path]:
         if f in seen:
             continue
         seen.add(f)
-        for m in _imports(f):
+        for m in _imports(f, lazy=f.parent.name == "stages"):
             g = _module_file(m)
             if g is not None:
                 todo.append(g)

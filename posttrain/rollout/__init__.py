@@ -11,10 +11,12 @@ in the GPU-worker environment (see ARCHITECTURE.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 
@@ -64,3 +66,31 @@ def _vllm(model: Any, tokenizer: PreTrainedTokenizerBase, batch_size: int) -> Ro
 
 
 BACKENDS: dict[str, Callable[[Any, PreTrainedTokenizerBase, int], RolloutBackend]] = {"hf": _hf, "vllm": _vllm}
+
+
+def sample_rows(backend: RolloutBackend, tokenizer: PreTrainedTokenizerBase, problems: Sequence[dict[str, Any]],
+                n: int, sampling: SamplingParams, policy: str, chunk_prompts: int = 64, progress: bool = False
+                ) -> tuple[list[dict[str, Any]], float]:
+    """``n`` completions per problem as rollout rows (``schema.ROLLOUT_SCHEMA``), and the seconds it took.
+
+    The one rollout path: the rollout stage and every RL step call this. Prompts go in chunks so the
+    progress bar can show samples/s; chunk ``c`` is seeded ``sampling.seed + 7919 * c``.
+    """
+    rows: list[dict[str, Any]] = []
+    t0 = time.time()
+    bar = tqdm(total=len(problems) * n, desc="rollout", unit="sample", disable=not progress)
+    for c, start in enumerate(range(0, len(problems), chunk_prompts)):
+        chunk = problems[start : start + chunk_prompts]
+        sp = SamplingParams(sampling.temperature, sampling.top_p, sampling.max_new_tokens, sampling.seed + 7919 * c)
+        groups = backend.generate(chat_prompt_ids(tokenizer, [p["prompt"] for p in chunk]), n, sp)
+        for p, group in zip(chunk, groups, strict=True):
+            for j, comp in enumerate(group):
+                rows.append({"prompt_id": p["id"], "sample": j, "prompt": p["prompt"], "answer": p["answer"],
+                             "task": p["task"], "completion": comp.text, "token_ids": comp.token_ids,
+                             "logprobs": comp.logprobs, "finish_reason": comp.finish_reason, "policy": policy,
+                             "temperature": sp.temperature, "top_p": sp.top_p, "max_new_tokens": sp.max_new_tokens,
+                             "seed": sp.seed})
+        bar.update(len(chunk) * n)
+        bar.set_postfix(samples_per_s=f"{bar.n / max(time.time() - t0, 1e-9):.0f}")
+    bar.close()
+    return rows, time.time() - t0

@@ -1,0 +1,178 @@
+"""The GRPO-family policy update and the pieces of the online loop (rollout -> reward -> update).
+
+Everything a step needs besides rollout (``posttrain.rollout.sample_rows``) and scoring
+(``posttrain.rewards.score_rows``), both shared with the standalone stages:
+
+- ``PromptCursor``: prompts in seeded per-epoch permutations; its position is part of the checkpoint.
+- ``group_advantages``: rewards [N, G] -> advantages through the ADVANTAGES registry; unscorable samples
+  get no advantage and no loss.
+- ``zero_variance``: DAPO dynamic sampling's test (all rewards of a group equal -> no signal).
+- ``policy_update``: epochs x minibatches of optimizer steps over one rollout batch, micro-batched (exact
+  gradient accumulation via ``algos.aggregate``), PPO-style ratios against old log-probs (recomputed by the
+  trainer when the update is not exactly on-policy), optional KL to a frozen reference and entropy bonus.
+  Returns the step's metrics (clip fraction, KL, entropy, sampler-vs-trainer log-prob gap, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from posttrain import algos
+from posttrain.config import Rl
+
+
+@dataclass
+class PromptCursor:
+    """Walks ``n`` prompts in per-epoch permutations of ``seed``; ``pos`` counts prompts handed out."""
+
+    n: int
+    seed: int
+    pos: int = 0
+    _perms: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        for _ in range(k):
+            epoch, i = divmod(self.pos, self.n)
+            if epoch not in self._perms:
+                self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.n)}
+            out.append(int(self._perms[epoch][i]))
+            self.pos += 1
+        return out
+
+
+def reward_matrix(rows: Sequence[dict[str, Any]], g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows grouped by prompt (G consecutive) -> rewards [N, G] (0 where unscorable) and valid [N, G]."""
+    r = torch.tensor([0.0 if x["reward"] is None else float(x["reward"]) for x in rows]).view(-1, g)
+    valid = torch.tensor([x["reward"] is not None for x in rows]).view(-1, g)
+    return r, valid
+
+
+def zero_variance(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[N] True where every valid reward of the group is equal (or fewer than two are valid)."""
+    big = torch.finfo(r.dtype).max
+    hi = torch.where(valid, r, torch.full_like(r, -big)).max(1).values
+    lo = torch.where(valid, r, torch.full_like(r, big)).min(1).values
+    return (hi <= lo) | (valid.sum(1) < 2)
+
+
+def group_advantages(rows: Sequence[dict[str, Any]], g: int, name: str) -> list[float]:
+    r, valid = reward_matrix(rows, g)
+    return algos.ADVANTAGES[name](r, valid).flatten().tolist()
+
+
+@dataclass
+class Seq:
+    """One training sequence: chat-formatted prompt ids, the sampled completion, and per-completion-token
+    log-probs of the sampler, and (filled in by ``policy_update``) of the trainer's old policy and the reference."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    sampler_logp: list[float]
+    adv: float
+    old_logp: list[float] | None = None
+    ref_logp: list[float] | None = None
+
+
+def _tensors(seqs: Sequence[Seq], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-padded ids and attention mask [B, T]; completion mask and every per-token log-prob aligned with
+    next-token targets [B, T-1]; advantages [B]."""
+    width = max(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
+    b = len(seqs)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, width), dtype=torch.long)
+    aligned = {k: torch.zeros((b, width - 1)) for k in ("mask", "sampler_logp", "old_logp", "ref_logp")}
+    for i, s in enumerate(seqs):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        ids[i, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
+        attn[i, : p + c] = 1
+        span = slice(p - 1, p - 1 + c)  # target t+1 is a completion token
+        aligned["mask"][i, span] = 1
+        for k in ("sampler_logp", "old_logp", "ref_logp"):
+            v = getattr(s, k)
+            if v is not None:
+                aligned[k][i, span] = torch.tensor(v)
+    out = {"ids": ids, "attn": attn, "adv": torch.tensor([s.adv for s in seqs]), **aligned}
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def _logp_entropy(model: torch.nn.Module, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-prob of the targets and entropy, both [B, T-1]."""
+    logits = model(input_ids=t["ids"], attention_mask=t["attn"]).logits[:, :-1].float()  # [B, T-1, V]
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, t["ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, ent
+
+
+@torch.no_grad()
+def _fill(model: torch.nn.Module, seqs: Sequence[Seq], attr: str, pad_id: int, micro: int) -> None:
+    """Set ``seq.<attr>`` to ``model``'s log-probs of each completion token (no grad)."""
+    device = next(model.parameters()).device
+    for start in range(0, len(seqs), micro):
+        chunk = seqs[start : start + micro]
+        lp, _ = _logp_entropy(model, _tensors(chunk, pad_id, device))
+        for j, s in enumerate(chunk):
+            p = len(s.prompt_ids)
+            setattr(s, attr, lp[j, p - 1 : p - 1 + len(s.completion_ids)].tolist())
+
+
+def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequence[Seq], cfg: Rl, pad_id: int,
+                  ref_model: torch.nn.Module | None = None, seed: int = 0) -> dict[str, float]:
+    """Optimise the policy on one rollout batch; returns averaged metrics. See module docstring."""
+    device = next(model.parameters()).device
+    loss_fn = algos.POLICY_LOSSES[cfg.policy_loss]
+    loss_cfg = algos.LossCfg(cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip)
+    kl_fn = algos.KL_ESTIMATORS[cfg.kl_estimator]
+    norm_len = cfg.sampling.max_new_tokens
+    on_policy = cfg.epochs * cfg.minibatches == 1  # then old log-probs come from the update's own forward
+    if not on_policy:
+        _fill(model, seqs, "old_logp", pad_id, cfg.micro_batch_size)
+    if ref_model is not None:
+        _fill(ref_model, seqs, "ref_logp", pad_id, cfg.micro_batch_size)
+
+    sums = {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "gap": 0.0}
+    ratio_max, tokens, gap_tokens, n_opt = 0.0, 0.0, 0.0, 0
+    gen = torch.Generator().manual_seed(seed)
+    for epoch in range(cfg.epochs):
+        order = torch.randperm(len(seqs), generator=gen).tolist() if not on_policy else list(range(len(seqs)))
+        for mb in np.array_split(np.asarray(order, dtype=int), cfg.minibatches):
+            mb_seqs = [seqs[i] for i in mb.tolist()]
+            if not mb_seqs:
+                continue
+            n_tok = sum(len(s.completion_ids) for s in mb_seqs)
+            opt.zero_grad(set_to_none=True)
+            for start in range(0, len(mb_seqs), cfg.micro_batch_size):
+                t = _tensors(mb_seqs[start : start + cfg.micro_batch_size], pad_id, device)
+                m = t["mask"]
+                logp, ent = _logp_entropy(model, t)  # [b, T-1]
+                old_logp = logp.detach() if on_policy else t["old_logp"]
+                loss_tok, clipped = loss_fn(logp, old_logp, t["adv"], loss_cfg)  # [b, T-1]
+                if ref_model is not None:
+                    kl = kl_fn(logp, t["ref_logp"])
+                    loss_tok = loss_tok + cfg.kl_coef * kl
+                    sums["kl"] += float((kl.detach() * m).sum())
+                if cfg.entropy_coef:
+                    loss_tok = loss_tok - cfg.entropy_coef * ent
+                loss = algos.aggregate(loss_tok, m, cfg.loss_agg, len(mb_seqs), n_tok, norm_len)
+                loss.backward()
+                sums["loss"] += float(loss.detach())
+                sums["clipfrac"] += float((clipped.float() * m).sum())
+                sums["entropy"] += float((ent.detach() * m).sum())
+                ratio_max = max(ratio_max, float((torch.exp(logp.detach() - old_logp) * m).max()))
+                tokens += float(m.sum())
+                if epoch == 0:  # sampler vs trainer log-prob of the same tokens, before any update
+                    sums["gap"] += float(((old_logp - t["sampler_logp"]).abs() * m).sum())
+                    gap_tokens += float(m.sum())
+            sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+            opt.step()
+            n_opt += 1
+    tokens, n = max(tokens, 1.0), max(n_opt, 1)
+    return {"loss": sums["loss"] / n, "clipfrac": sums["clipfrac"] / tokens, "kl": sums["kl"] / tokens,
+            "entropy": sums["entropy"] / tokens, "ratio_max": ratio_max, "grad_norm": sums["grad_norm"] / n,
+            "logprob_gap": sums["gap"] / max(gap_tokens, 1.0), "optimizer_steps": n_opt}

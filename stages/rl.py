@@ -1,0 +1,229 @@
+"""rl: online GRPO-family training: per step, rollout -> reward -> update, in one process, resumable.
+
+Inputs: ``paths.curated_dir/train.parquet``; ``paths.reward_dir/pass_rates.parquet`` (the SFT policy's
+pass rates, from the rollout and reward stages); the starting policy ``paths.sft_model``.
+Outputs: ``paths.rl_model`` (HF checkpoint); ``paths.rl_dir``: ``selected_prompts.parquet`` (prompts in the
+``rl.select`` pass-rate band), ``shards/step_NNNNN.parquet`` (every step's rollouts, sampler log-probs,
+rewards, advantages and whether each sample entered the update, so any update can be replayed from disk),
+``checkpoints/step_N`` for ``rl.save_steps``; ``paths.rl_report_dir/train_log.csv`` (per-step metrics for
+``dvc plots``); ``metrics/rl.json``.
+
+Each step samples ``prompts_per_step`` prompts x ``group_size`` completions with the same ``sample_rows``
+as the rollout stage, scores them with the same ``score_rows`` as the reward stage, applies DAPO dynamic
+sampling (``rl.dynamic_sampling``), computes advantages (``rl.advantage``) and runs ``policy_update``.
+Every ``checkpoint_every`` steps a resumable checkpoint (model, optimizer, RNG, step, prompt cursor, log)
+goes to ``paths.rl_checkpoints`` together with the shards so far (not DVC outs, so a re-run after a crash
+finds them and continues without repeating or skipping a step).
+
+Run: ``dvc repro rl`` or ``python -m stages.rl [--params params.yaml]``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from posttrain import grpo, modeling, training
+from posttrain.config import Params
+from posttrain.errors import StageError
+from posttrain.rewards import is_correct, score_rows
+from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids, sample_rows
+from posttrain.runner import stage_main
+from posttrain.schema import (
+    PROBLEM_SCHEMA,
+    SHARD_SCHEMA,
+    atomic_path,
+    read_parquet,
+    read_problems,
+    write_json,
+    write_parquet,
+    write_text,
+)
+
+log = logging.getLogger("rl")
+LOG_FIELDS = ["step", "reward_mean", "pass_rate", "zero_var_frac", "groups_used", "refill_rounds", "loss",
+              "clipfrac", "kl", "entropy", "ratio_max", "grad_norm", "logprob_gap", "response_len",
+              "samples_per_s", "gen_s", "reward_s", "update_s"]
+
+
+def select_prompts(problems: list[dict[str, Any]], rates: list[dict[str, Any]], lo: float, hi: float
+                   ) -> list[dict[str, Any]]:
+    """Problems whose pass rate (under the SFT policy) lies in [lo, hi]; unmeasured ones are dropped."""
+    ok = {r["prompt_id"] for r in rates if r["pass_rate"] is not None and lo <= r["pass_rate"] <= hi}
+    return [p for p in problems if p["id"] in ok]
+
+
+def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
+    """Train. ``inputs``: train, pass_rates, policy. ``out``: model, rl_dir, checkpoints, report_dir, metrics."""
+    cfg, g, b = params.rl, params.rl.group_size, params.rl.prompts_per_step
+    rt = params.runtime
+    device = modeling.resolve_device(rt.device)
+    prompts = select_prompts(read_problems(inputs["train"]), read_parquet(inputs["pass_rates"]),
+                             cfg.select.min_pass_rate, cfg.select.max_pass_rate)
+    if not prompts:
+        raise StageError(f"no prompt has an SFT pass rate in [{cfg.select.min_pass_rate}, "
+                         f"{cfg.select.max_pass_rate}] (rl.select); see the reward audit")
+    log.info("%d prompts selected by pass rate", len(prompts))
+
+    model = modeling.load_model(str(inputs["policy"]), params.model.dtype, device)
+    tok = modeling.load_tokenizer(str(inputs["policy"]))
+    ref = modeling.load_model(str(inputs["policy"]), params.model.dtype, device) if cfg.kl_coef > 0 else None
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+    backend = BACKENDS[params.rollout.backend](model, tok, cfg.generate_batch_size)
+    policy0 = modeling.checkpoint_digest(inputs["policy"])
+    prompt_ids = dict(zip([p["id"] for p in prompts], chat_prompt_ids(tok, [p["prompt"] for p in prompts]),
+                          strict=True))
+
+    ckpt_dir, shard_tmp = out["checkpoints"], out["checkpoints"] / "shards"
+    fp = training.fingerprint(cfg, params.reward, params.rollout.backend, params.seed, policy0,
+                              sorted(prompt_ids))
+    cursor = grpo.PromptCursor(len(prompts), params.seed)
+    start, log_rows = 0, []
+    state = training.load_resumable(ckpt_dir, fp)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        training.set_rng_state(state["rng"])
+        start, log_rows, cursor.pos = state["step"], state["log"], state["cursor"]
+        for stale in shard_tmp.glob("step_*.parquet"):  # shards of steps after the checkpoint are redone
+            if int(stale.stem.split("_")[1]) > start:
+                stale.unlink()
+        log.info("resuming from %s step %d", ckpt_dir, start)
+
+    sp = cfg.sampling
+    t_run = time.time()
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="rl", disable=not rt.progress)
+    for step in bar:
+        t0 = time.time()
+        torch.set_num_threads(rt.generate_threads)
+        model.eval()
+        groups: list[list[dict[str, Any]]] = []  # groups that enter the update
+        sampled: list[list[dict[str, Any]]] = []  # every group sampled this step (all go to the shard)
+        gen_s = reward_s = 0.0
+        zero_frac, rounds = 0.0, 0
+        while True:  # dynamic sampling: refill rounds until the batch is full (or out of rounds)
+            batch = [prompts[i] for i in cursor.take(b - len(groups))]
+            seed = params.seed * 1_000_003 + step * 1009 + rounds * 17
+            rows, secs = sample_rows(backend, tok, batch, g, SamplingParams(sp.temperature, sp.top_p,
+                                     sp.max_new_tokens, seed), policy=f"{policy0}@step{step}",
+                                     chunk_prompts=max(1, cfg.generate_batch_size // g))
+            gen_s += secs
+            t1 = time.time()
+            rows = score_rows(rows, params.reward.rewards)
+            reward_s += time.time() - t1
+            zv = grpo.zero_variance(*grpo.reward_matrix(rows, g)).tolist()
+            if rounds == 0:
+                zero_frac = sum(zv) / len(zv)
+            for i, z in enumerate(zv):
+                sampled.append(rows[i * g : (i + 1) * g])
+                if cfg.dynamic_sampling == "off" or not z:
+                    groups.append(sampled[-1])
+            if cfg.dynamic_sampling != "refill" or len(groups) >= b or rounds >= cfg.max_refill_rounds:
+                break
+            rounds += 1
+        groups = groups[:b]
+        used = [row for grp in groups for row in grp]
+
+        torch.set_num_threads(rt.train_threads)
+        model.train()
+        t2 = time.time()
+        metrics: dict[str, float] = {}
+        advs: dict[tuple[str, int], float] = {}
+        if used:
+            adv = grpo.group_advantages(used, g, cfg.advantage)
+            seqs = []
+            for row, a in zip(used, adv, strict=True):
+                advs[(row["prompt_id"], row["sample"])] = a
+                if row["reward"] is not None:  # unscorable samples never enter the loss
+                    seqs.append(grpo.Seq(prompt_ids[row["prompt_id"]], list(row["token_ids"]),
+                                         list(row["logprobs"]), a))
+            if seqs:
+                metrics = grpo.policy_update(model, opt, seqs, cfg, tok.pad_token_id, ref, seed=seed)
+        update_s = time.time() - t2
+
+        all_rows = [row for grp in sampled for row in grp]
+        used_ids = {(row["prompt_id"], row["sample"]) for row in used if row["reward"] is not None}
+        write_parquet(shard_tmp / f"step_{step + 1:05d}.parquet", [
+            {**row, "step": step + 1, "advantage": advs.get((row["prompt_id"], row["sample"])),
+             "used": (row["prompt_id"], row["sample"]) in used_ids} for row in all_rows], SHARD_SCHEMA)
+        first_rows = all_rows[: b * g]  # the first round: the step's on-policy sample of the prompt set
+        scorable = [row for row in first_rows if row["reward"] is not None]
+        correct = [is_correct(row["rewards"]) for row in scorable]
+        step_s = time.time() - t0
+        log_rows.append({
+            "step": step + 1,
+            "reward_mean": round(float(np.mean([row["reward"] for row in scorable])), 4) if scorable else None,
+            "pass_rate": round(float(np.mean([bool(c) for c in correct])), 4) if correct else None,
+            "zero_var_frac": round(zero_frac, 4), "groups_used": len(groups), "refill_rounds": rounds,
+            **{k: float(f"{metrics.get(k, 0.0):.4g}") for k in ("loss", "clipfrac", "kl", "entropy", "ratio_max",
+                                                                 "grad_norm", "logprob_gap")},
+            "response_len": round(float(np.mean([len(row["token_ids"]) for row in first_rows])), 2),
+            "samples_per_s": round(len(all_rows) / step_s, 1), "gen_s": round(gen_s, 3),
+            "reward_s": round(reward_s, 3), "update_s": round(update_s, 3)})
+        bar.set_postfix(reward=log_rows[-1]["reward_mean"], zero_var=zero_frac)
+        done = step + 1
+        if done in cfg.save_steps:
+            with atomic_path(ckpt_dir / "saved" / f"step_{done}") as tmp:
+                modeling.save_checkpoint(model, tok, tmp)
+        if done % cfg.checkpoint_every == 0 and done < cfg.steps:
+            training.save_resumable(ckpt_dir, done, {
+                "fingerprint": fp, "step": done, "cursor": cursor.pos, "model": model.state_dict(),
+                "optimizer": opt.state_dict(), "rng": training.rng_state(), "log": log_rows})
+    elapsed = time.time() - t_run
+
+    model.eval()
+    with atomic_path(out["model"]) as tmp:
+        modeling.save_checkpoint(model, tok, tmp)
+    with atomic_path(out["rl_dir"]) as tmp:
+        tmp.mkdir()
+        write_parquet(tmp / "selected_prompts.parquet", prompts, PROBLEM_SCHEMA)
+        shutil.copytree(shard_tmp, tmp / "shards")
+        if (ckpt_dir / "saved").is_dir():
+            shutil.copytree(ckpt_dir / "saved", tmp / "checkpoints")
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=LOG_FIELDS)
+    w.writeheader()
+    w.writerows(log_rows)
+    write_text(out["report_dir"] / "train_log.csv", buf.getvalue())
+    last = [r for r in log_rows[-5:] if r["reward_mean"] is not None]
+    result = {
+        "steps": cfg.steps, "resumed_from_step": start, "shards": len(list(shard_tmp.glob("step_*.parquet"))),
+        "selected_prompts": len(prompts), "seconds": round(elapsed, 1),
+        "first_reward": log_rows[0]["reward_mean"], "final_reward": round(float(np.mean(
+            [r["reward_mean"] for r in last])), 4) if last else None,
+        "samples_per_s": round(float(np.median([r["samples_per_s"] for r in log_rows])), 1),
+        "zero_var_frac_mean": round(float(np.mean([r["zero_var_frac"] for r in log_rows])), 4),
+        "gen_s": round(sum(r["gen_s"] for r in log_rows), 1),
+        "update_s": round(sum(r["update_s"] for r in log_rows), 1),
+    }
+    write_json(out["metrics"], result)
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    log.info("reward %.3f -> %.3f in %d steps (%.1fs)", result["first_reward"] or 0, result["final_reward"] or 0,
+             cfg.steps, elapsed)
+    return result
+
+
+def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
+    """This stage's inputs and outputs, from ``params.paths`` (used by ``main`` and by tests)."""
+    P = p.paths
+    return ({"train": Path(P.curated_dir) / "train.parquet", "pass_rates": Path(P.reward_dir) / "pass_rates.parquet",
+             "policy": Path(P.sft_model)},
+            {"model": Path(P.rl_model), "rl_dir": Path(P.rl_dir), "checkpoints": Path(P.rl_checkpoints),
+             "report_dir": Path(P.rl_report_dir), "metrics": Path(P.metrics_dir) / "rl.json"})
+
+
+def main() -> None:
+    stage_main("rl", lambda p: run(p, *paths(p)))
+
+
+if __name__ == "__main__":
+    main()
