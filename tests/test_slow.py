@@ -42,16 +42,8 @@ def test_sft_sigkill_then_rerun_resumes_to_the_same_result(tmp_path):
         runs[name] = params
     assert _stage("sft", runs["straight"]).wait() == 0
 
-    ckpt = tmp_path / "killed" / "checkpoints" / "sft"
     proc = _stage("sft", runs["killed"])
-    deadline = time.time() + 120
-    while not list(ckpt.glob("step_*.pt")) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    time.sleep(0.3)  # a little past the first checkpoint
-    assert proc.poll() is None, "sft finished before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = max(int(p.stem.split("_")[1]) for p in ckpt.glob("step_*.pt"))
+    killed_at = _wait_for_checkpoint_then_kill(proc, tmp_path / "killed" / "checkpoints" / "sft")
     assert not (tmp_path / "killed" / "models" / "sft").exists()
     assert _stage("sft", runs["killed"]).wait() == 0
 
@@ -64,6 +56,54 @@ def test_sft_sigkill_then_rerun_resumes_to_the_same_result(tmp_path):
         torch.testing.assert_close(w["killed"][k], w["straight"][k], rtol=1e-5, atol=1e-6)
     logs = {n: (tmp_path / n / "reports" / "sft" / "train_log.csv").read_text().splitlines() for n in runs}
     assert len(logs["killed"]) == len(logs["straight"])  # the log carries over the pre-crash rows
+
+
+def _wait_for_checkpoint_then_kill(proc: subprocess.Popen, ckpt: Path) -> int:
+    deadline = time.time() + 120
+    while not list(ckpt.glob("step_*.pt")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    time.sleep(0.3)  # a little past the first checkpoint
+    assert proc.poll() is None, "the stage finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return max(int(p.stem.split("_")[1]) for p in ckpt.glob("step_*.pt"))
+
+
+def test_rl_sigkill_then_rerun_resumes_without_repeating_or_skipping_steps(tmp_path):
+    runs = {}
+    for name in ("straight", "killed"):
+        root = tmp_path / name
+        root.mkdir()
+        raw = tiny_raw(root)
+        raw["rl"].update({"steps": 30, "checkpoint_every": 5})
+        (root / "params.yaml").write_text(yaml.safe_dump(raw))
+        runs[name] = root / "params.yaml"
+    for stage in ("curate", "sft", "rollout", "reward"):
+        for params in runs.values():
+            assert _stage(stage, params).wait() == 0
+    assert _stage("rl", runs["straight"]).wait() == 0
+
+    proc = _stage("rl", runs["killed"])
+    killed_at = _wait_for_checkpoint_then_kill(proc, tmp_path / "killed" / "checkpoints" / "rl")
+    assert killed_at > 0 and not (tmp_path / "killed" / "models" / "rl").exists()
+    assert _stage("rl", runs["killed"]).wait() == 0
+
+    m = {n: json.loads((tmp_path / n / "metrics" / "rl.json").read_text()) for n in runs}
+    assert m["killed"]["resumed_from_step"] >= killed_at
+    assert m["killed"]["shards"] == m["straight"]["shards"] == 30
+    assert m["killed"]["final_reward"] == m["straight"]["final_reward"]
+    logs = {n: (tmp_path / n / "reports" / "rl" / "train_log.csv").read_text().splitlines() for n in runs}
+    assert [line.split(",")[0] for line in logs["killed"]] == [line.split(",")[0] for line in logs["straight"]]
+    for step in (1, killed_at + 1, 30):  # the same rollouts before, right after, and long after the crash
+        shard = {n: pq_rows(tmp_path / n / "data" / "rl" / "shards" / f"step_{step:05d}.parquet") for n in runs}
+        assert shard["killed"] == shard["straight"]
+
+
+def pq_rows(path: Path) -> list[tuple]:
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(path, columns=["prompt_id", "sample", "completion", "reward", "used"])
+    return list(zip(*[t.column(c).to_pylist() for c in t.column_names], strict=True))
 
 
 def _copy_repo(dst: Path) -> None:
@@ -91,10 +131,11 @@ def test_dvc_repro_end_to_end(tmp_path):
     (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
 
     out = _dvc(repo, "repro")
-    for stage in ("curate", "sft", "evaluate"):
+    for stage in ("curate", "sft", "rollout", "reward", "rl", "evaluate"):
         assert f"Running stage '{stage}'" in out
     res = json.loads((repo / "metrics" / "evaluate.json").read_text())
-    assert set(res["eval"]) == {"base", "sft"}
+    assert set(res["eval"]) == {"base", "sft", "rl"}
+    assert json.loads((repo / "metrics" / "rl.json").read_text())["shards"] == raw["rl"]["steps"]
     assert (repo / "dvc.lock").exists()
 
     assert "Data and pipelines are up to date" in _dvc(repo, "repro")  # a second repro is a no-op
@@ -103,6 +144,6 @@ def test_dvc_repro_end_to_end(tmp_path):
     (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     out = _dvc(repo, "repro")
     assert "Running stage 'evaluate'" in out
-    assert "Running stage 'sft'" not in out and "Running stage 'curate'" not in out
+    assert all(f"Running stage '{s}'" not in out for s in ("curate", "sft", "rollout", "reward", "rl"))
     metrics = _dvc(repo, "metrics", "show")
     assert "evaluate.json" in metrics and "curate.json" in metrics
