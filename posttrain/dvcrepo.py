@@ -1,28 +1,30 @@
 """Helpers around a DVC repository that DVC itself does not offer.
 
 ``clear_stale_locks``: a ``dvc repro`` killed with SIGKILL (OOM killer, a pre-empted worker) leaves its
-entries in ``.dvc/tmp/rwlock``, and every later ``dvc repro`` refuses to start ("is busy, it is being
-blocked by ...") until someone deletes the file by hand. This removes only the entries whose process is
-gone, so a lock held by a live ``dvc`` is never broken.
+entries in ``.dvc/tmp/rwlock``. DVC drops an entry by itself once the process is gone, but while the killed
+process is a zombie (its parent has not reaped it yet; measured here: about a second after SIGKILL, and for
+as long as a supervising process never waits on it) DVC counts it as alive and refuses to run ("is busy,
+it is being blocked by ..."). This removes the entries of processes that are gone or zombies, so a lock
+held by a live ``dvc`` is never broken.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+import psutil
 
 from posttrain.schema import atomic_path
 
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.AccessDenied:
         return True
-    return True
 
 
 def clear_stale_locks(repo: str | Path = ".") -> list[str]:

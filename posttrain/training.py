@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 import shutil
 from pathlib import Path
@@ -21,6 +22,7 @@ from transformers import PreTrainedTokenizerBase, get_cosine_schedule_with_warmu
 from posttrain.schema import atomic_path
 
 IGNORE = -100
+log = logging.getLogger("posttrain.training")
 
 
 def file_digest(path: str | Path) -> str:
@@ -115,6 +117,8 @@ def load_resumable(ckpt_dir: Path, fp: str) -> dict[str, Any] | None:
         state = torch.load(path, weights_only=False)
         if state.get("fingerprint") == fp:
             return state
+        log.warning("discarding checkpoints in %s: they belong to another configuration (fingerprint %s, this "
+                    "run %s)", ckpt_dir, state.get("fingerprint"), fp)
         shutil.rmtree(ckpt_dir)  # a different run's checkpoints: never resume from them
         return None
     return None

@@ -85,6 +85,7 @@ def test_all_paths_come_from_params():
         for e in entries:
             assert not any(e == v or e.startswith(v + "/") for v in literal), \
                 f"stage {name}: {e} written in dvc.yaml instead of ${{paths.*}}"
+    deps = [d for d in DVC["evaluate"]["deps"] if d.startswith("${paths.")]
+    dep_paths = [params["paths"][d[len("${paths."):].split("}")[0]] for d in deps]
     for model_path in params["evaluate"]["models"].values():  # evaluated checkpoints are evaluate deps
-        key = next(k for k, v in params["paths"].items() if v == model_path)
-        assert f"${{paths.{key}}}" in DVC["evaluate"]["deps"]
+        assert any(model_path == d or model_path.startswith(d + "/") for d in dep_paths), model_path
