@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from posttrain import grpo, modeling, training
+from posttrain import grpo, modeling, plots, training
 from posttrain.config import Params
 from posttrain.errors import StageError
 from posttrain.rewards import is_correct, score_rows
@@ -194,6 +194,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     w.writeheader()
     w.writerows(log_rows)
     write_text(out["report_dir"] / "train_log.csv", buf.getvalue())
+    plots.training_curves(log_rows, "step", ["reward_mean", "zero_var_frac", "response_len", "entropy"],
+                          f"rl ({cfg.advantage}, lr {cfg.lr})", out["report_dir"] / "curves.png")
     last = [r for r in log_rows[-5:] if r["reward_mean"] is not None]
     result = {
         "steps": cfg.steps, "resumed_from_step": start, "shards": len(list(shard_tmp.glob("step_*.parquet"))),

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from posttrain import modeling, training
+from posttrain import modeling, plots, training
 from posttrain.config import Params
 from posttrain.runner import stage_main
 from posttrain.schema import atomic_path, read_problems, write_json, write_text
@@ -130,6 +130,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     w.writeheader()
     w.writerows(log_rows)
     write_text(out["report_dir"] / "train_log.csv", buf.getvalue())
+    plots.training_curves(log_rows, "step", ["loss", "lr", "grad_norm"], "sft", out["report_dir"] / "curves.png")
     metrics = {
         "final_loss": log_rows[-1]["loss"] if log_rows else loss,
         "steps": total, "resumed_from_step": start, "params": modeling.num_params(model),
