@@ -15,6 +15,7 @@ Everything a step needs besides rollout (``posttrain.rollout.sample_rows``) and 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,8 @@ import torch
 
 from posttrain import algos
 from posttrain.config import Rl
+from posttrain.rewards import score_rows
+from posttrain.rollout import RolloutBackend, SamplingParams, sample_rows
 
 
 @dataclass
@@ -44,6 +47,53 @@ class PromptCursor:
             out.append(int(self._perms[epoch][i]))
             self.pos += 1
         return out
+
+
+@dataclass
+class StepBatch:
+    """What one step collected: the groups that enter the update, every group sampled (for the shard)."""
+
+    groups: list[list[dict[str, Any]]]
+    sampled: list[list[dict[str, Any]]]
+    zero_var_frac: float  # share of zero-variance groups in the first round
+    rounds: int  # refill rounds beyond the first
+    gen_s: float
+    reward_s: float
+
+
+def collect_step(backend: RolloutBackend, tokenizer: Any, prompts: Sequence[dict[str, Any]], cursor: PromptCursor,
+                 cfg: Rl, reward_specs: Sequence[Any], seed: int, policy: str) -> StepBatch:
+    """Rollout -> reward for one step, with DAPO dynamic sampling (``cfg.dynamic_sampling``).
+
+    ``off`` keeps every group; ``skip`` drops zero-variance groups (no signal under a group baseline);
+    ``refill`` samples further prompts until ``prompts_per_step`` groups with signal are found or
+    ``max_refill_rounds`` extra rounds are spent. Round ``k`` is seeded ``seed + 17 * k``.
+    """
+    g, b, sp = cfg.group_size, cfg.prompts_per_step, cfg.sampling
+    groups: list[list[dict[str, Any]]] = []
+    sampled: list[list[dict[str, Any]]] = []
+    gen_s = reward_s = zero_frac = 0.0
+    rounds = 0
+    while True:
+        batch = [prompts[i] for i in cursor.take(b - len(groups))]
+        rows, secs = sample_rows(backend, tokenizer, batch, g,
+                                 SamplingParams(sp.temperature, sp.top_p, sp.max_new_tokens, seed + 17 * rounds),
+                                 policy=policy, chunk_prompts=max(1, cfg.generate_batch_size // g))
+        gen_s += secs
+        t = time.time()
+        rows = score_rows(rows, reward_specs)
+        reward_s += time.time() - t
+        zv = zero_variance(*reward_matrix(rows, g)).tolist()
+        if rounds == 0:
+            zero_frac = sum(zv) / len(zv)
+        for i, z in enumerate(zv):
+            sampled.append(rows[i * g : (i + 1) * g])
+            if cfg.dynamic_sampling == "off" or not z:
+                groups.append(sampled[-1])
+        if cfg.dynamic_sampling != "refill" or len(groups) >= b or rounds >= cfg.max_refill_rounds:
+            break
+        rounds += 1
+    return StepBatch(groups[:b], sampled, zero_frac, rounds, gen_s, reward_s)
 
 
 def reward_matrix(rows: Sequence[dict[str, Any]], g: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,8 +35,8 @@ from tqdm import tqdm
 from posttrain import grpo, modeling, plots, training
 from posttrain.config import Params
 from posttrain.errors import StageError
-from posttrain.rewards import is_correct, score_rows
-from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids, sample_rows
+from posttrain.rewards import is_correct
+from posttrain.rollout import BACKENDS, chat_prompt_ids
 from posttrain.runner import stage_main
 from posttrain.schema import (
     PROBLEM_SCHEMA,
@@ -99,39 +99,16 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                 stale.unlink()
         log.info("resuming from %s step %d", ckpt_dir, start)
 
-    sp = cfg.sampling
     t_run = time.time()
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="rl", disable=not rt.progress)
     for step in bar:
         t0 = time.time()
         torch.set_num_threads(rt.generate_threads)
         model.eval()
-        groups: list[list[dict[str, Any]]] = []  # groups that enter the update
-        sampled: list[list[dict[str, Any]]] = []  # every group sampled this step (all go to the shard)
-        gen_s = reward_s = 0.0
-        zero_frac, rounds = 0.0, 0
-        while True:  # dynamic sampling: refill rounds until the batch is full (or out of rounds)
-            batch = [prompts[i] for i in cursor.take(b - len(groups))]
-            seed = params.seed * 1_000_003 + step * 1009 + rounds * 17
-            rows, secs = sample_rows(backend, tok, batch, g, SamplingParams(sp.temperature, sp.top_p,
-                                     sp.max_new_tokens, seed), policy=f"{policy0}@step{step}",
-                                     chunk_prompts=max(1, cfg.generate_batch_size // g))
-            gen_s += secs
-            t1 = time.time()
-            rows = score_rows(rows, params.reward.rewards)
-            reward_s += time.time() - t1
-            zv = grpo.zero_variance(*grpo.reward_matrix(rows, g)).tolist()
-            if rounds == 0:
-                zero_frac = sum(zv) / len(zv)
-            for i, z in enumerate(zv):
-                sampled.append(rows[i * g : (i + 1) * g])
-                if cfg.dynamic_sampling == "off" or not z:
-                    groups.append(sampled[-1])
-            if cfg.dynamic_sampling != "refill" or len(groups) >= b or rounds >= cfg.max_refill_rounds:
-                break
-            rounds += 1
-        groups = groups[:b]
-        used = [row for grp in groups for row in grp]
+        seed = params.seed * 1_000_003 + step * 1009
+        sb = grpo.collect_step(backend, tok, prompts, cursor, cfg, params.reward.rewards, seed,
+                               policy=f"{policy0}@step{step}")
+        used = [row for grp in sb.groups for row in grp]
 
         torch.set_num_threads(rt.train_threads)
         model.train()
@@ -150,7 +127,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                 metrics = grpo.policy_update(model, opt, seqs, cfg, tok.pad_token_id, ref, seed=seed)
         update_s = time.time() - t2
 
-        all_rows = [row for grp in sampled for row in grp]
+        all_rows = [row for grp in sb.sampled for row in grp]
         used_ids = {(row["prompt_id"], row["sample"]) for row in used if row["reward"] is not None}
         write_parquet(shard_tmp / f"step_{step + 1:05d}.parquet", [
             {**row, "step": step + 1, "advantage": advs.get((row["prompt_id"], row["sample"])),
@@ -163,13 +140,13 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
             "step": step + 1,
             "reward_mean": round(float(np.mean([row["reward"] for row in scorable])), 4) if scorable else None,
             "pass_rate": round(float(np.mean([bool(c) for c in correct])), 4) if correct else None,
-            "zero_var_frac": round(zero_frac, 4), "groups_used": len(groups), "refill_rounds": rounds,
+            "zero_var_frac": round(sb.zero_var_frac, 4), "groups_used": len(sb.groups), "refill_rounds": sb.rounds,
             **{k: float(f"{metrics.get(k, 0.0):.4g}") for k in ("loss", "clipfrac", "kl", "entropy", "ratio_max",
                                                                  "grad_norm", "logprob_gap")},
             "response_len": round(float(np.mean([len(row["token_ids"]) for row in first_rows])), 2),
-            "samples_per_s": round(len(all_rows) / step_s, 1), "gen_s": round(gen_s, 3),
-            "reward_s": round(reward_s, 3), "update_s": round(update_s, 3)})
-        bar.set_postfix(reward=log_rows[-1]["reward_mean"], zero_var=zero_frac)
+            "samples_per_s": round(len(all_rows) / step_s, 1), "gen_s": round(sb.gen_s, 3),
+            "reward_s": round(sb.reward_s, 3), "update_s": round(update_s, 3)})
+        bar.set_postfix(reward=log_rows[-1]["reward_mean"], zero_var=sb.zero_var_frac)
         done = step + 1
         if done in cfg.save_steps:
             with atomic_path(ckpt_dir / "saved" / f"step_{done}") as tmp:

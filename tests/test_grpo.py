@@ -66,3 +66,25 @@ def test_kl_to_reference_is_zero_at_start_and_logged():
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     m = grpo.policy_update(model.train(), opt, seqs, cfg, tok.pad_token_id, ref_model=ref.eval())
     assert abs(m["kl"]) < 1e-6  # identical policy and reference before the step
+
+
+def test_dynamic_sampling_modes():
+    """An untrained policy never solves the task: every group has zero reward variance."""
+    from types import SimpleNamespace
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 0)
+    backend = BACKENDS["hf"](model.eval(), tok, 64)
+    prompts = [{"id": f"p{i}", "prompt": f"{10 + i}*3=", "answer": str((10 + i) * 3), "task": "arith"}
+               for i in range(20)]
+    specs = [SimpleNamespace(name="correct", weight=1.0, kwargs={})]
+    out = {}
+    for mode in ("off", "skip", "refill"):
+        cfg = Rl(prompts_per_step=3, group_size=2, dynamic_sampling=mode, max_refill_rounds=2,
+                 sampling={"max_new_tokens": 4})
+        cursor = grpo.PromptCursor(len(prompts), seed=0)
+        out[mode] = (grpo.collect_step(backend, tok, prompts, cursor, cfg, specs, seed=0, policy="p"), cursor.pos)
+    assert [len(out[m][0].groups) for m in ("off", "skip", "refill")] == [3, 0, 0]
+    assert out["skip"][0].zero_var_frac == 1.0 and out["skip"][0].rounds == 0
+    refill, pos = out["refill"]
+    assert refill.rounds == 2 and len(refill.sampled) == 9 and pos == 9  # 3 rounds of 3 prompts, all kept on disk

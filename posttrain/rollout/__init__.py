@@ -5,8 +5,9 @@ second BOS) and returns, per prompt, ``n`` :class:`Completion` s with text, toke
 log-probs (of the distribution actually sampled from, after temperature/top-p) and a finish reason.
 
 ``BACKENDS`` maps ``rollout.backend`` names to constructors with one signature
-``(model, tokenizer, batch_size) -> RolloutBackend``. ``vllm`` is imported only when asked for: it lives
-in the GPU-worker environment (see ARCHITECTURE.md).
+``(model, tokenizer, batch_size) -> RolloutBackend``. The ``vllm`` entry is the seam for the GPU-worker
+backend: it will be imported lazily from ``posttrain.rollout.vllm`` in the GPU-worker environment (vLLM's
+pins conflict with prefect's, see ARCHITECTURE.md). It is not implemented in this release and says so.
 """
 
 from __future__ import annotations
@@ -58,11 +59,10 @@ def _hf(model: Any, tokenizer: PreTrainedTokenizerBase, batch_size: int) -> Roll
 
 
 def _vllm(model: Any, tokenizer: PreTrainedTokenizerBase, batch_size: int) -> RolloutBackend:
-    try:
-        from posttrain.rollout.vllm import VLLMBackend  # noqa: F401  (GPU worker environment only)
-    except ImportError as e:
-        raise RuntimeError("rollout backend 'vllm' needs the GPU-worker environment (pip install vllm)") from e
-    return VLLMBackend(model, tokenizer, batch_size)
+    from posttrain.errors import StageError
+
+    raise StageError("rollout backend 'vllm' is not implemented in this release (it needs a GPU worker); "
+                     "use rollout.backend: hf")
 
 
 BACKENDS: dict[str, Callable[[Any, PreTrainedTokenizerBase, int], RolloutBackend]] = {"hf": _hf, "vllm": _vllm}
