@@ -129,6 +129,8 @@ def test_evaluate_counts_unscorable_gold_out_of_denominators(tiny, tmp_path):
 
 
 def test_rollout_reward_rl_then_evaluate(tiny):
+    tiny["rl"]["save_steps"] = [2]  # an intermediate checkpoint, evaluated beside the final one
+    tiny["evaluate"]["models"]["rl_step2"] = str(Path(tiny["paths"]["rl_dir"]) / "checkpoints" / "step_2")
     p = parse_params(tiny)
     o = _outs(p)
     P = p.paths
@@ -165,7 +167,7 @@ def test_rollout_reward_rl_then_evaluate(tiny):
     AutoModelForCausalLM.from_pretrained(P.rl_model)
 
     res = evaluate.run(p, _ins(p, "evaluate"), o["evaluate"])
-    assert set(res["eval"]) == {"base", "sft", "rl"}
+    assert set(res["eval"]) == {"base", "sft", "rl", "rl_step2"}
 
 
 def test_reward_stage_fails_on_unscorable_share(tiny, tmp_path):
