@@ -131,6 +131,16 @@ def write_text(path: str | Path, text: str) -> None:
         tmp.write_text(text)
 
 
+def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], fields: Sequence[str]) -> None:
+    """A training log as CSV (``dvc plots`` reads it)."""
+    import csv
+
+    with atomic_path(path) as tmp, tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(fields))
+        w.writeheader()
+        w.writerows(rows)
+
+
 def write_jsonl(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
     with atomic_path(path) as tmp, tmp.open("w") as f:
         for r in rows:

@@ -12,14 +12,18 @@ import json
 import logging
 import random
 import shutil
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
+from tqdm import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
 from posttrain.schema import atomic_path
+from posttrain.tasks import get_task
 
 IGNORE = -100
 log = logging.getLogger("posttrain.training")
@@ -122,3 +126,87 @@ def load_resumable(ckpt_dir: Path, fp: str) -> dict[str, Any] | None:
         shutil.rmtree(ckpt_dir)  # a different run's checkpoints: never resume from them
         return None
     return None
+
+
+def step_batch(seed: int, step: int, n_examples: int, batch_size: int, cot_frac: float
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Example indices and CoT/direct choices of optimizer step ``step`` (a pure function of its args).
+
+    Examples are visited in per-epoch permutations of ``seed``; ``use_cot[i]`` is drawn with probability
+    ``cot_frac`` from a generator keyed on (seed, step).
+    """
+    start = step * batch_size
+    idx = []
+    while len(idx) < batch_size:
+        epoch, pos = divmod(start + len(idx), n_examples)
+        perm = np.random.default_rng([seed, epoch]).permutation(n_examples)
+        idx.extend(perm[pos : pos + batch_size - len(idx)].tolist())
+    use_cot = np.random.default_rng([seed, 1_000_003, step]).random(batch_size) < cot_frac
+    return np.asarray(idx), use_cot
+
+
+SFT_LOG_FIELDS = ["step", "phase", "loss", "lr", "grad_norm", "cot_frac"]
+
+
+def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Sequence[dict[str, Any]], cfg: Any,
+              seed: int, ckpt_dir: Path, fp: str, progress: bool = True, desc: str = "sft") -> dict[str, Any]:
+    """Supervised fine-tuning on demonstrations with the phases of ``cfg`` (``config.Sft``), resumable.
+
+    Loss on completion tokens only, token-mean over the whole batch (exact under gradient accumulation);
+    AdamW with warmup + cosine over all phases. Each phase shows a ``cot_frac`` share of demos with their
+    full solution and the rest with the bare answer (the mixed-format cold start). Batches are a pure
+    function of (seed, step); every ``checkpoint_every`` steps a resumable checkpoint with fingerprint
+    ``fp`` goes to ``ckpt_dir``, and a call that finds one resumes from it.
+    Returns ``{"log": rows (SFT_LOG_FIELDS), "start": resumed step, "seconds": ..., "tokens": ...}``.
+    """
+    device = next(model.parameters()).device
+    model.train()
+    # both renderings of each demo: full solution (cot) and bare answer (direct)
+    enc = {style: [encode_sft(tok, d["prompt"], get_task(d["task"]).render(d["prompt"], d["answer"],
+                                                                           d["solution"], style))
+                   for d in demos]
+           for style in ("cot", "direct")}
+    total = cfg.total_steps
+    opt, sched = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.warmup_steps, total)
+    start, log_rows = 0, []
+    state = load_resumable(ckpt_dir, fp)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        start, log_rows = state["step"], state["log"]
+        log.info("resuming %s from %s step %d", desc, ckpt_dir, start)
+
+    phase_of = [(i, p) for i, p in enumerate(cfg.phases) for _ in range(p.steps)]  # step -> (phase, spec)
+    n_micro = cfg.batch_size // cfg.micro_batch_size
+    t0, tokens = time.time(), 0
+    bar = tqdm(range(start, total), initial=start, total=total, desc=desc, disable=not progress)
+    for step in bar:
+        phase, spec = phase_of[step]
+        idx, use_cot = step_batch(seed, step, len(demos), cfg.batch_size, spec.cot_frac)
+        examples = [enc["cot" if c else "direct"][i] for i, c in zip(idx, use_cot, strict=True)]
+        n_tok = sum(sum(1 for y in ex[1] if y != IGNORE) - 1 for ex in examples)  # shifted count
+        opt.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for m in range(n_micro):
+            mb = collate(examples[m * cfg.micro_batch_size : (m + 1) * cfg.micro_batch_size], tok.pad_token_id)
+            s, _ = sum_token_nll(model, {k: v.to(device) for k, v in mb.items()})
+            (s / max(n_tok, 1)).backward()
+            loss_sum += s.item()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+        opt.step()
+        sched.step()
+        loss = loss_sum / max(n_tok, 1)
+        tokens += n_tok
+        done = step + 1
+        if done % cfg.log_every == 0 or done == total:
+            log_rows.append({"step": done, "phase": phase, "loss": round(loss, 6), "lr": sched.get_last_lr()[0],
+                             "grad_norm": round(grad_norm, 4), "cot_frac": spec.cot_frac})
+            bar.set_postfix(loss=f"{loss:.4f}", phase=phase)
+        if done % cfg.checkpoint_every == 0 and done < total:
+            save_resumable(ckpt_dir, done, {
+                "fingerprint": fp, "step": done, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(), "rng": rng_state(), "log": log_rows})
+    model.eval()
+    return {"log": log_rows, "start": start, "seconds": time.time() - t0, "tokens": tokens}

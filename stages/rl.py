@@ -20,8 +20,6 @@ Run: ``dvc repro rl`` or ``python -m stages.rl [--params params.yaml]``.
 
 from __future__ import annotations
 
-import csv
-import io
 import logging
 import shutil
 import time
@@ -44,9 +42,9 @@ from posttrain.schema import (
     atomic_path,
     read_parquet,
     read_problems,
+    write_csv,
     write_json,
     write_parquet,
-    write_text,
 )
 
 log = logging.getLogger("rl")
@@ -166,11 +164,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         shutil.copytree(shard_tmp, tmp / "shards")
         if (ckpt_dir / "saved").is_dir():
             shutil.copytree(ckpt_dir / "saved", tmp / "checkpoints")
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=LOG_FIELDS)
-    w.writeheader()
-    w.writerows(log_rows)
-    write_text(out["report_dir"] / "train_log.csv", buf.getvalue())
+    write_csv(out["report_dir"] / "train_log.csv", log_rows, LOG_FIELDS)
     plots.training_curves(log_rows, "step", ["reward_mean", "zero_var_frac", "response_len", "entropy"],
                           f"rl ({cfg.advantage}, lr {cfg.lr})", out["report_dir"] / "curves.png")
     last = [r for r in log_rows[-5:] if r["reward_mean"] is not None]
