@@ -1,6 +1,8 @@
 # The two quick-start commands: `make pipeline` and `make test`. Both set up .venv first.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# dvc.yaml runs `python -m stages.<name>`: the venv's python must come first on PATH
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 

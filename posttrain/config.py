@@ -44,6 +44,10 @@ class Paths(_Model):
     rl_dir: str = Field(description="rl stage data: per-step rollout shards, the selected prompts")
     rl_checkpoints: str = Field(description="resumable rl checkpoints + in-flight shards; NOT a DVC out")
     rl_report_dir: str = Field(description="rl training log (CSV for dvc plots)")
+    student_sft_model: str = Field(description="the student after its cold start (HF folder)")
+    student_model: str = Field(description="the distilled student (HF folder)")
+    distill_checkpoints: str = Field(description="resumable distill checkpoints; NOT a DVC out")
+    distill_report_dir: str = Field(description="distill training log (CSV + PNG)")
     eval_report_dir: str = Field(description="evaluate report: generations.parquet, report.md")
     metrics_dir: str = Field(description="one <stage>.json per stage, for `dvc metrics show`")
 
@@ -343,9 +347,50 @@ class Rl(_Model):
         return _registered("policy_loss", v)
 
 
+# -------------------------------------------------------------------------------------------- distill
+class DistillPhase(_Model):
+    """Shared knobs of the warmup (A) and on-policy (B) phases."""
+
+    steps: int = Field(0, ge=0, description="optimizer steps in this phase (0 = skip the phase)")
+    prompts_per_step: int = Field(16, ge=1, description="training prompts per step")
+    samples_per_prompt: int = Field(4, ge=1, description="completions per prompt")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate (constant)")
+
+
+class DistillWarmup(DistillPhase):
+    """Phase A: the student learns from the teacher's own samples (forward KL)."""
+
+    targets: Literal["soft", "hard"] = Field(
+        "soft", description="soft: token-level forward KL to the teacher's distributions; hard: SFT on the samples")
+    filter_correct: bool = Field(False, description="keep only teacher samples the task verifier accepts "
+                                 "(rejection sampling)")
+
+
+class DistillOnPolicy(DistillPhase):
+    """Phase B: on-policy distillation: the student samples, the teacher scores the same tokens."""
+
+    divergence: Literal["reverse_kl", "forward_kl", "jsd"] = Field(
+        "reverse_kl", description="per-token divergence (posttrain.algos.DIVERGENCES)")
+    beta: float = Field(0.5, ge=0, le=1, description="generalized JSD interpolation (0 = forward, 1 = reverse KL)")
+    student_frac: float = Field(1.0, ge=0, le=1, description="share of prompts sampled by the student; the rest "
+                                "are sampled by the teacher")
+
+
+class Distill(_Model):
+    teacher: str = Field(description="teacher checkpoint (a paths.* alias); must share the student's tokenizer")
+    student: TinyModel = Field(default_factory=lambda: TinyModel(num_layers=2),
+                               description="the student's size (built like model.tiny, same tokenizer)")
+    warmup: DistillWarmup = Field(default_factory=DistillWarmup)
+    on_policy: DistillOnPolicy = Field(default_factory=DistillOnPolicy)
+    grpo_steps: int = Field(0, ge=0, description="phase C: student GRPO after the bridge, with the rl section's "
+                            "algorithm settings (0 = off)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of phases A and B")
+    max_new_tokens: int = Field(80, ge=1)
+    micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward")
+    checkpoint_every: int = Field(10, ge=1, description="resumable checkpoint every N steps of phases A-C")
+
+
 # ------------------------------------------------------------------------------------------- evaluate
-
-
 class Evaluate(_Model):
     models: dict[str, str] = Field(
         min_length=1,
@@ -357,6 +402,10 @@ class Evaluate(_Model):
     sampling: Sampling = Field(default_factory=Sampling, description="sampled decoding (greedy is always run)")
     batch_size: int = Field(256, ge=1, description="sequences per generate() call")
     limit: int | None = Field(None, ge=1, description="evaluate at most this many prompts per split")
+    sample_prompts: int | None = Field(None, ge=1, description="sampled metrics (pass@k, maj@k) on the first N "
+                                       "prompts of each split only (greedy runs on all); None = all")
+    compare: list[tuple[str, str]] = Field(default_factory=list, description="model pairs whose pass@k curves "
+                                           "are checked for a crossing (e.g. [sft, rl])")
     benchmarks: list[BenchmarkSpec] = Field(default_factory=list, description="extra benchmark files/hub sets")
     bootstrap: int = Field(1000, ge=10, description="bootstrap resamples for 95% intervals")
 
@@ -380,6 +429,7 @@ class Params(_Model):
     rollout: Rollout
     reward: Reward
     rl: Rl
+    distill: Distill
     evaluate: Evaluate
 
     @model_validator(mode="after")

@@ -129,7 +129,7 @@ class Seq:
     ref_logp: list[float] | None = None
 
 
-def _tensors(seqs: Sequence[Seq], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+def batch_tensors(seqs: Sequence[Seq], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Right-padded ids and attention mask [B, T]; completion mask and every per-token log-prob aligned with
     next-token targets [B, T-1]; advantages [B]."""
     width = max(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
@@ -151,7 +151,7 @@ def _tensors(seqs: Sequence[Seq], pad_id: int, device: torch.device) -> dict[str
     return {k: v.to(device) for k, v in out.items()}
 
 
-def _logp_entropy(model: torch.nn.Module, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logp_entropy(model: torch.nn.Module, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-prob of the targets and entropy, both [B, T-1]."""
     logits = model(input_ids=t["ids"], attention_mask=t["attn"]).logits[:, :-1].float()  # [B, T-1, V]
     logp_all = torch.log_softmax(logits, dim=-1)
@@ -166,7 +166,7 @@ def _fill(model: torch.nn.Module, seqs: Sequence[Seq], attr: str, pad_id: int, m
     device = next(model.parameters()).device
     for start in range(0, len(seqs), micro):
         chunk = seqs[start : start + micro]
-        lp, _ = _logp_entropy(model, _tensors(chunk, pad_id, device))
+        lp, _ = token_logp_entropy(model, batch_tensors(chunk, pad_id, device))
         for j, s in enumerate(chunk):
             p = len(s.prompt_ids)
             setattr(s, attr, lp[j, p - 1 : p - 1 + len(s.completion_ids)].tolist())
@@ -198,9 +198,9 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
             n_tok = sum(len(s.completion_ids) for s in mb_seqs)
             opt.zero_grad(set_to_none=True)
             for start in range(0, len(mb_seqs), cfg.micro_batch_size):
-                t = _tensors(mb_seqs[start : start + cfg.micro_batch_size], pad_id, device)
+                t = batch_tensors(mb_seqs[start : start + cfg.micro_batch_size], pad_id, device)
                 m = t["mask"]
-                logp, ent = _logp_entropy(model, t)  # [b, T-1]
+                logp, ent = token_logp_entropy(model, t)  # [b, T-1]
                 old_logp = logp.detach() if on_policy else t["old_logp"]
                 loss_tok, clipped = loss_fn(logp, old_logp, t["adv"], loss_cfg)  # [b, T-1]
                 if ref_model is not None:

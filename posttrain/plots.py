@@ -29,3 +29,29 @@ def training_curves(rows: Sequence[dict[str, Any]], x: str, ys: Sequence[str], t
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
+
+
+def pass_at_k_curves(results: dict[str, dict[str, dict[str, Any]]], ks: Sequence[int], path: Path) -> None:
+    """pass@k against k (log scale), one line per model, one panel per split (``evaluate`` results)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.6), squeeze=False)
+    for ax, (split, by_model) in zip(axes[0], results.items(), strict=True):
+        for name, m in by_model.items():
+            pts = [(k, m[f"pass@{k}"]) for k in ks if f"pass@{k}" in m]
+            if pts:
+                ax.plot([k for k, _ in pts], [v for _, v in pts], marker="o", markersize=3, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("k")
+        ax.set_ylabel("pass@k")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(f"pass@k on {split}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)

@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from posttrain import metrics as M
-from posttrain import modeling
+from posttrain import modeling, plots
 from posttrain.config import MathTask, Params, Validation
 from posttrain.rollout import BACKENDS, Completion, SamplingParams, chat_prompt_ids
 from posttrain.runner import stage_main
@@ -39,11 +39,14 @@ log = logging.getLogger("evaluate")
 
 def score_problem(p: Problem, greedy: Completion, samples: list[Completion], ks: list[int]
                   ) -> tuple[dict[str, Any] | None, list[tuple[str | None, bool | None]]]:
-    """Per-problem metrics (None when unscorable) and (extracted, correct) of greedy + each sample."""
+    """Per-problem metrics (None when unscorable) and (extracted, correct) of greedy + each sample.
+    With no samples (outside ``sample_prompts``) only the greedy metrics are returned."""
     task = get_task(p["task"])
     verdicts = [(task.extract(c.text), task.verify(p["answer"], c.text)) for c in [greedy, *samples]]
     if verdicts[0][1] is None:
         return None, verdicts
+    if not samples:
+        return {"greedy": float(bool(verdicts[0][1])), "greedy_len": float(len(greedy.token_ids))}, verdicts
     s = verdicts[1:]
     c = sum(bool(v) for _, v in s)
     row = {"greedy": float(bool(verdicts[0][1])), "pass@1": c / len(s)}
@@ -57,22 +60,40 @@ def score_problem(p: Problem, greedy: Completion, samples: list[Completion], ks:
 
 
 def summarize(rows: list[dict[str, Any]], n_unscorable: int, n_boot: int, seed: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"n": len(rows), "unscorable": n_unscorable}
+    """Means (and 95% bootstrap intervals) of each per-problem metric over the problems that have it."""
+    out: dict[str, Any] = {"n": len(rows), "n_sampled": sum("pass@1" in r for r in rows), "unscorable": n_unscorable}
     if not rows:
         return out
-    for key in rows[0]:
-        vals = [r[key] for r in rows]
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    for key in keys:
+        vals = [r[key] for r in rows if key in r]
         out[key] = round(float(np.mean(vals)), 4)
         if key not in {"len", "greedy_len", "truncated"}:
             out[f"{key}_ci"] = [round(x, 4) for x in M.bootstrap_ci(vals, n_boot, seed)]
     return out
 
 
-def report_markdown(results: dict[str, dict[str, dict[str, Any]]], ks: list[int], sampling: Any) -> str:
-    cols = ["greedy", "pass@1"] + [f"pass@{k}" for k in ks if k != 1] + [f"maj@{ks[-1]}"]
+def crossing(a: dict[str, Any], b: dict[str, Any], ks: list[int]) -> str:
+    """Where pass@k of model b stops being above (or below) model a's, in words."""
+    diff = [(k, b[f"pass@{k}"] - a[f"pass@{k}"]) for k in ks if f"pass@{k}" in a and f"pass@{k}" in b]
+    if not diff:
+        return "no sampled metrics"
+    signs = [(k, s) for k, d in diff if (s := (d > 1e-9) - (d < -1e-9))]  # ties say nothing about the order
+    changes = [(k0, k1) for (k0, s0), (k1, s1) in zip(signs, signs[1:], strict=False) if s0 != s1]
+    if changes:
+        return "cross between " + ", ".join(f"k={k0} and k={k1}" for k0, k1 in changes)
+    s = signs[0][1] if signs else 0
+    return {1: "second above first at every k (no crossing)", -1: "second below first at every k (no crossing)",
+            0: "equal at every k"}[s]
+
+
+def report_markdown(results: dict[str, dict[str, dict[str, Any]]], ks: list[int], sampling: Any,
+                    compare: list[tuple[str, str]]) -> str:
+    shown = sorted({1, min(8, ks[-1]), ks[-1]} & set(ks))
+    cols = ["greedy"] + [f"pass@{k}" for k in shown] + [f"maj@{ks[-1]}"]
     lines = ["# Evaluation", "",
-             f"Sampled metrics at temperature {sampling.temperature}, top-p {sampling.top_p}; "
-             "95% bootstrap intervals over problems in brackets.", ""]
+             f"Sampled metrics at temperature {sampling.temperature}, top-p {sampling.top_p} (pass@1 is the mean "
+             "over samples); 95% bootstrap intervals over problems in brackets. Curves: pass_at_k.png.", ""]
     for split, by_model in results.items():
         lines += [f"## {split}", "", "| model | n | " + " | ".join(cols) + " | mean len | cut at max |",
                   "|---|---:|" + "---:|" * (len(cols) + 2)]
@@ -80,9 +101,13 @@ def report_markdown(results: dict[str, dict[str, dict[str, Any]]], ks: list[int]
             if not m.get("n"):
                 lines.append(f"| {name} | 0 | " + " | ".join("—" for _ in cols) + " | — | — |")
                 continue
-            cells = [f"{100 * m[c]:.1f} [{100 * m[c + '_ci'][0]:.1f}, {100 * m[c + '_ci'][1]:.1f}]" for c in cols]
-            lines.append(f"| {name} | {m['n']} | " + " | ".join(cells)
-                         + f" | {m['len']:.1f} | {100 * m['truncated']:.0f}% |")
+            cells = [f"{100 * m[c]:.1f} [{100 * m[c + '_ci'][0]:.1f}, {100 * m[c + '_ci'][1]:.1f}]" if c in m
+                     else "—" for c in cols]
+            tail = f" | {m['len']:.1f} | {100 * m['truncated']:.0f}% |" if "len" in m else " | — | — |"
+            lines.append(f"| {name} | {m['n']} | " + " | ".join(cells) + tail)
+        for a, b in compare:
+            if a in by_model and b in by_model:
+                lines.append(f"\npass@k, {a} vs {b}: {crossing(by_model[a], by_model[b], ks)}.")
         lines.append("")
     return "\n".join(lines)
 
@@ -112,7 +137,8 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
             t0 = time.time()
             ids = chat_prompt_ids(tok, [p["prompt"] for p in probs])
             greedy = backend.generate(ids, 1, greedy_sp)
-            samples = backend.generate(ids, cfg.num_samples, sample_sp)
+            n_s = len(ids) if cfg.sample_prompts is None else min(cfg.sample_prompts, len(ids))
+            samples = backend.generate(ids[:n_s], cfg.num_samples, sample_sp) + [[]] * (len(ids) - n_s)
             per, unscorable = [], 0
             for p, g, ss in zip(probs, greedy, samples, strict=True):
                 row, verdicts = score_problem(p, g[0], ss, cfg.ks)
@@ -133,7 +159,8 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
         del model
 
     write_parquet(out["report_dir"] / "generations.parquet", gen_rows, GENERATION_SCHEMA)
-    write_text(out["report_dir"] / "report.md", report_markdown(results, cfg.ks, cfg.sampling))
+    write_text(out["report_dir"] / "report.md", report_markdown(results, cfg.ks, cfg.sampling, cfg.compare))
+    plots.pass_at_k_curves(results, cfg.ks, out["report_dir"] / "pass_at_k.png")
     write_json(out["metrics"], results)
     return results
 

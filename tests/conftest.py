@@ -26,8 +26,7 @@ def tiny_raw(root: Path | None) -> dict[str, Any]:
     p = copy.deepcopy(repo_params())
     if root is not None:
         p["paths"] = {k: str(root / v) for k, v in p["paths"].items()}
-    p["evaluate"]["models"] = {"base": p["paths"]["base_model"], "sft": p["paths"]["sft_model"],
-                               "rl": p["paths"]["rl_model"]}
+    p["evaluate"]["models"] = {k: p["paths"][f"{k}_model"] for k in ("base", "sft", "rl", "student_sft", "student")}
     p["runtime"]["progress"] = False
     p["model"]["tiny"] = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64,
                           "max_position_embeddings": 128}
@@ -45,6 +44,12 @@ def tiny_raw(root: Path | None) -> dict[str, Any]:
     p["rl"].update({"steps": 4, "prompts_per_step": 4, "group_size": 4, "micro_batch_size": 8,
                     "checkpoint_every": 2, "select": {"min_pass_rate": 0.0, "max_pass_rate": 1.0}})
     p["rl"]["sampling"]["max_new_tokens"] = 24
+    p["distill"]["teacher"] = p["paths"]["rl_model"]
+    p["distill"]["student"] = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 32,
+                               "max_position_embeddings": 128}
+    for phase in ("warmup", "on_policy"):
+        p["distill"][phase].update({"steps": 2, "prompts_per_step": 4, "samples_per_prompt": 2})
+    p["distill"].update({"grpo_steps": 2, "max_new_tokens": 24, "micro_batch_size": 8, "checkpoint_every": 2})
     p["evaluate"].update({"num_samples": 4, "ks": [1, 2, 4], "batch_size": 64, "bootstrap": 50})
     p["evaluate"]["sampling"]["max_new_tokens"] = 24
     return p

@@ -23,7 +23,7 @@ def test_repo_params_validate():
     (lambda p: p.update(curate={**p["curate"], "sources": [{"kind": "file", "name": "x", "path": "nope.jsonl",
                                                             "format": "gsm8k"}]}),
      "curate.sources[0].path: Value error, file not found: nope.jsonl"),
-    (lambda p: p["evaluate"].update(ks=[1, 16]), "evaluate: Value error, every k must be in [1, num_samples=8]"),
+    (lambda p: p["evaluate"].update(ks=[1, 128]), "evaluate: Value error, every k must be in [1, num_samples=64]"),
     (lambda p: p.pop("sft"), "sft: Field required"),
     (lambda p: p["task"].update(kind="chess"), "task: Input tag 'chess'"),
 ])

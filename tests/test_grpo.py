@@ -35,8 +35,8 @@ def _setup(**rl_overrides):
 
 @torch.no_grad()
 def _seq_logp(model, s):
-    t = grpo._tensors([s], 0, torch.device("cpu"))
-    lp, _ = grpo._logp_entropy(model, t)
+    t = grpo.batch_tensors([s], 0, torch.device("cpu"))
+    lp, _ = grpo.token_logp_entropy(model, t)
     return float((lp * t["mask"]).sum())
 
 

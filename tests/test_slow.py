@@ -16,7 +16,9 @@ from conftest import REPO, tiny_raw
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# dvc.yaml runs `python -m stages.<name>`: the interpreter running the tests must be the `python` on PATH
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
 
 
 def _sft_params(root: Path) -> Path:

@@ -9,9 +9,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from posttrain.config import parse_params
 from posttrain.errors import StageError
 from posttrain.schema import read_parquet, read_problems
-from stages import curate, evaluate, reward, rl, rollout, sft
+from stages import curate, distill, evaluate, reward, rl, rollout, sft
 
-STAGES = {"curate": curate, "sft": sft, "rollout": rollout, "reward": reward, "rl": rl, "evaluate": evaluate}
+STAGES = {"curate": curate, "sft": sft, "rollout": rollout, "reward": reward, "rl": rl, "distill": distill,
+          "evaluate": evaluate}
 
 
 def _outs(p):
@@ -102,7 +103,8 @@ def test_sft_then_evaluate(tiny):
         assert AutoTokenizer.from_pretrained(path).chat_template
 
     res = evaluate.run(p, {**_ins(p, "evaluate"),
-                           "models": {k: v for k, v in p.evaluate.models.items() if k != "rl"}}, o["evaluate"])
+                           "models": {k: v for k, v in p.evaluate.models.items() if k in ("base", "sft")}},
+                       o["evaluate"])
     for name in ("base", "sft"):
         r = res["eval"][name]
         assert r["n"] == 12 and 0 <= r["greedy"] <= 1
@@ -166,8 +168,18 @@ def test_rollout_reward_rl_then_evaluate(tiny):
     assert not Path(P.rl_checkpoints).exists()
     AutoModelForCausalLM.from_pretrained(P.rl_model)
 
+    m = distill.run(p, _ins(p, "distill"), o["distill"])
+    assert m["steps"] == 6 and m["phase_steps"] == {"warmup": 2, "on_policy": 2, "grpo": 2}
+    assert m["student_params"] < m["teacher_params"]
+    rows = (Path(P.distill_report_dir) / "train_log.csv").read_text().splitlines()
+    assert [r.split(",")[1] for r in rows[1:]] == ["warmup"] * 2 + ["on_policy"] * 2 + ["grpo"] * 2
+    assert (Path(P.distill_report_dir) / "curves.png").stat().st_size > 1000
+    assert not Path(P.distill_checkpoints).exists()
+    for path in (P.student_sft_model, P.student_model):
+        AutoModelForCausalLM.from_pretrained(path)
+
     res = evaluate.run(p, _ins(p, "evaluate"), o["evaluate"])
-    assert set(res["eval"]) == {"base", "sft", "rl", "rl_step2"}
+    assert set(res["eval"]) == {"base", "sft", "rl", "student_sft", "student", "rl_step2"}
 
 
 def test_reward_stage_fails_on_unscorable_share(tiny, tmp_path):
@@ -181,3 +193,11 @@ def test_reward_stage_fails_on_unscorable_share(tiny, tmp_path):
     with pytest.raises(StageError, match="unscorable share 1.000"):
         reward.run(p, {"rollouts": tmp_path / "r.parquet"}, _outs(p)["reward"])
     assert json.loads((Path(p.paths.reward_report_dir) / "audit.json").read_text())["unscorable"] == 1
+
+
+def test_pass_at_k_crossing_words():
+    ks = [1, 2, 4]
+    a = {"pass@1": 0.5, "pass@2": 0.7, "pass@4": 0.9}
+    assert evaluate.crossing(a, {"pass@1": 0.6, "pass@2": 0.7, "pass@4": 0.8}, ks) == "cross between k=1 and k=4"
+    assert evaluate.crossing(a, {"pass@1": 0.6, "pass@2": 0.8, "pass@4": 0.95}, ks).startswith("second above")
+    assert evaluate.crossing(a, a, ks) == "equal at every k"

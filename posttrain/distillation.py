@@ -1,0 +1,80 @@
+"""Teacher -> student distillation updates (the ``distill`` stage's algorithms).
+
+Both take ``grpo.Seq`` sequences (prompt ids + a sampled completion; the advantage field is unused) and
+one optimizer step over them, micro-batched with full-batch token-mean normalisation:
+
+- ``divergence_update``: per-token divergence between the student's and the teacher's next-token
+  distributions at every completion position (``algos.DIVERGENCES``: forward KL for the warmup on teacher
+  samples, reverse KL / generalized JSD for on-policy distillation on student samples). The teacher is
+  frozen (no grad).
+- ``nll_update``: plain SFT on the sequences (hard targets: the warmup's "SFT on teacher samples").
+
+Papers: Hinton et al. 2015 (KD, forward KL); Agarwal et al. 2024 (GKD: on-policy, generalized JSD);
+"Beyond GRPO and On-Policy Distillation: a sparse-to-dense reward principle" (forward-KL warmup, then
+on-policy distillation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from posttrain import algos
+from posttrain.grpo import Seq, batch_tensors, token_logp_entropy
+
+
+def _logits(model: torch.nn.Module, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(input_ids=t["ids"], attention_mask=t["attn"]).logits[:, :-1].float()  # [B, T-1, V]
+
+
+def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: torch.optim.Optimizer,
+                      seqs: Sequence[Seq], divergence: str, beta: float, pad_id: int, micro_batch_size: int,
+                      max_grad_norm: float = 1.0) -> dict[str, float]:
+    """One step on sum_t D(student_t, teacher_t) / tokens over completion positions. Returns the step's mean
+    divergence, forward and reverse KL (diagnostics), student entropy and completion length."""
+    device = next(student.parameters()).device
+    fn = algos.DIVERGENCES[divergence]
+    n_tok = sum(len(s.completion_ids) for s in seqs)
+    sums = {"loss": 0.0, "forward_kl": 0.0, "reverse_kl": 0.0, "entropy": 0.0}
+    opt.zero_grad(set_to_none=True)
+    for start in range(0, len(seqs), micro_batch_size):
+        t = batch_tensors(seqs[start : start + micro_batch_size], pad_id, device)
+        m = t["mask"]
+        with torch.no_grad():
+            t_logp = torch.log_softmax(_logits(teacher, t), -1)
+        s_logp = torch.log_softmax(_logits(student, t), -1)
+        div = fn(s_logp, t_logp, beta)  # [b, T-1]
+        loss = algos.aggregate(div, m, "token-mean", len(seqs), n_tok, 1)
+        loss.backward()
+        with torch.no_grad():
+            sums["loss"] += float(loss)
+            sums["forward_kl"] += float((algos.forward_kl(s_logp, t_logp) * m).sum())
+            sums["reverse_kl"] += float((algos.reverse_kl(s_logp, t_logp) * m).sum())
+            sums["entropy"] += float((-(s_logp.exp() * s_logp).sum(-1) * m).sum())
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(student.parameters(), max_grad_norm))
+    opt.step()
+    tok = max(n_tok, 1)
+    return {"loss": sums["loss"], "forward_kl": sums["forward_kl"] / tok, "reverse_kl": sums["reverse_kl"] / tok,
+            "entropy": sums["entropy"] / tok, "grad_norm": grad_norm, "response_len": n_tok / max(len(seqs), 1)}
+
+
+def nll_update(student: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequence[Seq], pad_id: int,
+               micro_batch_size: int, max_grad_norm: float = 1.0) -> dict[str, float]:
+    """One SFT step on the sequences' completions (token-mean NLL). Returns loss, entropy, length."""
+    device = next(student.parameters()).device
+    n_tok = sum(len(s.completion_ids) for s in seqs)
+    loss_sum, ent_sum = 0.0, 0.0
+    opt.zero_grad(set_to_none=True)
+    for start in range(0, len(seqs), micro_batch_size):
+        t = batch_tensors(seqs[start : start + micro_batch_size], pad_id, device)
+        logp, ent = token_logp_entropy(student, t)
+        loss = algos.aggregate(-logp, t["mask"], "token-mean", len(seqs), n_tok, 1)
+        loss.backward()
+        loss_sum += float(loss)
+        ent_sum += float((ent.detach() * t["mask"]).sum())
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(student.parameters(), max_grad_norm))
+    opt.step()
+    return {"loss": loss_sum, "entropy": ent_sum / max(n_tok, 1), "grad_norm": grad_norm,
+            "response_len": n_tok / max(len(seqs), 1)}
+

@@ -1,0 +1,208 @@
+"""distill: teacher -> smaller student through the sparse-to-dense bridge.
+
+Inputs: ``paths.curated_dir/{sft,train}.parquet``; the teacher ``distill.teacher`` (default: the RL model).
+Outputs: ``paths.student_sft_model`` (the student after its cold start: the SFT-only arm),
+``paths.student_model`` (the distilled student), ``paths.distill_report_dir/{train_log.csv,curves.png}``,
+``metrics/distill.json``.
+
+Steps (all resumable from ``paths.distill_checkpoints``):
+0. Build the student from ``distill.student`` (same tokenizer as the teacher) and cold-start it with the
+   same mixed-format SFT recipe as the teacher (``sft`` section, ``training.sft_train``).
+A. Warmup (``distill.warmup``): the teacher samples, the student learns from those samples: ``soft``
+   token-level forward KL to the teacher's distributions, or ``hard`` SFT; optionally only samples the
+   verifier accepts (rejection sampling).
+B. On-policy distillation (``distill.on_policy``): the student samples (``student_frac`` of the prompts;
+   the teacher the rest), the teacher scores the same tokens, loss = per-token reverse KL (or forward KL,
+   or generalized JSD with ``beta``).
+C. Optional student GRPO (``distill.grpo_steps``) with the ``rl`` section's algorithm, through the same
+   ``grpo.collect_step`` / ``grpo.policy_update`` as the rl stage.
+With warmup and on-policy steps at 0 and ``grpo_steps`` > 0 this stage is "direct GRPO on the student".
+
+Run: ``dvc repro distill`` or ``python -m stages.distill [--params params.yaml]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from posttrain import distillation, grpo, modeling, plots, training
+from posttrain.config import Params
+from posttrain.errors import StageError
+from posttrain.rewards import is_correct, score_rows
+from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids, sample_rows
+from posttrain.runner import stage_main
+from posttrain.schema import atomic_path, read_problems, write_csv, write_json
+
+log = logging.getLogger("distill")
+LOG_FIELDS = ["step", "phase", "loss", "forward_kl", "reverse_kl", "entropy", "response_len", "sample_pass_rate",
+              "reward_mean", "grad_norm", "seconds"]
+
+
+def _seqs(rows: list[dict[str, Any]], prompt_ids: dict[str, list[int]]) -> list[grpo.Seq]:
+    return [grpo.Seq(prompt_ids[r["prompt_id"]], list(r["token_ids"]), list(r["logprobs"]), 0.0) for r in rows]
+
+
+def _pass_rate(rows: list[dict[str, Any]]) -> float | None:
+    v = [is_correct(r["rewards"]) for r in rows]
+    v = [x for x in v if x is not None]
+    return float(np.mean(v)) if v else None
+
+
+def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
+    """Distill. ``inputs``: demos, train, teacher. ``out``: student_sft, student, checkpoints, report_dir, metrics."""
+    cfg, rt = params.distill, params.runtime
+    device = modeling.resolve_device(rt.device)
+    tok = modeling.load_tokenizer(str(inputs["teacher"]))
+    teacher = modeling.load_model(str(inputs["teacher"]), params.model.dtype, device)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    student = modeling.build_tiny_model(cfg.student, tok, params.seed + 1).to(device)
+    if student.config.vocab_size != teacher.config.vocab_size:
+        raise StageError(f"student vocab {student.config.vocab_size} != teacher vocab {teacher.config.vocab_size}: "
+                         "distillation needs the teacher's tokenizer")
+    log.info("teacher %d params, student %d params", modeling.num_params(teacher), modeling.num_params(student))
+
+    # 0. the student's cold start: the teacher's own SFT recipe
+    demos = read_problems(inputs["demos"])
+    torch.set_num_threads(rt.train_threads)
+    fp0 = training.fingerprint("student-sft", params.sft, cfg.student, params.seed,
+                               training.file_digest(inputs["demos"]))
+    res = training.sft_train(student, tok, demos, params.sft, params.seed, out["checkpoints"] / "sft", fp0,
+                             progress=rt.progress, desc="student sft")
+    with atomic_path(out["student_sft"]) as tmp:
+        modeling.save_checkpoint(student, tok, tmp)
+    sft_seconds = res["seconds"]
+
+    # A, B, C: one global step counter, one optimizer (lr set per phase), resumable
+    prompts = read_problems(inputs["train"])
+    prompt_ids = dict(zip([p["id"] for p in prompts], chat_prompt_ids(tok, [p["prompt"] for p in prompts]),
+                          strict=True))
+    phases = ["warmup"] * cfg.warmup.steps + ["on_policy"] * cfg.on_policy.steps + ["grpo"] * cfg.grpo_steps
+    opt = torch.optim.AdamW(student.parameters(), lr=cfg.warmup.lr, betas=(0.9, 0.99))
+    fp = training.fingerprint(cfg, params.rl, params.reward, params.seed, fp0,
+                              modeling.checkpoint_digest(inputs["teacher"]), sorted(prompt_ids))
+    cursor = grpo.PromptCursor(len(prompts), params.seed + 2)
+    start, log_rows = 0, []
+    state = training.load_resumable(out["checkpoints"], fp)
+    if state is not None:
+        student.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        training.set_rng_state(state["rng"])
+        start, log_rows, cursor.pos = state["step"], state["log"], state["cursor"]
+        log.info("resuming from %s step %d", out["checkpoints"], start)
+    s_backend = BACKENDS[params.rollout.backend](student, tok, params.rl.generate_batch_size)
+    t_backend = BACKENDS[params.rollout.backend](teacher, tok, params.rl.generate_batch_size)
+    specs = params.reward.rewards
+    t_run = time.time()
+    for step in tqdm(range(start, len(phases)), initial=start, total=len(phases), desc="distill",
+                     disable=not rt.progress):
+        phase, t0 = phases[step], time.time()
+        seed = params.seed * 1_000_003 + 7 * step + 3
+        torch.set_num_threads(rt.generate_threads)
+        student.eval()
+        row: dict[str, Any] = {"step": step + 1, "phase": phase}
+        if phase == "grpo":
+            for g in opt.param_groups:
+                g["lr"] = params.rl.lr
+            sb = grpo.collect_step(s_backend, tok, prompts, cursor, params.rl, specs, seed, policy=f"student@{step}")
+            used = [r for grp in sb.groups for r in grp if r["reward"] is not None]
+            first = [r for grp in sb.sampled[: params.rl.prompts_per_step] for r in grp]
+            torch.set_num_threads(rt.train_threads)
+            student.train()
+            m: dict[str, float] = {}
+            if used:
+                adv = grpo.group_advantages([r for grp in sb.groups for r in grp], params.rl.group_size,
+                                            params.rl.advantage)
+                seqs = [grpo.Seq(prompt_ids[r["prompt_id"]], list(r["token_ids"]), list(r["logprobs"]), a)
+                        for r, a in zip([r for grp in sb.groups for r in grp], adv, strict=True)
+                        if r["reward"] is not None]
+                m = grpo.policy_update(student, opt, seqs, params.rl, tok.pad_token_id, seed=seed)
+            scorable = [r["reward"] for r in first if r["reward"] is not None]
+            row.update({"loss": m.get("loss"), "entropy": m.get("entropy"), "grad_norm": m.get("grad_norm"),
+                        "response_len": float(np.mean([len(r["token_ids"]) for r in first])),
+                        "sample_pass_rate": _pass_rate(first),
+                        "reward_mean": float(np.mean(scorable)) if scorable else None})
+        else:
+            pc = cfg.warmup if phase == "warmup" else cfg.on_policy
+            for g in opt.param_groups:
+                g["lr"] = pc.lr
+            batch = [prompts[i] for i in cursor.take(pc.prompts_per_step)]
+            sp = SamplingParams(cfg.temperature, 1.0, cfg.max_new_tokens, seed)
+            n_student = 0 if phase == "warmup" else round(cfg.on_policy.student_frac * len(batch))
+            rows = []
+            if n_student:
+                rows += sample_rows(s_backend, tok, batch[:n_student], pc.samples_per_prompt, sp, "student")[0]
+            if n_student < len(batch):
+                rows += sample_rows(t_backend, tok, batch[n_student:], pc.samples_per_prompt, sp, "teacher")[0]
+            rows = score_rows(rows, specs)
+            if phase == "warmup" and cfg.warmup.filter_correct:
+                rows = [r for r in rows if is_correct(r["rewards"])]
+            row["sample_pass_rate"] = _pass_rate(rows)
+            torch.set_num_threads(rt.train_threads)
+            student.train()
+            if rows:
+                seqs = _seqs(rows, prompt_ids)
+                if phase == "warmup" and cfg.warmup.targets == "hard":
+                    m = distillation.nll_update(student, opt, seqs, tok.pad_token_id, cfg.micro_batch_size)
+                else:
+                    div = "forward_kl" if phase == "warmup" else cfg.on_policy.divergence
+                    m = distillation.divergence_update(student, teacher, opt, seqs, div, cfg.on_policy.beta,
+                                                       tok.pad_token_id, cfg.micro_batch_size)
+                row.update(m)
+        row["seconds"] = round(time.time() - t0, 3)
+        log_rows.append({k: (float(f"{row[k]:.5g}") if isinstance(row.get(k), float) else row.get(k))
+                         for k in LOG_FIELDS})
+        done = step + 1
+        if done % cfg.checkpoint_every == 0 and done < len(phases):
+            training.save_resumable(out["checkpoints"], done, {
+                "fingerprint": fp, "step": done, "cursor": cursor.pos, "model": student.state_dict(),
+                "optimizer": opt.state_dict(), "rng": training.rng_state(), "log": log_rows})
+    elapsed = time.time() - t_run
+
+    student.eval()
+    with atomic_path(out["student"]) as tmp:
+        modeling.save_checkpoint(student, tok, tmp)
+    write_csv(out["report_dir"] / "train_log.csv", log_rows, LOG_FIELDS)
+    if log_rows:
+        plots.training_curves(log_rows, "step", ["reverse_kl", "forward_kl", "entropy", "sample_pass_rate"],
+                              "distill (A: warmup, B: on-policy" + (", C: grpo)" if cfg.grpo_steps else ")"),
+                              out["report_dir"] / "curves.png")
+    else:
+        out["report_dir"].mkdir(parents=True, exist_ok=True)
+        plots.training_curves([{"step": 0, "loss": 0.0}], "step", ["loss"], "distill (no steps)",
+                              out["report_dir"] / "curves.png")
+    metrics = {"teacher_params": modeling.num_params(teacher), "student_params": modeling.num_params(student),
+               "student_sft_seconds": round(sft_seconds, 1), "steps": len(phases), "resumed_from_step": start,
+               "phase_steps": {"warmup": cfg.warmup.steps, "on_policy": cfg.on_policy.steps, "grpo": cfg.grpo_steps},
+               "seconds": round(elapsed, 1),
+               "student_side_seconds": round(sum(r["seconds"] for r in log_rows), 1)}
+    write_json(out["metrics"], metrics)
+    shutil.rmtree(out["checkpoints"], ignore_errors=True)
+    log.info("student %d params; %d distill steps in %.1fs", metrics["student_params"], len(phases), elapsed)
+    return metrics
+
+
+def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
+    """This stage's inputs and outputs, from ``params`` (used by ``main`` and by tests)."""
+    P = p.paths
+    return ({"demos": Path(P.curated_dir) / "sft.parquet", "train": Path(P.curated_dir) / "train.parquet",
+             "teacher": Path(p.distill.teacher)},
+            {"student_sft": Path(P.student_sft_model), "student": Path(P.student_model),
+             "checkpoints": Path(P.distill_checkpoints), "report_dir": Path(P.distill_report_dir),
+             "metrics": Path(P.metrics_dir) / "distill.json"})
+
+
+def main() -> None:
+    stage_main("distill", lambda p: run(p, *paths(p)))
+
+
+if __name__ == "__main__":
+    main()
