@@ -59,6 +59,9 @@ def _pass_rate(rows: list[dict[str, Any]]) -> float | None:
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Distill. ``inputs``: demos, train, teacher. ``out``: student_sft, student, checkpoints, report_dir, metrics."""
     cfg, rt = params.distill, params.runtime
+    if cfg.grpo_steps and params.rl.kl_coef > 0:
+        raise StageError("distill.grpo_steps > 0 with rl.kl_coef > 0: phase C has no KL reference yet; "
+                         "set rl.kl_coef: 0 or distill.grpo_steps: 0")
     device = modeling.resolve_device(rt.device)
     tok = modeling.load_tokenizer(str(inputs["teacher"]))
     teacher = modeling.load_model(str(inputs["teacher"]), params.model.dtype, device)

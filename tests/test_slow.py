@@ -133,10 +133,10 @@ def test_dvc_repro_end_to_end(tmp_path):
     (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
 
     out = _dvc(repo, "repro")
-    for stage in ("curate", "sft", "rollout", "reward", "rl", "evaluate"):
+    for stage in ("curate", "sft", "rollout", "reward", "rl", "distill", "evaluate"):
         assert f"Running stage '{stage}'" in out
     res = json.loads((repo / "metrics" / "evaluate.json").read_text())
-    assert set(res["eval"]) == {"base", "sft", "rl"}
+    assert set(res["eval"]) == {"base", "sft", "rl", "student_sft", "student"}
     assert json.loads((repo / "metrics" / "rl.json").read_text())["shards"] == raw["rl"]["steps"]
     assert (repo / "dvc.lock").exists()
 
@@ -146,6 +146,36 @@ def test_dvc_repro_end_to_end(tmp_path):
     (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     out = _dvc(repo, "repro")
     assert "Running stage 'evaluate'" in out
-    assert all(f"Running stage '{s}'" not in out for s in ("curate", "sft", "rollout", "reward", "rl"))
+    assert all(f"Running stage '{s}'" not in out for s in ("curate", "sft", "rollout", "reward", "rl", "distill"))
     metrics = _dvc(repo, "metrics", "show")
     assert "evaluate.json" in metrics and "curate.json" in metrics
+
+
+def test_distill_sigkill_then_rerun_resumes_to_the_same_student(tmp_path):
+    runs = {}
+    for name in ("straight", "killed"):
+        root = tmp_path / name
+        root.mkdir()
+        raw = tiny_raw(root)
+        raw["distill"]["on_policy"]["steps"] = 40
+        raw["distill"]["checkpoint_every"] = 5
+        (root / "params.yaml").write_text(yaml.safe_dump(raw))
+        runs[name] = root / "params.yaml"
+    for stage in ("curate", "sft", "rollout", "reward", "rl"):
+        for params in runs.values():
+            assert _stage(stage, params).wait() == 0
+    assert _stage("distill", runs["straight"]).wait() == 0
+
+    proc = _stage("distill", runs["killed"])
+    killed_at = _wait_for_checkpoint_then_kill(proc, tmp_path / "killed" / "checkpoints" / "distill")
+    assert killed_at > 0 and not (tmp_path / "killed" / "models" / "student").exists()
+    assert _stage("distill", runs["killed"]).wait() == 0
+
+    m = {n: json.loads((tmp_path / n / "metrics" / "distill.json").read_text()) for n in runs}
+    assert m["killed"]["resumed_from_step"] >= killed_at
+    logs = {n: (tmp_path / n / "reports" / "distill" / "train_log.csv").read_text().splitlines() for n in runs}
+    strip = [[",".join(line.split(",")[:-1]) for line in logs[n]] for n in runs]  # drop the seconds column
+    assert strip[0] == strip[1]
+    w = {n: load_file(tmp_path / n / "models" / "student" / "model.safetensors") for n in runs}
+    for k in w["straight"]:
+        torch.testing.assert_close(w["killed"][k], w["straight"][k], rtol=1e-5, atol=1e-6)

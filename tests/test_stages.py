@@ -201,3 +201,11 @@ def test_pass_at_k_crossing_words():
     assert evaluate.crossing(a, {"pass@1": 0.6, "pass@2": 0.7, "pass@4": 0.8}, ks) == "cross between k=1 and k=4"
     assert evaluate.crossing(a, {"pass@1": 0.6, "pass@2": 0.8, "pass@4": 0.95}, ks).startswith("second above")
     assert evaluate.crossing(a, a, ks) == "equal at every k"
+
+
+def test_distill_refuses_kl_in_phase_c_before_any_work(tiny):
+    tiny["rl"]["kl_coef"] = 0.1
+    p = parse_params(tiny)
+    with pytest.raises(StageError, match="rl.kl_coef"):
+        distill.run(p, *distill.paths(p))
+    assert not Path(p.paths.student_sft_model).exists()
