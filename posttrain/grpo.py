@@ -226,3 +226,24 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     return {"loss": sums["loss"] / n, "clipfrac": sums["clipfrac"] / tokens, "kl": sums["kl"] / tokens,
             "entropy": sums["entropy"] / tokens, "ratio_max": ratio_max, "grad_norm": sums["grad_norm"] / n,
             "logprob_gap": sums["gap"] / max(gap_tokens, 1.0), "optimizer_steps": n_opt}
+
+
+def update_from_groups(model: torch.nn.Module, opt: torch.optim.Optimizer, groups: Sequence[Sequence[dict[str, Any]]],
+                       cfg: Rl, prompt_ids: dict[str, list[int]], pad_id: int,
+                       ref_model: torch.nn.Module | None = None, seed: int = 0
+                       ) -> tuple[dict[str, float], dict[tuple[str, int], float]]:
+    """Advantages over ``groups`` (``cfg.advantage``), then ``policy_update`` on the scorable samples.
+
+    Returns the update's metrics ({} when nothing was scorable) and each sample's advantage keyed by
+    (prompt_id, sample). Unscorable samples get an advantage of 0 and never enter the loss.
+    """
+    rows = [r for grp in groups for r in grp]
+    if not rows:
+        return {}, {}
+    adv = group_advantages(rows, cfg.group_size, cfg.advantage)
+    advs = {(r["prompt_id"], r["sample"]): a for r, a in zip(rows, adv, strict=True)}
+    seqs = [Seq(prompt_ids[r["prompt_id"]], list(r["token_ids"]), list(r["logprobs"]), a)
+            for r, a in zip(rows, adv, strict=True) if r["reward"] is not None]
+    if not seqs:
+        return {}, advs
+    return policy_update(model, opt, seqs, cfg, pad_id, ref_model, seed=seed), advs

@@ -210,3 +210,24 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
                 "scheduler": sched.state_dict(), "rng": rng_state(), "log": log_rows})
     model.eval()
     return {"log": log_rows, "start": start, "seconds": time.time() - t0, "tokens": tokens}
+
+
+def save_loop_state(ckpt_dir: Path, step: int, fp: str, cursor_pos: int, model: torch.nn.Module,
+                    opt: torch.optim.Optimizer, log_rows: list[dict[str, Any]]) -> None:
+    """Resumable checkpoint of an online loop (rl, distill): model, optimizer, RNG, step, prompt cursor, log."""
+    save_resumable(ckpt_dir, step, {"fingerprint": fp, "step": step, "cursor": cursor_pos, "model": model.state_dict(),
+                                    "optimizer": opt.state_dict(), "rng": rng_state(), "log": log_rows})
+
+
+def restore_loop_state(ckpt_dir: Path, fp: str, model: torch.nn.Module, opt: torch.optim.Optimizer
+                       ) -> tuple[int, list[dict[str, Any]], int]:
+    """Load the newest matching ``save_loop_state`` checkpoint into model/optimizer/RNG.
+    Returns (step, log rows, cursor position); (0, [], 0) when there is none."""
+    state = load_resumable(ckpt_dir, fp)
+    if state is None:
+        return 0, [], 0
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    set_rng_state(state["rng"])
+    log.info("resuming from %s step %d", ckpt_dir, state["step"])
+    return state["step"], state["log"], state["cursor"]

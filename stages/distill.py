@@ -93,14 +93,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     fp = training.fingerprint(cfg, params.rl, params.reward, params.seed, fp0,
                               modeling.checkpoint_digest(inputs["teacher"]), sorted(prompt_ids))
     cursor = grpo.PromptCursor(len(prompts), params.seed + 2)
-    start, log_rows = 0, []
-    state = training.load_resumable(out["checkpoints"], fp)
-    if state is not None:
-        student.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        training.set_rng_state(state["rng"])
-        start, log_rows, cursor.pos = state["step"], state["log"], state["cursor"]
-        log.info("resuming from %s step %d", out["checkpoints"], start)
+    start, log_rows, cursor.pos = training.restore_loop_state(out["checkpoints"], fp, student, opt)
     s_backend = BACKENDS[params.rollout.backend](student, tok, params.rl.generate_batch_size)
     t_backend = BACKENDS[params.rollout.backend](teacher, tok, params.rl.generate_batch_size)
     specs = params.reward.rewards
@@ -116,18 +109,11 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
             for g in opt.param_groups:
                 g["lr"] = params.rl.lr
             sb = grpo.collect_step(s_backend, tok, prompts, cursor, params.rl, specs, seed, policy=f"student@{step}")
-            used = [r for grp in sb.groups for r in grp if r["reward"] is not None]
             first = [r for grp in sb.sampled[: params.rl.prompts_per_step] for r in grp]
             torch.set_num_threads(rt.train_threads)
             student.train()
-            m: dict[str, float] = {}
-            if used:
-                adv = grpo.group_advantages([r for grp in sb.groups for r in grp], params.rl.group_size,
-                                            params.rl.advantage)
-                seqs = [grpo.Seq(prompt_ids[r["prompt_id"]], list(r["token_ids"]), list(r["logprobs"]), a)
-                        for r, a in zip([r for grp in sb.groups for r in grp], adv, strict=True)
-                        if r["reward"] is not None]
-                m = grpo.policy_update(student, opt, seqs, params.rl, tok.pad_token_id, seed=seed)
+            m, _ = grpo.update_from_groups(student, opt, sb.groups, params.rl, prompt_ids, tok.pad_token_id,
+                                           seed=seed)
             scorable = [r["reward"] for r in first if r["reward"] is not None]
             row.update({"loss": m.get("loss"), "entropy": m.get("entropy"), "grad_norm": m.get("grad_norm"),
                         "response_len": float(np.mean([len(r["token_ids"]) for r in first])),
@@ -165,9 +151,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                          for k in LOG_FIELDS})
         done = step + 1
         if done % cfg.checkpoint_every == 0 and done < len(phases):
-            training.save_resumable(out["checkpoints"], done, {
-                "fingerprint": fp, "step": done, "cursor": cursor.pos, "model": student.state_dict(),
-                "optimizer": opt.state_dict(), "rng": training.rng_state(), "log": log_rows})
+            training.save_loop_state(out["checkpoints"], done, fp, cursor.pos, student, opt, log_rows)
     elapsed = time.time() - t_run
 
     student.eval()

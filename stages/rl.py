@@ -85,17 +85,10 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     fp = training.fingerprint(cfg, params.reward, params.rollout.backend, params.seed, policy0,
                               sorted(prompt_ids))
     cursor = grpo.PromptCursor(len(prompts), params.seed)
-    start, log_rows = 0, []
-    state = training.load_resumable(ckpt_dir, fp)
-    if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        training.set_rng_state(state["rng"])
-        start, log_rows, cursor.pos = state["step"], state["log"], state["cursor"]
-        for stale in shard_tmp.glob("step_*.parquet"):  # shards of steps after the checkpoint are redone
-            if int(stale.stem.split("_")[1]) > start:
-                stale.unlink()
-        log.info("resuming from %s step %d", ckpt_dir, start)
+    start, log_rows, cursor.pos = training.restore_loop_state(ckpt_dir, fp, model, opt)
+    for stale in shard_tmp.glob("step_*.parquet"):  # shards of steps after the checkpoint are redone
+        if int(stale.stem.split("_")[1]) > start:
+            stale.unlink()
 
     t_run = time.time()
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="rl", disable=not rt.progress)
@@ -111,18 +104,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         torch.set_num_threads(rt.train_threads)
         model.train()
         t2 = time.time()
-        metrics: dict[str, float] = {}
-        advs: dict[tuple[str, int], float] = {}
-        if used:
-            adv = grpo.group_advantages(used, g, cfg.advantage)
-            seqs = []
-            for row, a in zip(used, adv, strict=True):
-                advs[(row["prompt_id"], row["sample"])] = a
-                if row["reward"] is not None:  # unscorable samples never enter the loss
-                    seqs.append(grpo.Seq(prompt_ids[row["prompt_id"]], list(row["token_ids"]),
-                                         list(row["logprobs"]), a))
-            if seqs:
-                metrics = grpo.policy_update(model, opt, seqs, cfg, tok.pad_token_id, ref, seed=seed)
+        metrics, advs = grpo.update_from_groups(model, opt, sb.groups, cfg, prompt_ids, tok.pad_token_id, ref,
+                                                seed=seed)
         update_s = time.time() - t2
 
         all_rows = [row for grp in sb.sampled for row in grp]
@@ -150,9 +133,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
             with atomic_path(ckpt_dir / "saved" / f"step_{done}") as tmp:
                 modeling.save_checkpoint(model, tok, tmp)
         if done % cfg.checkpoint_every == 0 and done < cfg.steps:
-            training.save_resumable(ckpt_dir, done, {
-                "fingerprint": fp, "step": done, "cursor": cursor.pos, "model": model.state_dict(),
-                "optimizer": opt.state_dict(), "rng": training.rng_state(), "log": log_rows})
+            training.save_loop_state(ckpt_dir, done, fp, cursor.pos, model, opt, log_rows)
     elapsed = time.time() - t_run
 
     model.eval()
