@@ -114,8 +114,8 @@ class ModelCfg(_Model):
 # -------------------------------------------------------------------------------------------- runtime
 class Runtime(_Model):
     train_threads: int = Field(2, ge=1, description="torch threads for training steps (2 is fastest here)")
-    generate_threads: int = Field(1, ge=1, description="torch threads for generation (1 is fastest for "
-                                  "tiny models on CPU: per-token work is too small to split)")
+    generate_threads: int = Field(2, ge=1, description="torch threads for generation (2 is fastest here from "
+                                  "batch 64 up: benchmarks/rollout.py)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
     progress: bool = Field(True, description="show tqdm progress bars on long loops")
 

@@ -196,6 +196,8 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
             if not mb_seqs:
                 continue
             n_tok = sum(len(s.completion_ids) for s in mb_seqs)
+            # similar lengths share a micro-batch (less padding); exact, since aggregate() is order-free
+            mb_seqs.sort(key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
             opt.zero_grad(set_to_none=True)
             for start in range(0, len(mb_seqs), cfg.micro_batch_size):
                 t = batch_tensors(mb_seqs[start : start + cfg.micro_batch_size], pad_id, device)

@@ -55,3 +55,35 @@ def test_greedy_is_argmax(tiny_model):
     assert c[0].token_ids == c[1].token_ids
     logits = model(torch.tensor([ids[0]])).logits[0, -1]
     assert c[0].token_ids[0] == int(logits.argmax())
+
+
+def test_hf_batched_decode_matches_each_sequence_alone(tiny_model):
+    """Left padding, the KV cache and rows leaving the batch at EOS mid-decode change nothing: greedy equals
+    ``model.generate`` on each prompt alone, and every sampled completion's sampler log-probs equal a
+    forward pass over that prompt + completion alone."""
+    model, tok = tiny_model
+    ids = chat_prompt_ids(tok, ["12*3=", "4738*7=", "5*5=", "99*9=", "1*1="])
+    backend = BACKENDS["hf"](model, tok, 64)
+    for p, (c,) in zip(ids, backend.generate(ids, 1, SamplingParams(0.0, 1.0, 12, 0)), strict=True):
+        ref = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id)[0, len(p) :].tolist()
+        assert c.token_ids == ref
+    out = backend.generate(ids, 8, SamplingParams(1.0, 1.0, 60, 1))
+    lengths = {len(c.token_ids) for g in out for c in g if c.finish_reason == "stop"}
+    assert len(lengths) > 3  # rows did leave the batch at several different steps
+    for p, group in zip(ids, out, strict=True):
+        for c in group:
+            seq = torch.tensor([p + c.token_ids])
+            lp = completion_logprobs(model, seq, torch.ones_like(seq))[0, len(p) - 1 :]
+            assert torch.allclose(lp, torch.tensor(c.logprobs), atol=1e-4)
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    from posttrain.rollout.hf import sample_next
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    gen = torch.Generator().manual_seed(0)
+    seen = {int(sample_next(logits, SamplingParams(1.0, 0.8, 4, 0), gen)[0]) for _ in range(200)}
+    assert seen == {0, 1}  # 0.5 + 0.3 reaches 0.8: tokens 2 and 3 are cut
+    tok, lp = sample_next(logits, SamplingParams(1.0, 0.8, 4, 0), gen)
+    assert torch.allclose(lp.exp(), torch.tensor([0.5 / 0.8, 0.3 / 0.8])[tok])  # renormalised nucleus

@@ -1,16 +1,49 @@
-"""The default rollout backend: transformers ``generate``, batched across prompts x samples.
+"""The default rollout backend: a KV-cached decode loop over a transformers causal LM, batched across
+prompts x samples.
 
-Prompts are left-padded, the KV cache is on, generation stops per sequence at EOS (a finished sequence
-only emits padding) and each chunk is seeded from ``sampling.seed`` and its index, so the same call gives
-the same completions. Works on CPU and GPU (the model's device).
+Prompts are left-padded and prefilled once; then one token per step for every live row. A row that emits
+EOS leaves the batch at once (its KV-cache rows are dropped with ``Cache.batch_select_indices``), so late
+steps only pay for the sequences still running. Sampling applies temperature, then top-p, and records the
+log-prob of each sampled token under that processed distribution (the sampler's log-prob). Each chunk is
+seeded from ``sampling.seed`` and its index with its own ``torch.Generator``: the same call gives the same
+completions. Works on CPU and GPU (the model's device).
+
+Why not ``model.generate``: on the tiny default model generate's per-token machinery (logits processors,
+stopping criteria, score bookkeeping, finished rows kept in the batch) cost more than the model itself;
+this loop measured 0.55 s -> see benchmarks/rollout.py and README "Performance" for the numbers. Greedy
+output equals ``model.generate`` (tests/test_rollout.py).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from posttrain.rollout import Completion, SamplingParams
+
+
+def sample_next(logits: torch.Tensor, s: SamplingParams, gen: torch.Generator | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [b, V] -> (token [b], its log-prob under the processed distribution [b]).
+
+    Greedy (temperature 0): argmax, log-prob under the unscaled softmax. Otherwise logits / temperature,
+    then nucleus filtering (the smallest set of tokens whose probability reaches ``top_p``; the top token
+    always stays), renormalised, and one multinomial draw.
+    """
+    logits = logits.float()
+    if s.temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = logp.argmax(-1)
+        return tok, logp.gather(-1, tok[:, None]).squeeze(1)
+    logits = logits / s.temperature
+    if s.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= s.top_p  # mass before this token already reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    logp = torch.log_softmax(logits, dim=-1)
+    tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+    return tok, logp.gather(-1, tok[:, None]).squeeze(1)
 
 
 class HFBackend:
@@ -19,7 +52,7 @@ class HFBackend:
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
         flat = [p for p in prompt_ids for _ in range(n)]  # prompt i's samples are rows i*n .. i*n+n-1
         out: list[Completion] = []
@@ -28,40 +61,46 @@ class HFBackend:
         return [out[i * n : (i + 1) * n] for i in range(len(prompt_ids))]
 
     def _chunk(self, prompts: list[list[int]], s: SamplingParams, chunk_seed: int) -> list[Completion]:
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        device = self.model.device
+        b, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
-        device = self.model.device
-        greedy = s.temperature == 0
-        torch.manual_seed(chunk_seed)
-        gen = self.model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            do_sample=not greedy,
-            temperature=None if greedy else s.temperature,
-            top_p=None if greedy else s.top_p,
-            top_k=None,
-            max_new_tokens=s.max_new_tokens,
-            pad_token_id=self.pad_id,
-            eos_token_id=self.eos_id,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-        new = gen.sequences[:, width:].cpu()  # [B, T_new]
-        # scores: T_new x [B, V], the processed (temperature / top-p) logits actually sampled from
-        logp = torch.stack([torch.log_softmax(x.float(), dim=-1) for x in gen.scores], dim=1).cpu()
-        tok_logp = logp.gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [B, T_new]
+        ids, mask = ids.to(device), mask.to(device)
+        gen = torch.Generator(device=device).manual_seed(chunk_seed)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                            use_cache=True).logits[:, -1]
+        next_pos = pos[:, -1] + 1
+        live = torch.arange(b, device=device)  # original row of each row still decoding
+        tokens = torch.full((b, s.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        logps = torch.zeros((b, s.max_new_tokens), device=device)
+        lengths = torch.full((b,), s.max_new_tokens, dtype=torch.long, device=device)
+        stopped = torch.zeros(b, dtype=torch.bool, device=device)
+        for t in range(s.max_new_tokens):
+            tok, lp = sample_next(logits, s, gen)
+            tokens[live, t], logps[live, t] = tok, lp
+            done = tok == self.eos_id
+            if done.any():
+                lengths[live[done]], stopped[live[done]] = t + 1, True
+                keep = (~done).nonzero().squeeze(1)
+                if keep.numel() == 0:
+                    break
+                cache.batch_select_indices(keep)
+                live, tok, mask, next_pos = live[keep], tok[keep], mask[keep], next_pos[keep]
+            if t + 1 == s.max_new_tokens:
+                break
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+            logits = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                                past_key_values=cache, use_cache=True).logits[:, -1]
+            next_pos = next_pos + 1
+        tokens, logps, lengths, stopped = tokens.cpu(), logps.cpu(), lengths.tolist(), stopped.tolist()
         res = []
-        for i in range(new.shape[0]):
-            row = new[i].tolist()
-            if self.eos_id in row:
-                end, reason = row.index(self.eos_id) + 1, "stop"
-            else:
-                end, reason = len(row), "length"
-            toks = row[:end]
-            text = self.tok.decode(toks, skip_special_tokens=True)
-            res.append(Completion(text, toks, tok_logp[i, :end].tolist(), reason))
+        for i in range(b):
+            toks = tokens[i, : lengths[i]].tolist()
+            res.append(Completion(self.tok.decode(toks, skip_special_tokens=True), toks,
+                                  logps[i, : lengths[i]].tolist(), "stop" if stopped[i] else "length"))
         return res
