@@ -220,6 +220,7 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
+    p = bench_params(args.params, args.steps)
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as d:
         for rep in range(args.repeats):
@@ -239,7 +240,6 @@ def main() -> None:
                 print(f"repeat {rep} {arm}: {res['samples_per_s']:.1f} samples/s, "
                       f"pass@1 {res['pass1_same_steps']['pass@1']:.3f}", file=sys.stderr, flush=True)
 
-    p = bench_params(args.params, args.steps)
     by = {a: [r for r in results if r["arm"] == a] for a in ("ours", "trl")}
     print(f"\nRL loop vs trl.GRPOTrainer: B={p.rl.prompts_per_step} G={p.rl.group_size} "
           f"max_new_tokens={p.rl.sampling.max_new_tokens} steps={args.steps} repeats={args.repeats} "

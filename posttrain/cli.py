@@ -41,6 +41,18 @@ def unlock(repo: Path = typer.Option(Path("."), help="DVC repository root")) -> 
 
 
 @app.command()
+def deploy(repo: Path = typer.Option(Path("."), help="repository whose flows the workers run"),
+           cron: str = typer.Option("0 3 * * *", help="schedule of the nightly-evaluate deployment")) -> None:
+    """Create the Prefect deployments (pipeline, nightly evaluate, gpu stage) on the server at PREFECT_API_URL."""
+    _params(repo / "params.yaml")
+    from flows.deploy import deploy as _deploy
+
+    for name, i in zip(["posttrain-pipeline/default", "posttrain-pipeline/nightly-evaluate", "posttrain-stage/gpu"],
+                       _deploy(repo, cron), strict=True):
+        typer.echo(f"{name}: {i}")
+
+
+@app.command()
 def version() -> None:
     """Print the posttrain version."""
     typer.echo(__version__)

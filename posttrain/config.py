@@ -418,6 +418,36 @@ class Evaluate(_Model):
 
 
 # ------------------------------------------------------------------------------------------------ root
+# ---------------------------------------------------------------------------------------------- prefect
+STAGES = ("curate", "sft", "rollout", "reward", "rl", "distill", "evaluate")  # DAG order, as in dvc.yaml
+
+
+class PrefectCfg(_Model):
+    """How ``flows/pipeline.py`` schedules the stages (read by the flow, by no stage: no dvc.yaml param)."""
+
+    resources: dict[str, Literal["cpu", "gpu"]] = Field(
+        default_factory=lambda: {"curate": "cpu", "sft": "gpu", "rollout": "gpu", "reward": "cpu", "rl": "gpu",
+                                 "distill": "gpu", "evaluate": "gpu"},
+        description="resource class per stage: a 'gpu' stage runs as a stage-flow deployment on gpu_pool "
+        "when the pipeline runs with routing on; a 'cpu' stage runs in the pipeline's own flow run",
+    )
+    cpu_pool: str = Field("cpu", description="work pool of the pipeline deployment (and of cpu stages)")
+    gpu_pool: str = Field("gpu", description="work pool of the stage deployment that gpu stages run on")
+    retries: int = Field(1, ge=0, description="retries of a failed stage task (a retry resumes from the "
+                         "stage's own checkpoints; DVC skips what is already up to date)")
+    retry_delay_s: float = Field(5.0, ge=0, description="seconds between retries")
+    dvc_remote: str | None = Field(None, description="DVC remote a worker in another checkout pulls a "
+                                   "stage's deps from and pushes its outs to (None: workers share this checkout)")
+
+    @field_validator("resources")
+    @classmethod
+    def _stages(cls, v: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(v) - set(STAGES))
+        if unknown:
+            raise ValueError(f"unknown stage(s) {unknown}; stages are {list(STAGES)}")
+        return {s: v.get(s, "cpu") for s in STAGES}
+
+
 class Params(_Model):
     seed: int = Field(0, description="one seed for data generation, init, sampling and shuffling")
     paths: Paths
@@ -431,6 +461,7 @@ class Params(_Model):
     rl: Rl
     distill: Distill
     evaluate: Evaluate
+    prefect: PrefectCfg = Field(default_factory=PrefectCfg)
 
     @model_validator(mode="after")
     def _cross(self) -> Params:

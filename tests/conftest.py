@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,21 @@ def tiny_raw(root: Path | None) -> dict[str, Any]:
     p["evaluate"].update({"num_samples": 4, "ks": [1, 2, 4], "batch_size": 64, "bootstrap": 50})
     p["evaluate"]["sampling"]["max_new_tokens"] = 24
     return p
+
+
+def copy_repo(dst: Path, raw: dict[str, Any]) -> None:
+    """A git repo at ``dst`` with this repo's tracked files (no dvc.lock, no metrics) and ``raw`` as params.yaml."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if (REPO / f).is_file() and not f.startswith(("metrics/", "dvc.lock", "benchmarks/results/")):
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / f, dst / f)
+    text = (REPO / "params.yaml").read_text().split("\n")[0] + "\n" + yaml.safe_dump(raw, sort_keys=False)
+    (dst / "params.yaml").write_text(text)  # first line: the file's header comment
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
+                ["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "copy"]):
+        subprocess.run(cmd, cwd=dst, check=True)
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, tiny_raw
+from conftest import REPO, copy_repo, tiny_raw
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -108,18 +107,6 @@ def pq_rows(path: Path) -> list[tuple]:
     return list(zip(*[t.column(c).to_pylist() for c in t.column_names], strict=True))
 
 
-def _copy_repo(dst: Path) -> None:
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split()
-    for f in files:
-        if (REPO / f).is_file() and not f.startswith(("metrics/", "dvc.lock")):
-            (dst / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / f, dst / f)
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
-                ["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "copy"]):
-        subprocess.run(cmd, cwd=dst, check=True)
-
-
 def _dvc(repo: Path, *args: str) -> str:
     r = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=ENV, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -128,9 +115,8 @@ def _dvc(repo: Path, *args: str) -> str:
 
 def test_dvc_repro_end_to_end(tmp_path):
     repo = tmp_path / "repo"
-    _copy_repo(repo)
     raw = tiny_raw(None)
-    (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    copy_repo(repo, raw)
 
     out = _dvc(repo, "repro")
     for stage in ("curate", "sft", "rollout", "reward", "rl", "distill", "evaluate"):

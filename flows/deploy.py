@@ -1,0 +1,67 @@
+"""Deployments of the pipeline on a running Prefect server (``PREFECT_API_URL``).
+
+- ``posttrain-pipeline/default``: the whole DAG with GPU routing on, on the cpu work pool;
+- ``posttrain-pipeline/nightly-evaluate``: ``target=evaluate`` on a cron schedule (default 03:00 daily):
+  re-evaluates whatever changed (new benchmark files, evaluate params); DVC skips everything up to date;
+- ``posttrain-stage/gpu``: one stage (a parameter), on the gpu work pool; the pipeline's gpu stages run here.
+
+All three run the code of this checkout in place (``flow.from_source(<repo dir>, ...)``): workers on this
+machine (or on a shared filesystem) need nothing else. Pools are created (type ``process``) if missing.
+
+    posttrain deploy [--repo .] [--cron "0 3 * * *"]     # or: python -m flows.deploy
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from posttrain.config import load_params
+
+
+def ensure_pool(name: str) -> None:
+    """Create a ``process`` work pool called ``name`` unless it exists."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.create_work_pool(WorkPoolCreate(name=name, type="process"))
+        except ObjectAlreadyExists:
+            pass
+
+
+def deploy(repo: str | Path = ".", cron: str = "0 3 * * *") -> list[str]:
+    """Create or update the three deployments; returns their ids."""
+    from flows.pipeline import pipeline, stage_flow
+
+    root = Path(repo).resolve()
+    cfg = load_params(root / "params.yaml").prefect
+    for pool in {cfg.cpu_pool, cfg.gpu_pool}:
+        ensure_pool(pool)
+    src = str(root)
+    ids = [
+        pipeline.from_source(src, "flows/pipeline.py:pipeline").deploy(
+            name="default", work_pool_name=cfg.cpu_pool, parameters={"route": True, "repo": src},
+            print_next_steps=False),
+        pipeline.from_source(src, "flows/pipeline.py:pipeline").deploy(
+            name="nightly-evaluate", work_pool_name=cfg.cpu_pool, cron=cron,
+            parameters={"target": "evaluate", "route": True, "repo": src}, print_next_steps=False),
+        stage_flow.from_source(src, "flows/pipeline.py:stage_flow").deploy(
+            name="gpu", work_pool_name=cfg.gpu_pool, parameters={"repo": src}, print_next_steps=False),
+    ]
+    return [str(i) for i in ids]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m flows.deploy", description=__doc__.splitlines()[0])
+    ap.add_argument("--repo", default=".")
+    ap.add_argument("--cron", default="0 3 * * *", help="schedule of the nightly-evaluate deployment")
+    args = ap.parse_args()
+    for i in deploy(args.repo, args.cron):
+        print(i)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""The pipeline as Prefect flows: one task per DVC stage, each stage run *through DVC*.
+
+``pipeline`` (flow ``posttrain-pipeline``) runs the stages of ``dvc.yaml`` in DAG order, all of them or a
+``target`` and its upstream. Each stage is a task named after the stage that runs
+``dvc repro --single-item <stage>``, so DVC stays the only cache and ``dvc.lock`` records every run, whether
+it came from ``dvc repro`` or from Prefect; a stage DVC finds up to date is skipped (a retried or re-run
+flow redoes nothing that completed), and a stage killed mid-way resumes from its own checkpoints. Stages
+run one at a time (DVC locks the repository). Tasks retry per ``prefect.retries``; Prefect result caching
+stays off (DVC is the cache).
+
+Parameters: ``target`` (a stage; None = all), ``overrides`` (``["rl.lr=1e-5", ...]``, applied to
+params.yaml the way ``dvc exp run -S`` applies them: the workspace file is rewritten, comments kept, and
+validated before any stage runs), ``exp_name`` (when set, the finished workspace is recorded with
+``dvc exp save -n <name>``, so ``dvc exp show`` lists it with its params and metrics), ``route`` and ``repo``.
+
+GPU routing (``route=True``, the default of the deployed pipeline): a stage whose class in
+``prefect.resources`` is ``gpu`` runs as a ``posttrain-stage`` flow run of the ``gpu`` deployment, on the
+gpu work pool (``run_deployment``, a subflow of the pipeline's run); ``cpu`` stages run inside the pipeline's
+own flow run, on the cpu pool. A stage flow on a worker checks that its checkout is at the pipeline's
+commit; with ``prefect.dvc_remote`` set it ``dvc pull``s the stage's upstream outputs first and
+``dvc push``es its outputs after (for workers that do not share the pipeline's checkout).
+
+Each stage publishes Prefect artifacts: its metrics (``metrics/<stage>.json``) as a table, and for
+``evaluate`` the Markdown report. The stage's output streams into the task's logs.
+
+Run in-process: ``python -m flows.pipeline [--target rl] [-S rl.lr=1e-5] [--exp-name lr1e5]``;
+deploy: ``posttrain deploy`` (flows/deploy.py), then ``prefect deployment run posttrain-pipeline/default``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from posttrain.config import ConfigError, Params, load_params, parse_params
+from posttrain.dvcrepo import clear_stale_locks
+
+STAGE_DEPLOYMENT = "posttrain-stage/gpu"
+
+
+class StageFailed(RuntimeError):
+    pass
+
+
+def _env() -> dict[str, str]:
+    """The stage commands (``python -m stages.X``) must find this interpreter's environment first."""
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+def _run(cmd: list[str], repo: Path) -> str:
+    """Run ``cmd`` in ``repo``, streaming each output line to the Prefect logger; return the output."""
+    log = get_run_logger()
+    proc = subprocess.Popen(cmd, cwd=repo, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1)
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        log.info(line.rstrip())
+    if proc.wait():
+        raise StageFailed(f"{' '.join(cmd)} exited {proc.returncode}:\n{''.join(lines[-20:])}")
+    return "".join(lines)
+
+
+def dvc(*args: str, repo: Path) -> str:
+    return _run([sys.executable, "-m", "dvc", *args], repo)
+
+
+def stage_order(repo: Path, target: str | None) -> list[str]:
+    """Stages of ``repo``'s dvc.yaml in DAG order: ``target`` and everything upstream of it, or all."""
+    import networkx as nx
+    from dvc.repo import Repo
+
+    with Repo(str(repo)) as r:
+        g = r.index.graph  # edges: stage -> a stage it depends on
+        by_name = {s.addressing: s for s in r.index.stages}
+        if target is not None and target not in by_name:
+            raise ValueError(f"target: unknown stage {target!r}; stages are {sorted(by_name)}")
+        order = [s.addressing for s in reversed(list(nx.topological_sort(g))) if s.addressing in by_name]
+        if target is None:
+            return order
+        keep = {target} | {s.addressing for s in nx.descendants(g, by_name[target])}
+    return [s for s in order if s in keep]
+
+
+def apply_overrides(repo: Path, overrides: list[str]) -> Params:
+    """``key.path=value`` edits of params.yaml (values parsed as YAML), validated before anything is written."""
+    from dvc.utils.serialize import modify_yaml
+
+    path = repo / "params.yaml"
+    raw = yaml.safe_load(path.read_text())
+    edits = []
+    for ov in overrides:
+        key, sep, value = ov.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {ov!r}: expected key.path=value")
+        edits.append((key.split("."), yaml.safe_load(value)))
+    for keys, value in edits:
+        node = raw
+        for k in keys[:-1]:
+            if not isinstance(node.get(k), dict):
+                raise ConfigError(f"override {'.'.join(keys)}: {k!r} is not a section of params.yaml")
+            node = node[k]
+        node[keys[-1]] = value
+    if not edits:
+        return load_params(path)
+    # a bad override fails here, naming the key, before any stage runs
+    params = parse_params(raw, f"{path} with overrides {overrides}")
+    with modify_yaml(path) as data:  # ruamel round trip: comments and order kept, as dvc exp run -S does
+        for keys, value in edits:
+            node = data
+            for k in keys[:-1]:
+                node = node[k]
+            node[keys[-1]] = value
+    return params
+
+
+def publish(stage: str, repo: Path, params: Params, status: str) -> None:
+    """Prefect artifacts of a finished stage: its metrics as a table; evaluate's report as Markdown."""
+    metrics = repo / params.paths.metrics_dir / f"{stage}.json"
+    if metrics.is_file():
+        flat: list[dict[str, Any]] = []
+
+        def walk(prefix: str, v: Any) -> None:
+            if isinstance(v, dict):
+                for k, x in v.items():
+                    walk(f"{prefix}.{k}" if prefix else str(k), x)
+            else:
+                flat.append({"metric": prefix, "value": json.dumps(v) if isinstance(v, list) else v})
+
+        walk("", json.loads(metrics.read_text()))
+        create_table_artifact(key=f"{stage}-metrics", table=flat,
+                              description=f"{stage}: metrics/{stage}.json ({status})")
+    report = repo / params.paths.eval_report_dir / "report.md"
+    if stage == "evaluate" and report.is_file():
+        create_markdown_artifact(key="evaluate-report", markdown=report.read_text(),
+                                 description="evaluate: report.md")
+
+
+def run_stage(stage: str, repo: Path) -> str:
+    """``dvc repro --single-item <stage>``; returns ran | skipped | restored (from DVC's run-cache)."""
+    freed = clear_stale_locks(repo)
+    if freed:
+        get_run_logger().warning("cleared stale DVC locks of a killed run: %s", freed)
+    out = dvc("repro", "--single-item", stage, repo=repo)
+    if f"Running stage '{stage}'" in out:
+        return "ran"
+    return "restored" if "run-cache" in out else "skipped"
+
+
+@task(cache_policy=None, persist_result=False)
+def stage_task(stage: str, repo: str) -> str:
+    """One DVC stage in this process (the task is renamed to the stage by ``pipeline``)."""
+    root = Path(repo)
+    status = run_stage(stage, root)
+    publish(stage, root, load_params(root / "params.yaml"), status)
+    return status
+
+
+@task(cache_policy=None, persist_result=False)
+def remote_stage_task(stage: str, repo: str, commit: str) -> str:
+    """One DVC stage as a flow run of the gpu stage deployment; waits for it, fails if it failed."""
+    from prefect.deployments import run_deployment
+
+    fr = run_deployment(STAGE_DEPLOYMENT, parameters={"stage": stage, "repo": repo, "commit": commit},
+                        flow_run_name=stage, timeout=None, as_subflow=True)
+    if fr.state is None or not fr.state.is_completed():
+        raise StageFailed(f"stage {stage}: flow run {fr.id} ended {fr.state.name if fr.state else 'unknown'}")
+    return "remote"
+
+
+def _head(repo: Path) -> str:
+    r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else ""
+
+
+@flow(name="posttrain-stage", log_prints=True)
+def stage_flow(stage: str, repo: str | None = None, commit: str | None = None) -> str:
+    """One stage on a worker: same commit as the pipeline, deps pulled / outs pushed via the DVC remote."""
+    root = Path(repo or os.getcwd())
+    if commit and _head(root) != commit:
+        raise StageFailed(f"worker checkout {root} is at {_head(root)[:12] or 'no commit'}, the pipeline at "
+                          f"{commit[:12]}: check out the pipeline's commit on the worker")
+    params = load_params(root / "params.yaml")
+    remote = params.prefect.dvc_remote
+    if remote:
+        upstream = [s for s in stage_order(root, stage) if s != stage]
+        if upstream:
+            dvc("pull", "--remote", remote, *upstream, repo=root)
+    status = run_stage(stage, root)
+    if remote:
+        dvc("push", "--remote", remote, stage, repo=root)
+    publish(stage, root, params, status)
+    return status
+
+
+@flow(name="posttrain-pipeline", log_prints=True)
+def pipeline(target: str | None = None, overrides: list[str] | None = None, exp_name: str | None = None,
+             route: bool = False, repo: str | None = None) -> dict[str, str]:
+    """Run the DAG (or ``target`` and its upstream) stage by stage through DVC; see the module docstring."""
+    root = Path(repo or os.getcwd()).resolve()
+    params = apply_overrides(root, list(overrides or []))
+    stages = stage_order(root, target)
+    cfg = params.prefect
+    commit = _head(root)
+    log = get_run_logger()
+    statuses: dict[str, str] = {}
+    for s in stages:
+        opts = {"name": s, "task_run_name": s, "retries": cfg.retries, "retry_delay_seconds": cfg.retry_delay_s}
+        if route and cfg.resources[s] == "gpu":
+            statuses[s] = remote_stage_task.with_options(**opts)(s, str(root), commit)
+        else:
+            statuses[s] = stage_task.with_options(**opts)(s, str(root))
+        log.info("stage %s: %s", s, statuses[s])
+    if exp_name:  # records params, metrics and every output: needs the whole DAG's outputs in the workspace
+        dvc("exp", "save", "--force", "-n", exp_name, repo=root)
+    return statuses
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m flows.pipeline", description="Run the pipeline as a Prefect flow.")
+    ap.add_argument("--target", help="a stage: run it and its upstream (default: all)")
+    ap.add_argument("-S", "--set", dest="overrides", action="append", default=[], help="params override key=value")
+    ap.add_argument("--exp-name", help="record the result as this DVC experiment")
+    ap.add_argument("--route", action="store_true", help="run gpu stages on the gpu pool (needs a server)")
+    args = ap.parse_args(argv)
+    try:
+        statuses = pipeline(target=args.target, overrides=args.overrides, exp_name=args.exp_name, route=args.route)
+    except ConfigError as e:
+        print(f"posttrain: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(statuses))
+
+
+if __name__ == "__main__":
+    main()
