@@ -96,9 +96,16 @@ class Procs:
         self.procs[name] = p
         return p
 
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+    def kill(self, name: str) -> None:
+        """SIGKILL the process and every descendant (a flow run a process worker starts gets its own session,
+        so killing the worker's group alone would leave it running): a machine that dies."""
+        import psutil
+
         p = self.procs.pop(name)
-        os.killpg(p.pid, sig)  # the worker and the flow-run processes it started
+        tree = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+        for proc in tree:
+            proc.kill()
+        psutil.wait_procs(tree, timeout=60)
         p.wait(timeout=60)
 
     def stop_all(self) -> None:
