@@ -8,7 +8,7 @@ size x torch threads x device: completion tokens/s of our backend (sampler log-p
 ``model.generate(do_sample=True)`` without scores, each the median of ``--repeats`` runs after a warm-up.
 On a machine with CUDA the same grid runs on the GPU too.
 
-    python benchmarks/rollout.py [--repeats 3] [--json benchmarks/results/rollout.json]
+    python benchmarks/rollout.py [--repeats 3] [--device all|cpu|cuda] [--json benchmarks/results/rollout_cpu.json]
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--sft", default="models/sft")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new", type=int, default=80)
-    ap.add_argument("--json", default="benchmarks/results/rollout.json")
+    ap.add_argument("--json", default="benchmarks/results/rollout_cpu.json")
     ap.add_argument("--device", choices=["all", "cpu", "cuda"], default="all", help="all: cpu, and cuda if present")
     args = ap.parse_args()
     tok = modeling.build_char_tokenizer()

@@ -41,15 +41,15 @@ def deploy(repo: str | Path = ".", cron: str = "0 3 * * *") -> list[str]:
     for pool in {cfg.cpu_pool, cfg.gpu_pool}:
         ensure_pool(pool)
     src = str(root)
+    quiet = {"print_next_steps": False, "ignore_warnings": True}
     ids = [
         pipeline.from_source(src, "flows/pipeline.py:pipeline").deploy(
-            name="default", work_pool_name=cfg.cpu_pool, parameters={"route": True, "repo": src},
-            print_next_steps=False),
+            name="default", work_pool_name=cfg.cpu_pool, parameters={"route": True, "repo": src}, **quiet),
         pipeline.from_source(src, "flows/pipeline.py:pipeline").deploy(
             name="nightly-evaluate", work_pool_name=cfg.cpu_pool, cron=cron,
-            parameters={"target": "evaluate", "route": True, "repo": src}, print_next_steps=False),
+            parameters={"target": "evaluate", "route": True, "repo": src}, **quiet),
         stage_flow.from_source(src, "flows/pipeline.py:stage_flow").deploy(
-            name="gpu", work_pool_name=cfg.gpu_pool, parameters={"repo": src}, print_next_steps=False),
+            name="gpu", work_pool_name=cfg.gpu_pool, parameters={"repo": src}, **quiet),
     ]
     return [str(i) for i in ids]
 

@@ -41,10 +41,12 @@ import yaml
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from posttrain import tracking
 from posttrain.config import ConfigError, Params, load_params, parse_params
 from posttrain.dvcrepo import clear_stale_locks
 
 STAGE_DEPLOYMENT = "posttrain-stage/gpu"
+_PARENT: list[str] = []  # the MLflow parent run of this process's pipeline invocation
 
 
 class StageFailed(RuntimeError):
@@ -52,8 +54,11 @@ class StageFailed(RuntimeError):
 
 
 def _env() -> dict[str, str]:
-    """The stage commands (``python -m stages.X``) must find this interpreter's environment first."""
+    """The stage commands (``python -m stages.X``) must find this interpreter's environment first; the MLflow
+    parent run (``_PARENT``) reaches them through the environment."""
     env = dict(os.environ)
+    if _PARENT:
+        env[tracking.PARENT_ENV] = _PARENT[0]
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env.setdefault("HF_HUB_OFFLINE", "1")
     return env
@@ -170,12 +175,13 @@ def stage_task(stage: str, repo: str) -> str:
 
 
 @task(cache_policy=None, persist_result=False)
-def remote_stage_task(stage: str, repo: str, commit: str) -> str:
+def remote_stage_task(stage: str, repo: str, commit: str, mlflow_parent: str | None) -> str:
     """One DVC stage as a flow run of the gpu stage deployment; waits for it, fails if it failed."""
     from prefect.deployments import run_deployment
 
-    fr = run_deployment(STAGE_DEPLOYMENT, parameters={"stage": stage, "repo": repo, "commit": commit},
-                        flow_run_name=stage, timeout=None, as_subflow=True)
+    fr = run_deployment(STAGE_DEPLOYMENT, parameters={"stage": stage, "repo": repo, "commit": commit,
+                                                      "mlflow_parent": mlflow_parent},
+                        flow_run_name=stage, timeout=None, as_subflow=True, poll_interval=1)
     if fr.state is None or not fr.state.is_completed():
         raise StageFailed(f"stage {stage}: flow run {fr.id} ended {fr.state.name if fr.state else 'unknown'}")
     return "remote"
@@ -187,9 +193,11 @@ def _head(repo: Path) -> str:
 
 
 @flow(name="posttrain-stage", log_prints=True)
-def stage_flow(stage: str, repo: str | None = None, commit: str | None = None) -> str:
+def stage_flow(stage: str, repo: str | None = None, commit: str | None = None, mlflow_parent: str | None = None
+               ) -> str:
     """One stage on a worker: same commit as the pipeline, deps pulled / outs pushed via the DVC remote."""
     root = Path(repo or os.getcwd())
+    _PARENT[:] = [mlflow_parent] if mlflow_parent else []
     if commit and _head(root) != commit:
         raise StageFailed(f"worker checkout {root} is at {_head(root)[:12] or 'no commit'}, the pipeline at "
                           f"{commit[:12]}: check out the pipeline's commit on the worker")
@@ -216,17 +224,43 @@ def pipeline(target: str | None = None, overrides: list[str] | None = None, exp_
     cfg = params.prefect
     commit = _head(root)
     log = get_run_logger()
+    from prefect.runtime import flow_run
+
+    parent = tracking.start_parent(params, root, f"pipeline {flow_run.name}",
+                                   {"prefect.flow_run_id": str(flow_run.id), "launcher": "prefect"})
+    _PARENT[:] = [parent] if parent else []
+    if parent:
+        _link_mlflow(params, root, parent)
     statuses: dict[str, str] = {}
-    for s in stages:
-        opts = {"name": s, "task_run_name": s, "retries": cfg.retries, "retry_delay_seconds": cfg.retry_delay_s}
-        if route and cfg.resources[s] == "gpu":
-            statuses[s] = remote_stage_task.with_options(**opts)(s, str(root), commit)
-        else:
-            statuses[s] = stage_task.with_options(**opts)(s, str(root))
-        log.info("stage %s: %s", s, statuses[s])
-    if exp_name:  # records params, metrics and every output: needs the whole DAG's outputs in the workspace
-        dvc("exp", "save", "--force", "-n", exp_name, repo=root)
+    ok = False
+    try:
+        for s in stages:
+            opts = {"name": s, "task_run_name": s, "retries": cfg.retries, "retry_delay_seconds": cfg.retry_delay_s}
+            if route and cfg.resources[s] == "gpu":
+                statuses[s] = remote_stage_task.with_options(**opts)(s, str(root), commit, parent)
+            else:
+                statuses[s] = stage_task.with_options(**opts)(s, str(root))
+            log.info("stage %s: %s", s, statuses[s])
+        if exp_name:  # records params, metrics and every output: needs the whole DAG's outputs in the workspace
+            dvc("exp", "save", "--force", "-n", exp_name, repo=root)
+        ok = True
+    finally:
+        tracking.end_parent(params, root, parent, ok)
     return statuses
+
+
+def _link_mlflow(params: Params, root: Path, run_id: str) -> None:
+    """A Prefect artifact pointing at this invocation's MLflow parent run."""
+    from prefect.artifacts import create_link_artifact
+
+    uri = tracking.store_uri(params, root)
+    if uri.startswith("http"):
+        create_link_artifact(key="mlflow-run", link=f"{uri.rstrip('/')}/#/runs/{run_id}",
+                             link_text=f"MLflow run {run_id}", description="the pipeline's MLflow parent run")
+    else:
+        create_markdown_artifact(key="mlflow-run", markdown=f"MLflow parent run `{run_id}` in `{uri}`.\n\n"
+                                 f"Open it: `mlflow ui --backend-store-uri {uri}`, then "
+                                 f"http://127.0.0.1:5000/#/runs/{run_id}", description="the pipeline's MLflow run")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -52,6 +52,83 @@ def deploy(repo: Path = typer.Option(Path("."), help="repository whose flows the
         typer.echo(f"{name}: {i}")
 
 
+tracking_app = typer.Typer(help="MLflow tracking: replay runs kept while the store was unreachable.",
+                           no_args_is_help=True)
+app.add_typer(tracking_app, name="tracking")
+
+
+@tracking_app.command("sync")
+def tracking_sync(params: Path = PARAMS) -> None:
+    """Send every run waiting in the outbox (tracking.outbox) to the tracking store."""
+    from posttrain import tracking
+
+    p = _params(params)
+    root = params.resolve().parent
+    sent, left = tracking.sync(tracking.outbox_dir(p, root), tracking.store_uri(p, root), root)
+    typer.echo(f"sent {sent} run(s); {left} left in {tracking.outbox_dir(p, root)}")
+    if left:
+        raise typer.Exit(1)
+
+
+@app.command()
+def repro(params: Path = PARAMS, args: list[str] = typer.Argument(None, help="passed to `dvc repro`")) -> None:
+    """`dvc repro` under one MLflow parent run: every stage run it starts is nested under it."""
+    import os
+    import subprocess
+
+    from posttrain import tracking
+
+    p = _params(params)
+    root = params.resolve().parent
+    parent = tracking.start_parent(p, root, "pipeline", {"launcher": "posttrain repro"})
+    env = dict(os.environ)
+    if parent:
+        env[tracking.PARENT_ENV] = parent
+    rc = subprocess.call([sys.executable, "-m", "dvc", "repro", *(args or [])], cwd=root, env=env)
+    tracking.end_parent(p, root, parent, rc == 0)
+    raise typer.Exit(rc)
+
+
+@app.command()
+def lineage(target: str = typer.Argument(..., help="a DVC output path (or a file in one), or models:/<name>/<v> "
+                                         "or models:/<name>@<alias>"),
+            verify: bool = typer.Option(False, "--verify", help="recompute hashes; exit 1 on any mismatch"),
+            as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+            params: Path = PARAMS) -> None:
+    """Where TARGET came from: every stage back to the sources, with params, hashes, runs, metrics."""
+    import json as _json
+
+    from rich.console import Console
+
+    from posttrain import lineage as L
+    from posttrain import tracking
+    from posttrain.errors import StageError
+
+    p = _params(params)
+    root = params.resolve().parent
+    uri = tracking.store_uri(p, root) if p.tracking.enabled else None
+    try:
+        tree = L.trace(root, target, p.paths.metrics_dir, uri)
+    except StageError as e:
+        print(f"posttrain lineage: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    problems = L.verify(root, tree) if verify else []
+    used_by = L.consumers(root, target) if not target.startswith("models:/") else []
+    if as_json:
+        typer.echo(_json.dumps({"target": target, "tree": tree.to_dict(), "consumed_by": used_by,
+                                "verified": verify, "problems": problems}, indent=2))
+    else:
+        con = Console()
+        con.print(L.render(tree, verify))
+        if used_by:
+            con.print(f"consumed by (downstream of {target}): {', '.join(used_by)}")
+        if verify:
+            con.print("[green]verify: every hash matches dvc.lock[/green]" if not problems else
+                      "[red]verify FAILED:[/red]\n  " + "\n  ".join(problems))
+    if problems:
+        raise typer.Exit(1)
+
+
 @app.command()
 def version() -> None:
     """Print the posttrain version."""

@@ -448,6 +448,22 @@ class PrefectCfg(_Model):
         return {s: v.get(s, "cpu") for s in STAGES}
 
 
+# --------------------------------------------------------------------------------------------- tracking
+class TrackingCfg(_Model):
+    """MLflow tracking of every stage run (posttrain/tracking.py); read by no stage's code: no dvc.yaml param."""
+
+    enabled: bool = Field(True, description="log every stage run to MLflow (false: log nothing)")
+    uri: str | None = Field(None, description="tracking/registry URI, e.g. http://127.0.0.1:5000; None: "
+                            "sqlite:///<absolute repo path>/mlflow.db with artifacts in <repo>/mlartifacts")
+    experiment: str = Field("posttrain", description="MLflow experiment of the stage runs")
+    outbox: str = Field(".mlflow-outbox", description="where runs wait when the store is unreachable "
+                        "(`posttrain tracking sync` sends them)")
+    model_prefix: str = Field("posttrain-", description="registered model names: <prefix>sft, <prefix>rl, ...")
+    champion: str | None = Field("eval.greedy", description="evaluate moves the `champion` alias of a model "
+                                 "to the evaluated version when this metric (<split>.<metric> of metrics/"
+                                 "evaluate.json) beats the current champion's; None: never")
+
+
 class Params(_Model):
     seed: int = Field(0, description="one seed for data generation, init, sampling and shuffling")
     paths: Paths
@@ -462,6 +478,7 @@ class Params(_Model):
     distill: Distill
     evaluate: Evaluate
     prefect: PrefectCfg = Field(default_factory=PrefectCfg)
+    tracking: TrackingCfg = Field(default_factory=TrackingCfg)
 
     @model_validator(mode="after")
     def _cross(self) -> Params:

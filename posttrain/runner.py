@@ -1,4 +1,5 @@
-"""What every stage's ``main()`` shares: load params (exit 2 on a bad config), set threads and seeds.
+"""What every stage's ``main()`` shares: load params (exit 2 on a bad config), set threads and seeds, track
+the run in MLflow (``posttrain.tracking``; the store lives beside the params file).
 
 A stage module looks like::
 
@@ -16,6 +17,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -55,8 +57,11 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
         sys.exit(EXIT_CONFIG_ERROR)
     setup(params)
     t0 = time.time()
+    from posttrain.tracking import stage_run
+
     try:
-        body(params)
+        with stage_run(name, params, Path(args.params).resolve().parent):
+            body(params)
     except StageError as e:
         print(f"posttrain {name}: {e}", file=sys.stderr)
         sys.exit(1)

@@ -30,6 +30,7 @@ def tiny_raw(root: Path | None) -> dict[str, Any]:
         p["paths"] = {k: str(root / v) for k, v in p["paths"].items()}
     p["evaluate"]["models"] = {k: p["paths"][f"{k}_model"] for k in ("base", "sft", "rl", "student_sft", "student")}
     p["runtime"]["progress"] = False
+    p["tracking"]["enabled"] = False  # tests that track say so
     p["model"]["tiny"] = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64,
                           "max_position_embeddings": 128}
     p["curate"]["sources"][0]["num_rows"] = 300

@@ -116,11 +116,16 @@ def _dvc(repo: Path, *args: str) -> str:
 def test_dvc_repro_end_to_end(tmp_path):
     repo = tmp_path / "repo"
     raw = tiny_raw(None)
+    raw["tracking"]["enabled"] = True
     copy_repo(repo, raw)
 
-    out = _dvc(repo, "repro")
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "repro"], cwd=repo, env=ENV, capture_output=True,
+                       text=True)  # dvc repro under one MLflow parent run
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
     for stage in ("curate", "sft", "rollout", "reward", "rl", "distill", "evaluate"):
         assert f"Running stage '{stage}'" in out
+    _check_tracking_and_lineage(repo)
     res = json.loads((repo / "metrics" / "evaluate.json").read_text())
     assert set(res["eval"]) == {"base", "sft", "rl", "student_sft", "student"}
     assert json.loads((repo / "metrics" / "rl.json").read_text())["shards"] == raw["rl"]["steps"]
@@ -135,6 +140,52 @@ def test_dvc_repro_end_to_end(tmp_path):
     assert all(f"Running stage '{s}'" not in out for s in ("curate", "sft", "rollout", "reward", "rl", "distill"))
     metrics = _dvc(repo, "metrics", "show")
     assert "evaluate.json" in metrics and "curate.json" in metrics
+
+
+def _lineage(repo: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "posttrain.cli", "lineage", *args], cwd=repo, env=ENV,
+                          capture_output=True, text=True)
+
+
+def _check_tracking_and_lineage(repo: Path) -> None:
+    """Seven stage runs nested under one parent in the sqlite store; the student's lineage is the DAG;
+    --verify passes, then fails naming the one flipped byte of the RL checkpoint."""
+    from posttrain.tracking import _client
+
+    client = _client(f"sqlite:///{repo / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("posttrain").experiment_id])
+    parents = [r for r in runs if r.info.run_name == "pipeline"]
+    assert len(parents) == 1
+    children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
+    assert set(children) == {"curate", "sft", "rollout", "reward", "rl", "distill", "evaluate"}
+    assert len(client.get_metric_history(children["rl"].info.run_id, "reward_mean")) == 4  # per-step, all steps
+    assert client.get_model_version_by_alias("posttrain-student", "candidate").tags["parent_version"] == \
+        "posttrain-student_sft/1"
+
+    r = _lineage(repo, "models/student", "--json", "--verify")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    tree = json.loads(r.stdout)["tree"]
+    seen: dict[str, list[str]] = {}
+
+    def walk(n):
+        seen[n["stage"]] = sorted(p["stage"] for p in n["parents"])
+        assert n["mlflow_run_id"] == children[n["stage"]].info.run_id  # each lock entry joined with its run
+        for p in n["parents"]:
+            walk(p)
+
+    walk(tree)
+    assert seen == {"distill": ["curate", "rl"], "rl": ["curate", "reward", "sft"], "reward": ["rollout"],
+                    "rollout": ["curate", "sft"], "sft": ["curate"], "curate": []}  # dvc.yaml's DAG
+    assert "contaminated" in json.dumps(tree)  # the curate node carries the decontamination verdict
+
+    weights = repo / "models" / "rl" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    r = _lineage(repo, "models/student", "--verify")
+    assert r.returncode == 1 and "models/rl/model.safetensors: changed" in r.stdout
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
 
 
 def test_distill_sigkill_then_rerun_resumes_to_the_same_student(tmp_path):

@@ -1,0 +1,296 @@
+"""Where did this model (or dataset) come from? Walk ``dvc.lock`` from an artifact back to the sources.
+
+``trace(root, target)`` finds the stage whose output holds ``target`` (a workspace path, or a registered
+model ``models:/<name>/<version>`` / ``models:/<name>@<alias>``, resolved to the DVC output whose md5 the
+version carries) and walks the DAG backwards through ``dvc.lock``: each node is a stage run with its out's
+md5, a digest of its params, its key metrics (``metrics/<stage>.json``), the MLflow run that logged it
+(joined on the ``dvc.out.<path>`` md5 tag, which also gives the commit) and, for ``curate``, the
+decontamination verdict. Deps that no stage produces are the sources (code, raw files). ``consumers``
+gives the forward direction: every stage downstream of a data artifact.
+
+``verify`` recomputes the hash of every output in the chain and compares it with ``dvc.lock``: a file's
+md5, or for a folder each file's md5 against DVC's ``.dir`` manifest in the cache, so a mismatch names the
+changed, missing or extra file (without the manifest, DVC's folder hash is compared as a whole).
+
+Run: ``posttrain lineage models/student [--verify] [--json]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from posttrain.errors import StageError
+
+
+@dataclass
+class Out:
+    path: str
+    md5: str
+    problem: str | None = None  # set by verify
+
+
+@dataclass
+class Node:
+    stage: str
+    outs: list[Out]
+    params_digest: str
+    metrics: dict[str, Any]
+    run_id: str | None = None
+    commit: str | None = None
+    verdict: str | None = None  # decontamination, for curate
+    sources: list[str] = field(default_factory=list)  # deps produced by no stage
+    parents: list[Node] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "outs": [o.__dict__ for o in self.outs], "params_digest": self.params_digest,
+                "metrics": self.metrics, "mlflow_run_id": self.run_id, "commit": self.commit,
+                "decontamination": self.verdict, "sources": self.sources,
+                "parents": [p.to_dict() for p in self.parents]}
+
+
+def load_lock(root: Path) -> dict[str, Any]:
+    lock = root / "dvc.lock"
+    if not lock.is_file():
+        raise StageError(f"{lock}: no dvc.lock (run `dvc repro` first)")
+    return yaml.safe_load(lock.read_text())["stages"]
+
+
+def _md5(entry: dict[str, Any]) -> str:
+    return entry.get("md5") or entry.get("hash") or ""
+
+
+def _under(path: str, out: str) -> bool:
+    return path == out or path.startswith(out.rstrip("/") + "/")
+
+
+def producer(lock: dict[str, Any], path: str) -> tuple[str, str] | None:
+    """(stage, out path) of the stage whose output is ``path`` or contains it."""
+    for stage, e in lock.items():
+        for o in e.get("outs", []):
+            if _under(path, o["path"]):
+                return stage, o["path"]
+    return None
+
+
+def resolve(root: Path, target: str, lock: dict[str, Any], tracking_uri: str | None) -> str:
+    """A workspace path relative to ``root``; ``models:/name/version`` or ``models:/name@alias`` via MLflow."""
+    if not target.startswith("models:/"):
+        p = Path(target)
+        return str(p.resolve().relative_to(root.resolve())) if p.is_absolute() else str(Path(target))
+    from posttrain.tracking import _client
+
+    client = _client(tracking_uri or "")
+    ref = target.removeprefix("models:/")
+    if "@" in ref:
+        name, alias = ref.split("@", 1)
+        mv = client.get_model_version_by_alias(name, alias)
+    else:
+        name, version = ref.rsplit("/", 1)
+        mv = client.get_model_version(name, version)
+    md5 = mv.tags.get("dvc_md5", "")
+    for e in lock.values():
+        for o in e.get("outs", []):
+            if _md5(o) == md5:
+                return o["path"]
+    raise StageError(f"{target}: its dvc_md5 {md5!r} is not an output in dvc.lock (an older pipeline state: "
+                     f"check out the commit {mv.tags.get('git_commit', 'that produced it')})")
+
+
+def _key_metrics(root: Path, stage: str, metrics_dir: str) -> dict[str, Any]:
+    f = root / metrics_dir / f"{stage}.json"
+    if not f.is_file():
+        return {}
+    data = json.loads(f.read_text())
+    if stage == "evaluate":
+        return {f"{split}/{m}": {k: v.get(k) for k in ("greedy", "pass@1") if k in v}
+                for split, models in data.items() if isinstance(models, dict)
+                for m, v in models.items() if isinstance(v, dict)}
+    return {k: v for k, v in data.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+def _verdict(root: Path, lock_entry: dict[str, Any]) -> str | None:
+    for o in lock_entry.get("outs", []):
+        f = root / o["path"] / "decontamination.json"
+        if f.is_file():
+            d = json.loads(f.read_text())
+            bench = ", ".join(d.get("benchmarks", {})) or "none"
+            return (f"{d.get('contaminated_rows', '?')} of {d.get('rows_checked', '?')} rows dropped as contaminated "
+                    f"({d.get('ngram')}-gram overlap >= {d.get('threshold')}; against: {bench}); report: {o['path']}")
+    return None
+
+
+class Runs:
+    """MLflow runs by (stage, out md5), fetched once; empty when tracking is off or unreachable."""
+
+    def __init__(self, uri: str | None):
+        self.by_out: dict[tuple[str, str], Any] = {}
+        if not uri:
+            return
+        try:
+            from posttrain.tracking import _client
+
+            client = _client(uri)
+            exps = [e.experiment_id for e in client.search_experiments()]
+            for run in client.search_runs(exps, max_results=5000, order_by=["attributes.start_time ASC"]):
+                for k, v in run.data.tags.items():
+                    if k.startswith("dvc.out."):
+                        self.by_out[(run.data.tags.get("dvc.stage", ""), v)] = run  # newest wins
+        except Exception:
+            self.by_out = {}
+
+    def find(self, stage: str, outs: list[Out]) -> Any:
+        for o in outs:
+            run = self.by_out.get((stage, o.md5))
+            if run is not None:
+                return run
+        return None
+
+
+def trace(root: Path, target: str, metrics_dir: str = "metrics", tracking_uri: str | None = None) -> Node:
+    """The lineage tree of ``target`` (see module docstring)."""
+    lock = load_lock(root)
+    path = resolve(root, target, lock, tracking_uri)
+    hit = producer(lock, path)
+    if hit is None:
+        raise StageError(f"{path}: not an output of any stage in dvc.lock")
+    runs = Runs(tracking_uri)
+    seen: dict[str, Node] = {}
+
+    def node(stage: str) -> Node:
+        if stage in seen:
+            return seen[stage]
+        e = lock[stage]
+        outs = [Out(o["path"], _md5(o)) for o in e.get("outs", [])]
+        params = json.dumps(e.get("params", {}), sort_keys=True)
+        n = Node(stage, outs, hashlib.sha256(params.encode()).hexdigest()[:12], _key_metrics(root, stage, metrics_dir),
+                 verdict=_verdict(root, e))
+        run = runs.find(stage, outs)
+        if run is not None:
+            n.run_id, n.commit = run.info.run_id, run.data.tags.get("git.commit")
+        seen[stage] = n
+        parents: dict[str, None] = {}
+        for d in e.get("deps", []):
+            up = producer(lock, d["path"])
+            if up is None:
+                n.sources.append(d["path"])
+            elif up[0] != stage:
+                parents[up[0]] = None
+        n.parents = [node(p) for p in parents]
+        return n
+
+    return node(hit[0])
+
+
+def consumers(root: Path, path: str) -> list[str]:
+    """Stages downstream of ``path`` (that read it, or read what was made from it), in DAG order."""
+    lock = load_lock(root)
+    found: list[str] = []
+    frontier = [path]
+    while frontier:
+        p = frontier.pop()
+        for stage, e in lock.items():
+            if stage in found:
+                continue
+            if any(_under(d["path"], p) or _under(p, d["path"]) for d in e.get("deps", [])):
+                found.append(stage)
+                frontier += [o["path"] for o in e.get("outs", [])]
+    order = list(lock)
+    return sorted(found, key=order.index)
+
+
+def _file_md5(p: Path) -> str:
+    h = hashlib.md5()
+    with p.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_out(root: Path, out: Out) -> str | None:
+    """None when the workspace matches dvc.lock; otherwise what differs, naming the file."""
+    p = root / out.path
+    if not p.exists():
+        return f"{out.path}: missing from the workspace"
+    if not out.md5.endswith(".dir"):
+        got = _file_md5(p)
+        return None if got == out.md5 else f"{out.path}: md5 {got} != {out.md5} in dvc.lock"
+    manifest = root / ".dvc" / "cache" / "files" / "md5" / out.md5[:2] / out.md5[2:]
+    if manifest.is_file():
+        want = {e["relpath"]: e["md5"] for e in json.loads(manifest.read_text())}
+        have = {str(f.relative_to(p)): f for f in sorted(p.rglob("*")) if f.is_file()}
+        problems = [f"{out.path}/{rel}: changed (md5 {_file_md5(have[rel])} != {md5})"
+                    for rel, md5 in want.items() if rel in have and _file_md5(have[rel]) != md5]
+        problems += [f"{out.path}/{rel}: missing" for rel in want if rel not in have]
+        problems += [f"{out.path}/{rel}: not in dvc.lock's manifest" for rel in have if rel not in want]
+        return "; ".join(problems) or None
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:  # no manifest in the cache: DVC's own hash of the folder
+        for st in repo.index.stages:
+            for o in st.outs:
+                if str(o.def_path) == out.path:
+                    got = o.get_hash().value
+                    return None if got == out.md5 else f"{out.path}: folder md5 {got} != {out.md5} in dvc.lock"
+    return None
+
+
+def verify(root: Path, tree: Node) -> list[str]:
+    """Check every output of every node; sets ``Out.problem``; returns the problems."""
+    problems, done = [], set()
+
+    def walk(n: Node) -> None:
+        if n.stage in done:
+            return
+        done.add(n.stage)
+        for o in n.outs:
+            o.problem = verify_out(root, o)
+            if o.problem:
+                problems.append(o.problem)
+        for p in n.parents:
+            walk(p)
+
+    walk(tree)
+    return problems
+
+
+def render(tree: Node, verified: bool) -> Any:
+    """A rich Tree of the lineage."""
+    from rich.tree import Tree
+
+    def label(n: Node) -> str:
+        run = f"run {n.run_id[:12]} @ {n.commit[:10] if n.commit else '?'}" if n.run_id else "no MLflow run"
+        lines = [f"[bold]{n.stage}[/bold]  params {n.params_digest}  {run}"]
+        for o in n.outs:
+            mark = "" if not verified else (" [green]ok[/green]" if not o.problem else f" [red]{o.problem}[/red]")
+            lines.append(f"  {o.path}  {o.md5[:12]}{mark}")
+        if n.metrics:
+            shown = list(n.metrics.items())[:6]
+            lines.append("  metrics: " + ", ".join(f"{k}={v}" for k, v in shown))
+        if n.verdict:
+            lines.append(f"  decontamination: {n.verdict}")
+        return "\n".join(lines)
+
+    seen: set[str] = set()
+
+    def add(t: Any, n: Node) -> None:
+        if n.stage in seen:
+            t.add(f"[dim]{n.stage} (above)[/dim]")
+            return
+        seen.add(n.stage)
+        sub = t.add(label(n))
+        for p in n.parents:
+            add(sub, p)
+        data = [s for s in n.sources if not s.endswith(".py") and not s.startswith("posttrain/")]
+        code = len(n.sources) - len(data)
+        if data or code:
+            sub.add(f"[dim]sources: {', '.join(data) + ('; ' if data else '')}{code} code files[/dim]")
+
+    root = Tree("lineage")
+    add(root, tree)
+    return root

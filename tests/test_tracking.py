@@ -1,0 +1,179 @@
+"""MLflow tracking on a real sqlite store: a stage run's record, nesting, the registry, the outbox."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from posttrain import tracking
+from posttrain.config import parse_params
+
+mlflow = pytest.importorskip("mlflow")
+
+
+def _record(tmp_path: Path, stage: str = "rl", parent: str | None = None) -> tracking.StageRecord:
+    model = tmp_path / "models" / stage
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text("{}")
+    report = tmp_path / "reports" / stage
+    report.mkdir(parents=True, exist_ok=True)
+    (report / "report.md").write_text("# report")
+    return tracking.StageRecord(
+        stage=stage, experiment="t", start_ms=1_000, end_ms=2_000, parent=parent,
+        params={"rl.lr": "3e-05", "seed": "0"},
+        metrics=[("reward_mean", 0.1 * s, s) for s in range(1, 251)] + [("final_reward", 0.9, 0)],
+        tags={"dvc.stage": stage, f"dvc.out.models/{stage}": "abc123.dir"}, artifacts=[str(report)],
+        datasets=[{"name": "data/curated/train.parquet", "digest": "d41d8cd9", "source": str(tmp_path)}],
+        models=[{"name": f"posttrain-{stage}", "source": str(model), "md5": f"md5-{stage}", "parent_md5": ""}])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_send_logs_one_batched_run_with_everything_and_registers_the_model(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = tracking._client(uri)
+    parent = client.create_run(tracking._experiment_id(client, "t", tmp_path)).info.run_id
+    rid = tracking.send(_record(tmp_path, parent=parent), uri, tmp_path)
+    run = client.get_run(rid)
+    assert run.info.run_name == "rl" and run.data.tags["mlflow.parentRunId"] == parent
+    assert run.data.params == {"rl.lr": "3e-05", "seed": "0"}
+    assert len(client.get_metric_history(rid, "reward_mean")) == 250
+    assert run.data.tags["dvc.out.models/rl"] == "abc123.dir"
+    assert [a.path for a in client.list_artifacts(rid)] == ["rl"]  # the report folder
+    assert run.inputs.dataset_inputs[0].dataset.digest == "d41d8cd9"
+    mv = client.get_model_version_by_alias("posttrain-rl", "candidate")
+    assert mv.run_id == rid and mv.tags["dvc_md5"] == "md5-rl"
+
+    child = _record(tmp_path, "distill")
+    child.models[0]["parent_md5"] = "md5-rl"  # the student's parent is the rl model version
+    tracking.send(child, uri, tmp_path)
+    student = client.get_model_version_by_alias("posttrain-distill", "candidate")
+    assert student.tags["parent_version"] == "posttrain-rl/1"
+
+    # evaluate: champion moves only to a version that beats the current champion's metric
+    assert tracking.promote(client, {"md5": "md5-rl", "metric": "eval.greedy", "value": 0.5})
+    tracking.send(_record(tmp_path), uri, tmp_path)  # a second rl version, same md5 tag: version 2
+    client.set_model_version_tag("posttrain-rl", "2", "dvc_md5", "md5-rl-v2")
+    assert not tracking.promote(client, {"md5": "md5-rl-v2", "metric": "eval.greedy", "value": 0.4})
+    assert str(client.get_model_version_by_alias("posttrain-rl", "champion").version) == "1"
+    assert tracking.promote(client, {"md5": "md5-rl-v2", "metric": "eval.greedy", "value": 0.6})
+    assert str(client.get_model_version_by_alias("posttrain-rl", "champion").version) == "2"
+
+
+def test_unreachable_store_keeps_the_run_in_the_outbox_and_sync_replays_it_whole(tmp_path, monkeypatch):
+    raw = json.loads(json.dumps(__import__("conftest").tiny_raw(tmp_path)))
+    raw["tracking"] = {"enabled": True, "uri": f"http://127.0.0.1:{_free_port()}", "experiment": "t", "outbox": "box"}
+    params = parse_params(raw)
+    rec = _record(tmp_path)
+    monkeypatch.setattr(tracking, "build_record", lambda *a, **k: rec)
+    with tracking.stage_run("rl", params, tmp_path):  # the stage itself succeeds
+        pass
+    boxed = list((tmp_path / "box").glob("*/record.json"))
+    assert len(boxed) == 1
+    (tmp_path / "reports" / "rl" / "report.md").write_text("changed after the run")  # the outbox kept a copy
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert tracking.sync(tmp_path / "box", uri, tmp_path) == (1, 0)
+    assert not list((tmp_path / "box").glob("*/record.json"))
+    client = tracking._client(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+    assert len(client.get_metric_history(run.info.run_id, "reward_mean")) == 250  # nothing lost
+    art = Path(client.download_artifacts(run.info.run_id, "rl/report.md", str(tmp_path / "dl")))
+    assert art.read_text() == "# report"
+
+
+def test_disabled_tracking_logs_nothing(tmp_path):
+    raw = __import__("conftest").tiny_raw(tmp_path)
+    raw["tracking"] = {"enabled": False, "outbox": "box"}
+    with tracking.stage_run("rl", parse_params(raw), tmp_path):
+        pass
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "box").exists()
+
+
+@pytest.mark.slow
+def test_server_killed_mid_stage_then_outbox_sync_loses_nothing(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from conftest import copy_repo, tiny_raw
+
+    port = _free_port()
+    uri = f"http://127.0.0.1:{port}"
+    raw = tiny_raw(None)
+    raw["tracking"] = {"enabled": True, "uri": uri}
+    raw["sft"]["phases"] = [{"steps": 60, "cot_frac": 1.0}]  # a few seconds: the server dies in the middle
+    repo = tmp_path / "repo"
+    copy_repo(repo, raw)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+
+    def server() -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                              "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+                              "--artifacts-destination", str(tmp_path / "art"), "--workers", "1"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        end = time.time() + 120
+        while time.time() < end:
+            try:
+                if urllib.request.urlopen(f"{uri}/health", timeout=2).status == 200:
+                    return p
+            except OSError:
+                time.sleep(1)
+        raise AssertionError("mlflow server did not start")
+
+    def stop(p: subprocess.Popen) -> None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+
+    srv = server()
+    try:
+        run = subprocess.Popen([sys.executable, "-m", "posttrain.cli", "repro", "sft"], cwd=repo, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        ckpts = repo / "checkpoints" / "sft"
+        end = time.time() + 300
+        while not any(ckpts.glob("step_*.pt")) and time.time() < end and run.poll() is None:
+            time.sleep(0.1)
+        stop(srv)  # the server dies in the middle of sft
+        out = run.communicate(timeout=600)[0]
+        assert run.returncode == 0, out[-3000:]  # the stage completed anyway
+        assert "unreachable" in out
+        assert len(list((repo / ".mlflow-outbox").glob("*/record.json"))) >= 1
+
+        srv = server()
+        sync = subprocess.run([sys.executable, "-m", "posttrain.cli", "tracking", "sync"], cwd=repo, env=env,
+                              capture_output=True, text=True)
+        assert sync.returncode == 0 and " 0 left" in sync.stdout, sync.stdout + sync.stderr
+
+        again = subprocess.run([sys.executable, "-m", "dvc", "repro", "--force", "--single-item", "sft"], cwd=repo,
+                               env=env, capture_output=True, text=True)  # the same stage, server up all along
+        assert again.returncode == 0, again.stderr[-2000:]
+        client = tracking._client(uri)
+        runs = client.search_runs([client.get_experiment_by_name("posttrain").experiment_id],
+                                  filter_string="attributes.run_name = 'sft'", order_by=["attributes.start_time ASC"])
+        assert len(runs) == 2
+        synced, straight = runs
+
+        def shape(r):
+            return {k: len(client.get_metric_history(r.info.run_id, k)) for k in r.data.metrics}
+
+        assert shape(synced) == shape(straight) and sum(shape(synced).values()) > 10
+        assert synced.data.params == straight.data.params
+        assert [a.path for a in client.list_artifacts(synced.info.run_id)] == \
+            [a.path for a in client.list_artifacts(straight.info.run_id)]
+        assert synced.data.tags.get("mlflow.parentRunId")  # still nested under the pipeline's parent run
+    finally:
+        try:
+            stop(srv)
+        except ProcessLookupError:
+            pass
