@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -207,7 +208,6 @@ def _experiment_id(client: Any, name: str, root: Path | None) -> str:
 
 def send(rec: StageRecord, uri: str, root: Path | None) -> str:
     """Log ``rec`` as one MLflow run (batched); register its models. Returns the run id."""
-    from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param
 
     client = _client(uri)
     exp_id = _experiment_id(client, rec.experiment, root)
@@ -216,8 +216,28 @@ def send(rec: StageRecord, uri: str, root: Path | None) -> str:
         tags["mlflow.parentRunId"] = rec.parent
     run = client.create_run(exp_id, start_time=rec.start_ms, tags=tags, run_name=rec.stage)
     rid = run.info.run_id
+    try:
+        _fill(client, run, rec, uri)
+    except Exception:
+        try:  # no half-logged run stays behind: the replay from the outbox logs it whole
+            client.delete_run(rid)
+        except Exception:
+            pass
+        raise
+    return rid
+
+
+def metric_key(k: str) -> str:
+    """MLflow metric names allow letters, digits, ``_-. :/``: ``pass@1`` -> ``pass_at_1``."""
+    return re.sub(r"[^A-Za-z0-9_\-. :/]", "_", k.replace("@", "_at_"))
+
+
+def _fill(client: Any, run: Any, rec: StageRecord, uri: str) -> None:
+    from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param
+
+    rid = run.info.run_id
     params = [Param(k, v[:6000]) for k, v in rec.params.items()]
-    metrics = [Metric(k, v, rec.end_ms, s) for k, v, s in rec.metrics]
+    metrics = [Metric(metric_key(k), v, rec.end_ms, s) for k, v, s in rec.metrics]
     for i in range(0, max(len(params), 1), 100):
         client.log_batch(rid, params=params[i : i + 100])
     for i in range(0, len(metrics), 1000):
@@ -242,7 +262,6 @@ def send(rec: StageRecord, uri: str, root: Path | None) -> str:
     for e in rec.evals:
         promote(client, e)
     client.set_terminated(rid, rec.status, end_time=rec.end_ms)
-    return rid
 
 
 def register(client: Any, m: dict[str, Any], run_id: str) -> str:
@@ -356,8 +375,8 @@ def stage_run(stage: str, params: Params, root: Path = Path(".")) -> Iterator[No
                 log.info("tracked as MLflow run %s (%s) in %.2fs", rid, uri, time.time() - t0)
             except Exception as e:
                 folder = to_outbox(rec, outbox_dir(params, root))
-                log.warning("tracking store %s unreachable (%s): run kept in %s; `posttrain tracking sync` "
-                            "sends it", uri, type(e).__name__, folder)
+                log.warning("tracking store %s unreachable or refused the run (%s: %s): run kept in %s; "
+                            "`posttrain tracking sync` sends it", uri, type(e).__name__, str(e)[:200], folder)
 
 
 def start_parent(params: Params, root: Path, name: str, tags: dict[str, str] | None = None) -> str | None:
