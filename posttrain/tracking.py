@@ -1,16 +1,17 @@
 """MLflow tracking of every stage run, with a local outbox so nothing is lost when the server is down.
 
-``stage_main`` wraps each stage in :func:`stage_run`. A :class:`StageRecord` collects what the run will
-log: the stage's params section (flattened), per-step metrics (every ``train_log.csv`` among the stage's
-outputs, one metric per column and step), final metrics (the stage's metrics JSON), artifacts (its report
-folders and metrics file), dataset inputs (each Parquet dep, with DVC's md5 as the digest) and tags: git
-commit and dirty flag, DVC stage name, the md5 of every dep and out *as DVC computes them* (``dvc.dep.<path>``,
-``dvc.out.<path>``; ``posttrain lineage`` joins ``dvc.lock`` to runs through these), hostname, device and
-package versions. Model outputs of ``sft``, ``rl`` and ``distill`` become registered model versions
-(``create_model_version(source=<model folder>)``; on a tracking server, which accepts only sources inside
-a run's artifacts, the folder is uploaded as the run's ``model/<name>`` artifact first), tagged with the
-run, the out's md5 and the parent model's version, with the alias ``candidate``; ``evaluate`` moves the
-alias ``champion`` to a version whose ``tracking.champion`` metric beats the current champion's.
+``stage_main`` wraps each stage in :func:`stage_run`. A :class:`StageRecord` collects what the run will log:
+the params dvc.yaml declares for the stage (flattened, as DVC reads them), per-step metrics (every
+``train_log.csv`` among the stage's outputs, one metric per column and step), final metrics (the stage's
+metrics JSON), artifacts (its report folders and metrics file), dataset inputs (each Parquet dep, with DVC's
+md5 as the digest) and tags: git commit and dirty flag, DVC stage name, the md5 of every dep and out *as DVC
+computes them* (``dvc.dep.<path>``, ``dvc.out.<path>``; ``posttrain lineage`` joins ``dvc.lock`` to runs
+through these), hostname, device and package versions. Model outputs of ``sft``, ``rl`` and ``distill`` become
+registered model versions (``create_model_version(source=<model folder>)``; on a tracking server, which
+accepts only sources inside a run's artifacts, the folder is uploaded as the run's ``model/<name>`` artifact
+first), tagged with the run, the out's md5 and the parent model's version, with the alias ``candidate``;
+``evaluate`` moves the alias ``champion`` to a version whose ``tracking.champion`` metric beats the current
+champion's.
 
 Everything is sent in one go when the stage ends (``log_batch`` in chunks: no call per value), so tracking
 costs the stage nothing while it runs. When the store cannot be reached the record goes to the outbox
@@ -47,9 +48,6 @@ log = logging.getLogger("tracking")
 PARENT_ENV = "POSTTRAIN_MLFLOW_PARENT"
 MODEL_OUTS = {"sft": ["sft_model"], "rl": ["rl_model"], "distill": ["student_sft_model", "student_model"]}
 PARENT_MODEL = {"sft_model": "base_model", "rl_model": "sft_model", "student_model": "student_sft_model"}
-PARAM_SECTIONS = {"curate": ["seed", "task", "curate"], "sft": ["seed", "model", "sft"],
-                  "rollout": ["seed", "rollout"], "reward": ["reward"], "rl": ["seed", "rl", "reward"],
-                  "distill": ["seed", "distill", "rl"], "evaluate": ["seed", "evaluate"]}
 
 
 def store_uri(params: Params, root: Path) -> str:
@@ -102,13 +100,16 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def dvc_hashes(root: Path, stage: str) -> tuple[dict[str, str], dict[str, str]]:
-    """md5 of the stage's deps and outs in the workspace, computed by DVC (what dvc.lock will record)."""
+def dvc_hashes(root: Path, stage: str) -> tuple[dict[str, str], dict[str, str], dict[str, Any]]:
+    """md5 of the stage's deps and outs in the workspace, computed by DVC (what dvc.lock will record), and
+    the values of the params the stage declares in dvc.yaml."""
     from dvc.repo import Repo
 
-    deps, outs = {}, {}
+    deps: dict[str, str] = {}
+    outs: dict[str, str] = {}
+    declared: dict[str, Any] = {}
     if not (root / "dvc.yaml").is_file():
-        return deps, outs  # a stage run by hand outside a DVC repo: no hash tags
+        return deps, outs, declared  # a stage run by hand outside a DVC repo: no hash tags
     try:
         with Repo(str(root)) as repo:
             st = next((s for s in repo.index.stages if s.addressing == stage), None)
@@ -116,13 +117,15 @@ def dvc_hashes(root: Path, stage: str) -> tuple[dict[str, str], dict[str, str]]:
                 return deps, outs
             for d in st.deps:
                 value = d.get_hash().value
-                if isinstance(value, str):  # a params dep hashes to its values: those are logged as params
+                if isinstance(value, str):
                     deps[str(d.def_path)] = value
+                elif isinstance(value, dict):  # a params dep "hashes" to the values of its params
+                    declared.update(value)
             for o in st.outs:
                 outs[str(o.def_path)] = o.get_hash().value or ""
     except Exception as e:  # no DVC repo (a stage run by hand elsewhere): tags are simply absent
         log.warning("DVC hashes unavailable: %s", e)
-    return deps, outs
+    return deps, outs, declared
 
 
 def _train_logs(paths: list[Path]) -> list[tuple[str, float, int]]:
@@ -149,11 +152,11 @@ def build_record(stage: str, params: Params, root: Path, start_ms: int, status: 
     """Collect the stage's record after it ran (see module docstring)."""
     rec = StageRecord(stage, params.tracking.experiment, start_ms, int(time.time() * 1000), status,
                       os.environ.get(PARENT_ENV) or None)
-    raw = params.model_dump(mode="json")
-    for section in PARAM_SECTIONS.get(stage, ["seed"]):
-        for k, v in flatten(raw.get(section), section).items():
-            rec.params[k] = json.dumps(v) if isinstance(v, list | dict) else str(v)
-    deps, outs = dvc_hashes(root, stage)
+    deps, outs, declared = dvc_hashes(root, stage)
+    if not declared:  # outside a DVC repo: the stage's own section
+        declared = {stage: params.model_dump(mode="json").get(stage), "seed": params.seed}
+    for k, v in flatten(declared).items():  # the params dvc.yaml declares for the stage, as DVC reads them
+        rec.params[k] = json.dumps(v) if isinstance(v, list | dict) else str(v)
     torch = sys.modules.get("torch")  # curate never imports it
     rec.tags = {"dvc.stage": stage, "git.commit": _git(root, "rev-parse", "HEAD"),
                 "git.dirty": str(bool(_git(root, "status", "--porcelain", "--untracked-files=no"))),

@@ -177,3 +177,9 @@ def test_server_killed_mid_stage_then_outbox_sync_loses_nothing(tmp_path):
             stop(srv)
         except ProcessLookupError:
             pass
+
+
+def test_metric_keys_are_valid_mlflow_names():
+    assert tracking.metric_key("eval.rl.pass@16") == "eval.rl.pass_at_16"
+    assert tracking.metric_key("eval.rl.maj@4_ci") == "eval.rl.maj_at_4_ci"
+    assert tracking.metric_key("rl/pg_clipfrac") == "rl/pg_clipfrac"
