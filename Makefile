@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 pipeline: setup
-	$(VENV)/bin/dvc repro
+	$(VENV)/bin/posttrain repro   # dvc repro under one MLflow parent run
 
 lint: setup
 	$(VENV)/bin/ruff check .

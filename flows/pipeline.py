@@ -13,10 +13,11 @@ params.yaml the way ``dvc exp run -S`` applies them: the workspace file is rewri
 validated before any stage runs), ``exp_name`` (when set, the finished workspace is recorded with
 ``dvc exp save -n <name>``, so ``dvc exp show`` lists it with its params and metrics), ``route`` and ``repo``.
 
-GPU routing (``route=True``, the default of the deployed pipeline): a stage whose class in
-``prefect.resources`` is ``gpu`` runs as a ``posttrain-stage`` flow run of the ``gpu`` deployment, on the
-gpu work pool (``run_deployment``, a subflow of the pipeline's run); ``cpu`` stages run inside the pipeline's
-own flow run, on the cpu pool. A stage flow on a worker checks that its checkout is at the pipeline's
+GPU routing (``route=True``, the default of the deployed pipeline): stages whose class in
+``prefect.resources`` is ``gpu`` run as a ``posttrain-stage`` flow run of the ``gpu`` deployment, on the
+gpu work pool (``run_deployment``, a subflow of the pipeline's run; consecutive gpu stages share one flow
+run, one task per stage, so a worker picks up and starts once per run of them); ``cpu`` stages run inside
+the pipeline's own flow run, on the cpu pool. A stage flow on a worker checks that its checkout is at the pipeline's
 commit; with ``prefect.dvc_remote`` set it ``dvc pull``s the stage's upstream outputs first and
 ``dvc push``es its outputs after (for workers that do not share the pipeline's checkout).
 
@@ -175,16 +176,16 @@ def stage_task(stage: str, repo: str) -> str:
 
 
 @task(cache_policy=None, persist_result=False)
-def remote_stage_task(stage: str, repo: str, commit: str, mlflow_parent: str | None) -> str:
-    """One DVC stage as a flow run of the gpu stage deployment; waits for it, fails if it failed."""
+def remote_stage_task(stages: list[str], repo: str, commit: str, mlflow_parent: str | None) -> dict[str, str]:
+    """Consecutive gpu stages as one flow run of the gpu stage deployment; waits for it, fails if it failed."""
     from prefect.deployments import run_deployment
 
-    fr = run_deployment(STAGE_DEPLOYMENT, parameters={"stage": stage, "repo": repo, "commit": commit,
+    fr = run_deployment(STAGE_DEPLOYMENT, parameters={"stages": stages, "repo": repo, "commit": commit,
                                                       "mlflow_parent": mlflow_parent},
-                        flow_run_name=stage, timeout=None, as_subflow=True, poll_interval=1)
+                        flow_run_name="+".join(stages), timeout=None, as_subflow=True, poll_interval=1)
     if fr.state is None or not fr.state.is_completed():
-        raise StageFailed(f"stage {stage}: flow run {fr.id} ended {fr.state.name if fr.state else 'unknown'}")
-    return "remote"
+        raise StageFailed(f"stages {stages}: flow run {fr.id} ended {fr.state.name if fr.state else 'unknown'}")
+    return {s: "remote" for s in stages}
 
 
 def _head(repo: Path) -> str:
@@ -193,25 +194,24 @@ def _head(repo: Path) -> str:
 
 
 @flow(name="posttrain-stage", log_prints=True)
-def stage_flow(stage: str, repo: str | None = None, commit: str | None = None, mlflow_parent: str | None = None
-               ) -> str:
-    """One stage on a worker: same commit as the pipeline, deps pulled / outs pushed via the DVC remote."""
+def stage_flow(stages: list[str], repo: str | None = None, commit: str | None = None,
+               mlflow_parent: str | None = None) -> dict[str, str]:
+    """Stages on a worker, one task each: same commit as the pipeline; with a DVC remote, the upstream outputs
+    are pulled first and the stages' outputs pushed after."""
     root = Path(repo or os.getcwd())
     _PARENT[:] = [mlflow_parent] if mlflow_parent else []
     if commit and _head(root) != commit:
         raise StageFailed(f"worker checkout {root} is at {_head(root)[:12] or 'no commit'}, the pipeline at "
                           f"{commit[:12]}: check out the pipeline's commit on the worker")
-    params = load_params(root / "params.yaml")
-    remote = params.prefect.dvc_remote
+    remote = load_params(root / "params.yaml").prefect.dvc_remote
     if remote:
-        upstream = [s for s in stage_order(root, stage) if s != stage]
+        upstream = [s for s in stage_order(root, stages[-1]) if s not in stages]
         if upstream:
             dvc("pull", "--remote", remote, *upstream, repo=root)
-    status = run_stage(stage, root)
+    statuses = {s: stage_task.with_options(name=s, task_run_name=s)(s, str(root)) for s in stages}
     if remote:
-        dvc("push", "--remote", remote, stage, repo=root)
-    publish(stage, root, params, status)
-    return status
+        dvc("push", "--remote", remote, *stages, repo=root)
+    return statuses
 
 
 @flow(name="posttrain-pipeline", log_prints=True)
@@ -232,21 +232,37 @@ def pipeline(target: str | None = None, overrides: list[str] | None = None, exp_
     if parent:
         _link_mlflow(params, root, parent)
     statuses: dict[str, str] = {}
+    retry = {"retries": cfg.retries, "retry_delay_seconds": cfg.retry_delay_s}
     ok = False
     try:
-        for s in stages:
-            opts = {"name": s, "task_run_name": s, "retries": cfg.retries, "retry_delay_seconds": cfg.retry_delay_s}
-            if route and cfg.resources[s] == "gpu":
-                statuses[s] = remote_stage_task.with_options(**opts)(s, str(root), commit, parent)
+        for kind, group in _groups(stages, cfg.resources if route else {}):
+            if kind == "gpu":  # consecutive gpu stages: one flow run on the gpu pool (one worker pick-up)
+                name = "+".join(group)
+                statuses |= remote_stage_task.with_options(name=name, task_run_name=name, **retry)(
+                    group, str(root), commit, parent)
             else:
-                statuses[s] = stage_task.with_options(**opts)(s, str(root))
-            log.info("stage %s: %s", s, statuses[s])
+                (s,) = group
+                statuses[s] = stage_task.with_options(name=s, task_run_name=s, **retry)(s, str(root))
+            log.info("%s: %s", "+".join(group), [statuses[s] for s in group])
         if exp_name:  # records params, metrics and every output: needs the whole DAG's outputs in the workspace
             dvc("exp", "save", "--force", "-n", exp_name, repo=root)
         ok = True
     finally:
         tracking.end_parent(params, root, parent, ok)
     return statuses
+
+
+def _groups(stages: list[str], resources: dict[str, str]) -> list[tuple[str, list[str]]]:
+    """[("cpu", [s]), ("gpu", [s1, s2, ...]), ...]: each cpu stage alone, runs of consecutive gpu stages
+    together (``resources`` empty: everything cpu, i.e. in this process)."""
+    out: list[tuple[str, list[str]]] = []
+    for s in stages:
+        kind = resources.get(s, "cpu")
+        if kind == "gpu" and out and out[-1][0] == "gpu":
+            out[-1][1].append(s)
+        else:
+            out.append((kind, [s]))
+    return out
 
 
 def _link_mlflow(params: Params, root: Path, run_id: str) -> None:

@@ -60,6 +60,17 @@ def test_flow_in_process_runs_stages_through_dvc_and_records_overrides(tmp_path)
     assert again.returncode == 0 and json.loads(again.stdout.strip().splitlines()[-1]) == {"curate": "skipped"}
 
 
+def test_consecutive_gpu_stages_share_one_remote_run():
+    from flows.pipeline import _groups
+
+    res = {"curate": "cpu", "sft": "gpu", "rollout": "gpu", "reward": "cpu", "rl": "gpu", "distill": "gpu",
+           "evaluate": "gpu"}
+    stages = list(res)
+    assert _groups(stages, res) == [("cpu", ["curate"]), ("gpu", ["sft", "rollout"]), ("cpu", ["reward"]),
+                                    ("gpu", ["rl", "distill", "evaluate"])]
+    assert _groups(stages, {}) == [("cpu", [s]) for s in stages]  # routing off: all in process
+
+
 # ------------------------------------------------------------------------------------------ real server
 def _free_port() -> int:
     with socket.socket() as s:
@@ -182,13 +193,13 @@ def test_real_server_routes_gpu_stages_to_the_gpu_pool_and_survives_a_killed_wor
         runs = _runs(env)
         parent = next(r for r in runs if r["id"] == second)
         assert parent["flow"] == "posttrain-pipeline" and parent["pool"] == "cpu"
-        stage_runs = [r for r in runs if r["flow"] == "posttrain-stage" and r["state"] == "COMPLETED"]
+        stage_runs = [r for r in runs if r["flow"] == "posttrain-stage"]
         resources = raw["prefect"]["resources"]
-        gpu_stages = {s for s, c in resources.items() if c == "gpu"}
-        assert {r["params"]["stage"] for r in stage_runs} >= gpu_stages - {"sft", "rollout"}  # those ran in run 1
-        assert all(r["pool"] == "gpu" for r in runs if r["flow"] == "posttrain-stage")
-        assert not any(r["params"].get("stage") in {s for s, c in resources.items() if c == "cpu"}
-                       for r in runs if r["flow"] == "posttrain-stage")  # cpu stages never left the cpu pool
+        on_gpu = {s for r in stage_runs for s in r["params"]["stages"]}
+        assert on_gpu == {s for s, c in resources.items() if c == "gpu"}  # every gpu stage, no cpu stage
+        assert all(r["pool"] == "gpu" for r in stage_runs)
+        done = {s for r in stage_runs if r["state"] == "COMPLETED" for s in r["params"]["stages"]}
+        assert done >= {"rl", "distill", "evaluate"}
 
         # nothing that had completed before the kill ran again; rl resumed from its checkpoint
         assert _mtimes(repo, list(before)) == before
