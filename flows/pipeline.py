@@ -36,7 +36,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import yaml
 from prefect import flow, get_run_logger, task
@@ -45,13 +44,10 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from posttrain import tracking
 from posttrain.config import ConfigError, Params, load_params, parse_params
 from posttrain.dvcrepo import clear_stale_locks
+from posttrain.errors import StageError
 
 STAGE_DEPLOYMENT = "posttrain-stage/gpu"
 _PARENT: list[str] = []  # the MLflow parent run of this process's pipeline invocation
-
-
-class StageFailed(RuntimeError):
-    pass
 
 
 def _env() -> dict[str, str]:
@@ -76,7 +72,7 @@ def _run(cmd: list[str], repo: Path) -> str:
         lines.append(line)
         log.info(line.rstrip())
     if proc.wait():
-        raise StageFailed(f"{' '.join(cmd)} exited {proc.returncode}:\n{''.join(lines[-20:])}")
+        raise StageError(f"{' '.join(cmd)} exited {proc.returncode}:\n{''.join(lines[-20:])}")
     return "".join(lines)
 
 
@@ -137,16 +133,8 @@ def publish(stage: str, repo: Path, params: Params, status: str) -> None:
     """Prefect artifacts of a finished stage: its metrics as a table; evaluate's report as Markdown."""
     metrics = repo / params.paths.metrics_dir / f"{stage}.json"
     if metrics.is_file():
-        flat: list[dict[str, Any]] = []
-
-        def walk(prefix: str, v: Any) -> None:
-            if isinstance(v, dict):
-                for k, x in v.items():
-                    walk(f"{prefix}.{k}" if prefix else str(k), x)
-            else:
-                flat.append({"metric": prefix, "value": json.dumps(v) if isinstance(v, list) else v})
-
-        walk("", json.loads(metrics.read_text()))
+        flat = [{"metric": k, "value": json.dumps(v) if isinstance(v, list) else v}
+                for k, v in tracking.flatten(json.loads(metrics.read_text())).items()]
         create_table_artifact(key=f"{stage}-metrics", table=flat,
                               description=f"{stage}: metrics/{stage}.json ({status})")
     report = repo / params.paths.eval_report_dir / "report.md"
@@ -184,7 +172,7 @@ def remote_stage_task(stages: list[str], repo: str, commit: str, mlflow_parent: 
                                                       "mlflow_parent": mlflow_parent},
                         flow_run_name="+".join(stages), timeout=None, as_subflow=True, poll_interval=1)
     if fr.state is None or not fr.state.is_completed():
-        raise StageFailed(f"stages {stages}: flow run {fr.id} ended {fr.state.name if fr.state else 'unknown'}")
+        raise StageError(f"stages {stages}: flow run {fr.id} ended {fr.state.name if fr.state else 'unknown'}")
     return {s: "remote" for s in stages}
 
 
@@ -201,7 +189,7 @@ def stage_flow(stages: list[str], repo: str | None = None, commit: str | None = 
     root = Path(repo or os.getcwd())
     _PARENT[:] = [mlflow_parent] if mlflow_parent else []
     if commit and _head(root) != commit:
-        raise StageFailed(f"worker checkout {root} is at {_head(root)[:12] or 'no commit'}, the pipeline at "
+        raise StageError(f"worker checkout {root} is at {_head(root)[:12] or 'no commit'}, the pipeline at "
                           f"{commit[:12]}: check out the pipeline's commit on the worker")
     remote = load_params(root / "params.yaml").prefect.dvc_remote
     if remote:

@@ -98,8 +98,8 @@ def resolve(root: Path, target: str, lock: dict[str, Any], tracking_uri: str | N
         for o in e.get("outs", []):
             if _md5(o) == md5:
                 return o["path"]
-    raise StageError(f"{target}: its dvc_md5 {md5!r} is not an output in dvc.lock (an older pipeline state: "
-                     f"check out the commit {mv.tags.get('git_commit', 'that produced it')})")
+    raise StageError(f"{target}: its dvc_md5 {md5!r} is not an output in this dvc.lock (an older pipeline "
+                     f"state: check out the commit of its run {mv.run_id}, tag git.commit)")
 
 
 def _key_metrics(root: Path, stage: str, metrics_dir: str) -> dict[str, Any]:

@@ -70,27 +70,37 @@ def _wait_for_checkpoint_then_kill(proc: subprocess.Popen, ckpt: Path) -> int:
     return max(int(p.stem.split("_")[1]) for p in ckpt.glob("step_*.pt"))
 
 
-def test_rl_sigkill_then_rerun_resumes_without_repeating_or_skipping_steps(tmp_path):
+def _straight_and_killed(tmp_path: Path, stage: str, upstream: tuple[str, ...], edit, model: str
+                         ) -> tuple[dict[str, dict], int]:
+    """Two copies of a tiny config (``edit`` applied): upstream stages in both, ``stage`` straight through in
+    one and SIGKILLed after its first resumable checkpoint then re-run in the other. Returns each copy's
+    metrics/<stage>.json and the step the killed run had checkpointed."""
     runs = {}
     for name in ("straight", "killed"):
         root = tmp_path / name
         root.mkdir()
         raw = tiny_raw(root)
-        raw["rl"].update({"steps": 30, "checkpoint_every": 5})
+        edit(raw)
         (root / "params.yaml").write_text(yaml.safe_dump(raw))
         runs[name] = root / "params.yaml"
-    for stage in ("curate", "sft", "rollout", "reward"):
+    for up in upstream:
         for params in runs.values():
-            assert _stage(stage, params).wait() == 0
-    assert _stage("rl", runs["straight"]).wait() == 0
+            assert _stage(up, params).wait() == 0
+    assert _stage(stage, runs["straight"]).wait() == 0
 
-    proc = _stage("rl", runs["killed"])
-    killed_at = _wait_for_checkpoint_then_kill(proc, tmp_path / "killed" / "checkpoints" / "rl")
-    assert killed_at > 0 and not (tmp_path / "killed" / "models" / "rl").exists()
-    assert _stage("rl", runs["killed"]).wait() == 0
-
-    m = {n: json.loads((tmp_path / n / "metrics" / "rl.json").read_text()) for n in runs}
+    proc = _stage(stage, runs["killed"])
+    killed_at = _wait_for_checkpoint_then_kill(proc, tmp_path / "killed" / "checkpoints" / stage)
+    assert killed_at > 0 and not (tmp_path / "killed" / "models" / model).exists()
+    assert _stage(stage, runs["killed"]).wait() == 0
+    m = {n: json.loads((tmp_path / n / "metrics" / f"{stage}.json").read_text()) for n in runs}
     assert m["killed"]["resumed_from_step"] >= killed_at
+    return m, killed_at
+
+
+def test_rl_sigkill_then_rerun_resumes_without_repeating_or_skipping_steps(tmp_path):
+    m, killed_at = _straight_and_killed(tmp_path, "rl", ("curate", "sft", "rollout", "reward"),
+                                        lambda raw: raw["rl"].update({"steps": 30, "checkpoint_every": 5}), "rl")
+    runs = ("straight", "killed")
     assert m["killed"]["shards"] == m["straight"]["shards"] == 30
     assert m["killed"]["final_reward"] == m["straight"]["final_reward"]
     logs = {n: (tmp_path / n / "reports" / "rl" / "train_log.csv").read_text().splitlines() for n in runs}
@@ -189,27 +199,12 @@ def _check_tracking_and_lineage(repo: Path) -> None:
 
 
 def test_distill_sigkill_then_rerun_resumes_to_the_same_student(tmp_path):
-    runs = {}
-    for name in ("straight", "killed"):
-        root = tmp_path / name
-        root.mkdir()
-        raw = tiny_raw(root)
+    def edit(raw):
         raw["distill"]["on_policy"]["steps"] = 40
         raw["distill"]["checkpoint_every"] = 5
-        (root / "params.yaml").write_text(yaml.safe_dump(raw))
-        runs[name] = root / "params.yaml"
-    for stage in ("curate", "sft", "rollout", "reward", "rl"):
-        for params in runs.values():
-            assert _stage(stage, params).wait() == 0
-    assert _stage("distill", runs["straight"]).wait() == 0
 
-    proc = _stage("distill", runs["killed"])
-    killed_at = _wait_for_checkpoint_then_kill(proc, tmp_path / "killed" / "checkpoints" / "distill")
-    assert killed_at > 0 and not (tmp_path / "killed" / "models" / "student").exists()
-    assert _stage("distill", runs["killed"]).wait() == 0
-
-    m = {n: json.loads((tmp_path / n / "metrics" / "distill.json").read_text()) for n in runs}
-    assert m["killed"]["resumed_from_step"] >= killed_at
+    _straight_and_killed(tmp_path, "distill", ("curate", "sft", "rollout", "reward", "rl"), edit, "student")
+    runs = ("straight", "killed")
     logs = {n: (tmp_path / n / "reports" / "distill" / "train_log.csv").read_text().splitlines() for n in runs}
     strip = [[",".join(line.split(",")[:-1]) for line in logs[n]] for n in runs]  # drop the seconds column
     assert strip[0] == strip[1]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import socket
 from pathlib import Path
 
 import pytest
+from conftest import tiny_raw
 
 from posttrain import tracking
 from posttrain.config import parse_params
@@ -68,7 +68,7 @@ def test_send_logs_one_batched_run_with_everything_and_registers_the_model(tmp_p
 
 
 def test_unreachable_store_keeps_the_run_in_the_outbox_and_sync_replays_it_whole(tmp_path, monkeypatch):
-    raw = json.loads(json.dumps(__import__("conftest").tiny_raw(tmp_path)))
+    raw = tiny_raw(tmp_path)
     raw["tracking"] = {"enabled": True, "uri": f"http://127.0.0.1:{_free_port()}", "experiment": "t", "outbox": "box"}
     params = parse_params(raw)
     rec = _record(tmp_path)
@@ -90,7 +90,7 @@ def test_unreachable_store_keeps_the_run_in_the_outbox_and_sync_replays_it_whole
 
 
 def test_disabled_tracking_logs_nothing(tmp_path):
-    raw = __import__("conftest").tiny_raw(tmp_path)
+    raw = tiny_raw(tmp_path)
     raw["tracking"] = {"enabled": False, "outbox": "box"}
     with tracking.stage_run("rl", parse_params(raw), tmp_path):
         pass
@@ -106,7 +106,7 @@ def test_server_killed_mid_stage_then_outbox_sync_loses_nothing(tmp_path):
     import time
     import urllib.request
 
-    from conftest import copy_repo, tiny_raw
+    from conftest import copy_repo
 
     port = _free_port()
     uri = f"http://127.0.0.1:{port}"

@@ -10,8 +10,8 @@ completions. Works on CPU and GPU (the model's device).
 
 Why not ``model.generate``: on the tiny default model generate's per-token machinery (logits processors,
 stopping criteria, score bookkeeping, finished rows kept in the batch) cost more than the model itself;
-this loop measured 0.55 s -> see benchmarks/rollout.py and README "Performance" for the numbers. Greedy
-output equals ``model.generate`` (tests/test_rollout.py).
+on CPU this loop gives 1.1-2.0x its tokens/s (benchmarks/rollout.py, README "Performance"). Greedy output
+equals ``model.generate`` (tests/test_rollout.py).
 """
 
 from __future__ import annotations
