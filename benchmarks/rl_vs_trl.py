@@ -6,8 +6,8 @@ section: prompts per step B, group size G, max new tokens, temperature, top-p, l
 AdamW betas (0.9, 0.99), clip range (eps_low / eps_high), token-mean loss (TRL: ``loss_type="dapo"``),
 group-std advantages (TRL: ``scale_rewards="group"``), one optimizer step per rollout batch, no KL, no
 entropy bonus, the task's correctness reward, CPU, no vLLM. Our arm runs with ``dynamic_sampling: off``
-(TRL has no DAPO skip); its micro-batching (``rl.micro_batch_size``) is exact, so it is not a setting of the
-algorithm.
+(TRL has no DAPO skip); its micro-batching (``rl.micro_batch_size``) and sequence packing (``rl.pack``) are
+exact (the same loss and gradient as one padded batch), so they are not settings of the algorithm.
 
 Each arm runs in its own subprocess (so peak RSS is its own), alternating A B A B over ``--repeats``.
 Per arm: samples/s and completion tokens/s of the training loop (median, min-max over repeats), seconds per

@@ -327,6 +327,9 @@ class Rl(_Model):
     minibatches: int = Field(1, ge=1, description="optimizer steps per pass (old log-probs are recomputed "
                              "when epochs * minibatches > 1; otherwise the update is exactly on-policy)")
     micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward (gradient accumulation)")
+    pack: bool = Field(False, description="pack each micro-batch's sequences into rows of twice the longest "
+                       "(block-diagonal attention via position ids) instead of padding them: the same loss and "
+                       "gradient over fewer tokens; pays off when lengths vary widely (README Performance)")
     dynamic_sampling: Literal["off", "skip", "refill"] = Field(
         "skip", description="DAPO: groups whose rewards are all equal carry no signal: off = keep them, skip = "
         "drop them from the update, refill = sample more prompts until the batch is full (or max_refill_rounds)")

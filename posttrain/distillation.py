@@ -25,7 +25,7 @@ from posttrain.grpo import Seq, batch_tensors, token_logp_entropy
 
 
 def _logits(model: torch.nn.Module, t: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(input_ids=t["ids"], attention_mask=t["attn"]).logits[:, :-1].float()  # [B, T-1, V]
+    return model(input_ids=t["ids"], attention_mask=t["attn"], use_cache=False).logits[:, :-1].float()  # [B, T-1, V]
 
 
 def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: torch.optim.Optimizer,

@@ -88,3 +88,39 @@ def test_dynamic_sampling_modes():
     assert out["skip"][0].zero_var_frac == 1.0 and out["skip"][0].rounds == 0
     refill, pos = out["refill"]
     assert refill.rounds == 2 and len(refill.sampled) == 9 and pos == 9  # 3 rounds of 3 prompts, all kept on disk
+
+
+def test_pack_rows_first_fit_decreasing():
+    # lengths 5,4,3,3,2 into width 8: 5 -> row0 (3 left), 4 -> row1 (4 left), 3 -> row0 (0 left),
+    # 3 -> row1 (1 left), 2 -> row2; a sequence wider than the rows gets its own row
+    assert grpo.pack_rows([3, 5, 2, 4, 3], 8) == [[1, 0], [3, 4], [2]]
+    assert grpo.pack_rows([9, 1], 4) == [[0], [1]]
+
+
+def test_packed_update_equals_padded_update():
+    """Packing changes the layout only: per-token log-probs, entropies and the gradient of the loss equal
+    those of the right-padded batch (sequences of different lengths, one row holding several)."""
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TinyModel(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64), tok, 0)
+    prompts = chat_prompt_ids(tok, ["12*3=", "4*5=", "123*7="])
+    comps = BACKENDS["hf"](model.eval(), tok, 8).generate(prompts, 3, SamplingParams(1.0, 1.0, 12, 1))
+    seqs = [grpo.Seq(p, c.token_ids, c.logprobs, 1.0 - j) for p, g in zip(prompts, comps, strict=True)
+            for j, c in enumerate(g)]
+    assert len({len(s.completion_ids) for s in seqs}) > 1
+    width = grpo.row_width(seqs)
+    packed = grpo.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"), width)
+    assert packed["ids"].shape[0] < len(seqs)  # several sequences share a row
+    padded = grpo.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"))
+    grads = []
+    for t in (padded, packed):
+        model.zero_grad()
+        logp, ent = grpo.token_logp_entropy(model.train(), t)
+        m = t["mask"]
+        (-(logp * t["adv"][:, None] * m).sum() / m.sum()).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if t is padded:
+            ref_logp, ref_ent = logp.detach() * m, ent.detach() * m
+    torch.testing.assert_close(logp.detach() * m, ref_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent.detach() * m, ref_ent, atol=1e-5, rtol=0)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

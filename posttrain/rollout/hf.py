@@ -1,7 +1,8 @@
 """The default rollout backend: a KV-cached decode loop over a transformers causal LM, batched across
 prompts x samples.
 
-Prompts are left-padded and prefilled once; then one token per step for every live row. A row that emits
+Prompts are left-padded and prefilled once (one prefill serves a prompt's n samples: its KV cache is
+repeated); then one token per step for every live row. A row that emits
 EOS leaves the batch at once (its KV-cache rows are dropped with ``Cache.batch_select_indices``), so late
 steps only pay for the sequences still running. Sampling applies temperature, then top-p, and records the
 log-prob of each sampled token under that processed distribution (the sampler's log-prob). Each chunk is
@@ -54,16 +55,17 @@ class HFBackend:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
-        flat = [p for p in prompt_ids for _ in range(n)]  # prompt i's samples are rows i*n .. i*n+n-1
+        per = max(1, self.batch_size // n)  # whole groups per chunk: each prompt is prefilled once for its n rows
         out: list[Completion] = []
-        for c, start in enumerate(range(0, len(flat), self.batch_size)):
-            out += self._chunk(flat[start : start + self.batch_size], sampling, chunk_seed=sampling.seed + c)
+        for c, start in enumerate(range(0, len(prompt_ids), per)):
+            out += self._chunk(prompt_ids[start : start + per], n, sampling, chunk_seed=sampling.seed + c)
         return [out[i * n : (i + 1) * n] for i in range(len(prompt_ids))]
 
-    def _chunk(self, prompts: list[list[int]], s: SamplingParams, chunk_seed: int) -> list[Completion]:
+    def _chunk(self, prompts: list[list[int]], n: int, s: SamplingParams, chunk_seed: int) -> list[Completion]:
+        """Rows i*n .. i*n+n-1 sample prompt i."""
         device = self.model.device
-        b, width = len(prompts), max(len(p) for p in prompts)
-        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        k, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((k, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
             ids[i, width - len(p) :] = torch.tensor(p)
@@ -74,6 +76,10 @@ class HFBackend:
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                             use_cache=True).logits[:, -1]
+        if n > 1:  # the n samples of a prompt share its prefill
+            cache.batch_repeat_interleave(n)
+            logits, mask, pos = (x.repeat_interleave(n, dim=0) for x in (logits, mask, pos))
+        b = k * n
         next_pos = pos[:, -1] + 1
         live = torch.arange(b, device=device)  # original row of each row still decoding
         tokens = torch.full((b, s.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
