@@ -211,8 +211,8 @@ def token_logp_entropy(model: torch.nn.Module, t: dict[str, torch.Tensor]) -> tu
 
 def row_width(seqs: Sequence[Seq]) -> int:
     """Packed row width: twice the longest sequence. On SFT-policy samples of the default task (lengths
-    20-75) first-fit decreasing then fills ~97% of each row, against ~75% for length-sorted padded
-    micro-batches of 64; rows of 1x or 3x the longest measured slower (README "Performance")."""
+    19-74) first-fit decreasing fills 94% of the input, against 74% for length-sorted padded micro-batches
+    of 64 (``benchmarks/update.py``)."""
     return 2 * max(len(s.prompt_ids) + len(s.completion_ids) for s in seqs)
 
 

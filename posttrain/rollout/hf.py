@@ -1,10 +1,10 @@
 """The default rollout backend: a KV-cached decode loop over a transformers causal LM, batched across
 prompts x samples.
 
-Prompts are left-padded and prefilled once (one prefill serves a prompt's n samples: its KV cache is
-repeated); then one token per step for every live row. A row that emits
-EOS leaves the batch at once (its KV-cache rows are dropped with ``Cache.batch_select_indices``), so late
-steps only pay for the sequences still running. Sampling applies temperature, then top-p, and records the
+Prompts are left-padded and prefilled once: one prefill serves a prompt's n samples (its KV cache is
+repeated n times). Then one token per step for every live row. A row that emits EOS leaves the batch at
+once (its KV-cache rows are dropped with ``Cache.batch_select_indices``), so late steps only pay for the
+sequences still running. Sampling applies temperature, then top-p, and records the
 log-prob of each sampled token under that processed distribution (the sampler's log-prob). Each chunk is
 seeded from ``sampling.seed`` and its index with its own ``torch.Generator``: the same call gives the same
 completions. Works on CPU and GPU (the model's device).
