@@ -124,3 +124,27 @@ def test_packed_update_equals_padded_update():
     torch.testing.assert_close(ent.detach() * m, ref_ent, atol=1e-5, rtol=0)
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_policy_update_is_the_same_packed_or_padded():
+    """rl.pack changes the layout, not the update: the same weights after two off-policy optimizer steps
+    (old log-probs recomputed packed too) and the same metrics."""
+    import copy
+
+    tok, model, seqs, _ = _setup()
+    half = [len(s.completion_ids) // 2 + 1 for s in seqs]
+    seqs += [grpo.Seq(s.prompt_ids, s.completion_ids[:h], s.sampler_logp[:h], -s.adv)
+             for s, h in zip(seqs, half, strict=True)]  # unequal lengths, so packing has something to do
+    results = []
+    for pack in (False, True):
+        m = copy.deepcopy(model).train()
+        cfg = Rl(lr=1e-2, micro_batch_size=3, minibatches=2, pack=pack)
+        out = grpo.policy_update(m, torch.optim.AdamW(m.parameters(), lr=cfg.lr), copy.deepcopy(seqs), cfg,
+                                 tok.pad_token_id)
+        results.append((out, [p.detach() for p in m.parameters()]))
+    (m0, w0), (m1, w1) = results
+    assert m0["optimizer_steps"] == m1["optimizer_steps"] == 2
+    for k in ("loss", "clipfrac", "entropy", "logprob_gap"):
+        assert abs(m0[k] - m1[k]) < 1e-5, k
+    for a, b in zip(w0, w1, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
