@@ -53,7 +53,7 @@ def layout(seqs: list[grpo.Seq], pad_id: int, pack: bool, micro: int) -> tuple[f
     numel, shapes = 0, []
     for i in range(0, len(order), micro):
         part = order[i : i + micro]
-        ids = grpo.batch_tensors(part, pad_id, torch.device("cpu"), grpo.row_width(part) if pack else 0)["ids"]
+        ids = grpo.batch_tensors(part, pad_id, torch.device("cpu"), pack)["ids"]
         numel += ids.numel()
         shapes.append("x".join(map(str, ids.shape)))
     return sum(map(seq_len, seqs)) / numel, shapes

@@ -107,8 +107,7 @@ def test_packed_update_equals_padded_update():
     seqs = [grpo.Seq(p, c.token_ids, c.logprobs, 1.0 - j) for p, g in zip(prompts, comps, strict=True)
             for j, c in enumerate(g)]
     assert len({len(s.completion_ids) for s in seqs}) > 1
-    width = grpo.row_width(seqs)
-    packed = grpo.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"), width)
+    packed = grpo.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"), pack=True)
     assert packed["ids"].shape[0] < len(seqs)  # several sequences share a row
     padded = grpo.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"))
     grads = []
