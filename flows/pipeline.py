@@ -36,6 +36,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 from prefect import flow, get_run_logger, task
@@ -97,10 +98,9 @@ def stage_order(repo: Path, target: str | None) -> list[str]:
     return [s for s in order if s in keep]
 
 
-def apply_overrides(repo: Path, overrides: list[str]) -> Params:
-    """``key.path=value`` edits of params.yaml (values parsed as YAML), validated before anything is written."""
-    from dvc.utils.serialize import modify_yaml
-
+def parse_overrides(repo: Path, overrides: list[str]) -> tuple[Params, list[tuple[list[str], Any]]]:
+    """``key.path=value`` edits of params.yaml (values parsed as YAML) and the params they give, validated;
+    nothing is written. Raises :class:`ConfigError` naming the key."""
     path = repo / "params.yaml"
     raw = yaml.safe_load(path.read_text())
     edits = []
@@ -117,9 +117,18 @@ def apply_overrides(repo: Path, overrides: list[str]) -> Params:
             node = node[k]
         node[keys[-1]] = value
     if not edits:
-        return load_params(path)
-    # a bad override fails here, naming the key, before any stage runs
-    params = parse_params(raw, f"{path} with overrides {overrides}")
+        return load_params(path), edits
+    return parse_params(raw, f"{path} with overrides {overrides}"), edits
+
+
+def apply_overrides(repo: Path, overrides: list[str]) -> Params:
+    """Validate the overrides (:func:`parse_overrides`), then write them into params.yaml."""
+    from dvc.utils.serialize import modify_yaml
+
+    path = repo / "params.yaml"
+    params, edits = parse_overrides(repo, overrides)
+    if not edits:
+        return params
     with modify_yaml(path) as data:  # ruamel round trip: comments and order kept, as dvc exp run -S does
         for keys, value in edits:
             node = data
@@ -275,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--route", action="store_true", help="run gpu stages on the gpu pool (needs a server)")
     args = ap.parse_args(argv)
     try:
+        parse_overrides(Path.cwd(), args.overrides)  # a bad key exits 2 in a second, before Prefect starts
         statuses = pipeline(target=args.target, overrides=args.overrides, exp_name=args.exp_name, route=args.route)
     except ConfigError as e:
         print(f"posttrain: {e}", file=sys.stderr)

@@ -19,6 +19,10 @@ from dataclasses import dataclass
 import torch
 
 EPS = 1e-6
+# Log-ratios are clamped before any exp (as verl does): padded positions carry arbitrary log-probs, and an
+# exp that overflows to inf becomes NaN once the mask multiplies it (inf * 0), poisoning loss and gradient.
+LOG_RATIO_CLAMP = 20.0
+K3_CLAMP = 10.0
 
 
 def _masked_mean(x: torch.Tensor, m: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -91,7 +95,7 @@ def ppo_clip(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, cfg:
     loss is further capped at -adv * c.
     """
     a = adv.unsqueeze(-1)  # [B, 1]
-    ratio = torch.exp(logp - old_logp)  # [B, T]
+    ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T]
     pg1 = -a * ratio
     pg2 = -a * ratio.clamp(1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high)
     loss = torch.maximum(pg1, pg2)
@@ -107,7 +111,7 @@ def ppo_clip(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, cfg:
 def vanilla_pg(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, cfg: LossCfg
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Unclipped importance-weighted policy gradient: -adv * ratio. [B, T]"""
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     return -adv.unsqueeze(-1) * ratio, torch.zeros_like(ratio, dtype=torch.bool)
 
 
@@ -138,18 +142,30 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, mode: str, n_seqs: int, n_tok
     raise ValueError(f"unknown loss aggregation {mode!r}; known: {AGGREGATIONS}")
 
 
-def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k1 = log p - log p_ref (unbiased, high variance; Schulman 2020 "Approximating KL"). [B, T]"""
-    return logp - ref_logp
+def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k2 = 1/2 (logp - ref_logp)^2 (Schulman 2020, "Approximating KL"). [B, T]
+
+    As a loss its gradient is (logp - ref_logp) * d logp, whose on-policy expectation
+    E_pi[(log pi - log ref) d log pi] is exactly the gradient of the reverse KL(pi || ref): the KL penalty
+    the RLHF objective asks for."""
+    d = (logp - ref_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return 0.5 * d * d
 
 
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k3 = exp(ref - logp) - (ref - logp) - 1 >= 0 (unbiased, low variance; as in GRPO). [B, T]"""
-    d = ref_logp - logp
-    return torch.exp(d) - d - 1
+    """k3 = exp(ref - logp) - (ref - logp) - 1 >= 0 (Schulman 2020; GRPO's choice, DeepSeekMath). [B, T]
+
+    An unbiased, low-variance *value* estimate of KL(pi || ref). As a loss, though, its gradient is
+    (1 - ref/pi) * d logp, whose on-policy expectation E_pi[(1 - ref/pi) d log pi] = -sum ref d log pi is the
+    gradient of the *forward* KL(ref || pi), not of KL(pi || ref) (use k2 for the
+    reverse-KL gradient). The log-ratio is clamped to +-20 and k3 to 10, as in verl."""
+    d = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (torch.exp(d) - d - 1).clamp(max=K3_CLAMP)
 
 
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k1": kl_k1, "k3": kl_k3}
+# Per-token KL *loss* terms. KL-in-reward (REINFORCE++ / RLOO style, ``rl.kl_reward_coef``) uses k1 = logp - ref
+# of the sampled tokens, detached, in ``grpo.kl_shaped_rewards``; k1 as a loss has zero expected gradient.
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k2": kl_k2, "k3": kl_k3}
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

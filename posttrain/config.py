@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 EXIT_CONFIG_ERROR = 2
 
@@ -25,6 +33,12 @@ class ConfigError(ValueError):
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# Marks a field that changes how a run computes, not what it computes (micro-batching, packing, checkpoint
+# cadence): resume fingerprints (``training.fingerprint``) leave it out, so changing it between a kill and a
+# resume (the usual out-of-memory fix) resumes instead of starting over.
+NOT_RESULT: dict[str, Any] = {"fingerprint": False}
 
 
 # --------------------------------------------------------------------------------------------- paths
@@ -108,7 +122,18 @@ class ModelCfg(_Model):
         "HF folder or a hub id (needs the hub; with HF_HUB_OFFLINE=1 a hub id fails fast)",
     )
     tiny: TinyModel = Field(default_factory=TinyModel, description="used only when base == 'tiny'")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype on load")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="compute dtype. Training keeps fp32 master weights and optimizer state and runs "
+        "forward/backward under torch.autocast in this dtype (mixed precision); inference-only models (evaluate, "
+        "the rollout stage, a distillation teacher, a KL reference) are loaded in it")
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        if v == "float16":
+            raise ValueError("float16 needs loss scaling, which this pipeline does not do (its gradients "
+                             "underflow silently); use bfloat16 (same memory, fp32's exponent range) or float32")
+        return v
 
 
 # -------------------------------------------------------------------------------------------- runtime
@@ -231,12 +256,14 @@ class SftPhase(_Model):
 class Sft(_Model):
     phases: list[SftPhase] = Field(min_length=1, description="run in order; the LR schedule spans all phases")
     batch_size: int = Field(64, ge=1, description="sequences per optimizer step (micro_batch * accumulation)")
-    micro_batch_size: int = Field(64, ge=1, description="sequences per forward pass")
+    micro_batch_size: int = Field(64, ge=1, description="sequences per forward pass (gradient accumulation "
+                                  "up to batch_size; exact token-mean either way)", json_schema_extra=NOT_RESULT)
     lr: float = Field(2e-3, gt=0, description="peak AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(20, ge=0, description="linear warmup, then cosine decay to 0")
     max_grad_norm: float = Field(1.0, gt=0)
-    checkpoint_every: int = Field(100, ge=1, description="save a resumable checkpoint every N steps")
+    checkpoint_every: int = Field(100, ge=1, description="save a resumable checkpoint every N steps",
+                                  json_schema_extra=NOT_RESULT)
     log_every: int = Field(10, ge=1, description="write a training-log row every N steps")
 
     @model_validator(mode="after")
@@ -254,6 +281,27 @@ class Sampling(_Model):
     temperature: float = Field(1.0, ge=0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(96, ge=1)
+
+
+class RlSampling(Sampling):
+    """Sampling inside the RL loop. The trainer scores ``logits / temperature`` (the distribution sampled
+    from), so the on-policy ratio is exactly 1; it cannot score a top-p-truncated distribution."""
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        if v <= 0:
+            raise ValueError("RL needs temperature > 0: greedy decoding gives every group identical samples, "
+                             "so every group has zero reward variance and no advantage")
+        return v
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float) -> float:
+        if v < 1:
+            raise ValueError("the trainer cannot score the top-p-truncated distribution the sampler would draw "
+                             "from (ratios and KL would be of another policy); use top_p: 1.0 for rl")
+        return v
 
 
 def _registered(kind: str, name: str) -> str:
@@ -297,6 +345,11 @@ class Reward(_Model):
 
 
 # ------------------------------------------------------------------------------------------------- rl
+# Estimators whose papers place the KL or the baseline differently from GRPO (the combinations are refused).
+KL_IN_REWARD = {"reinforce_pp": "Hu 2025, REINFORCE++", "rloo": "Ahmadian et al. 2024, RLOO"}
+BATCH_BASELINE = {"reinforce_pp": "Hu 2025, REINFORCE++: global batch mean and std"}
+
+
 class RlSelect(_Model):
     """Prompt selection from the reward stage's pass rates (of the SFT policy)."""
 
@@ -308,8 +361,10 @@ class Rl(_Model):
     steps: int = Field(40, ge=1, description="rollout -> reward -> update rounds")
     prompts_per_step: int = Field(16, ge=1, description="B: prompts per round")
     group_size: int = Field(8, ge=2, description="G: samples per prompt")
-    sampling: Sampling = Field(default_factory=Sampling)
-    generate_batch_size: int = Field(256, ge=1, description="sequences per generate() call")
+    sampling: RlSampling = Field(default_factory=RlSampling, description="temperature > 0 and top_p 1: the "
+                                 "trainer scores logits / temperature, the distribution sampled from")
+    generate_batch_size: int = Field(256, ge=1, description="sequences per generate() call (part of the result: "
+                                     "each chunk of prompts is seeded by its index)")
     lr: float = Field(3e-5, gt=0, description="AdamW learning rate (constant); tiny models collapse at >= 1e-4")
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
@@ -320,22 +375,33 @@ class Rl(_Model):
     clip_eps_low: float = Field(0.2, ge=0, lt=1, description="ratio clip below 1")
     clip_eps_high: float = Field(0.28, ge=0, description="ratio clip above 1 (DAPO clip-higher)")
     dual_clip: float | None = Field(None, gt=1, description="dual-clip constant c for negative advantages")
-    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the frozen SFT reference; 0 = no reference loaded")
-    kl_estimator: Literal["k1", "k3"] = Field("k3", description="per-token KL estimator")
+    kl_coef: float = Field(0.0, ge=0, description="KL *loss* to the frozen SFT reference, estimator "
+                           "kl_estimator (GRPO's placement); 0 = no KL loss")
+    kl_estimator: Literal["k2", "k3"] = Field(
+        "k3", description="per-token KL loss term (posttrain.algos.KL_ESTIMATORS): k3 = GRPO's (its gradient is "
+        "that of KL(ref || pi)); k2 = (logp - ref)^2 / 2 (its gradient is that of KL(pi || ref))")
+    kl_reward_coef: float = Field(0.0, ge=0, description="KL *in the reward* (RLOO, REINFORCE++): each sample's "
+                                  "reward minus coef * sum over its tokens of (sampler logp - ref logp), before "
+                                  "advantages; 0 = off. With kl_coef and this both 0 the reference is never loaded")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient")
     epochs: int = Field(1, ge=1, description="passes over each rollout batch")
     minibatches: int = Field(1, ge=1, description="optimizer steps per pass (old log-probs are recomputed "
                              "when epochs * minibatches > 1; otherwise the update is exactly on-policy)")
-    micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward (gradient accumulation)")
+    micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward (gradient accumulation)",
+                                  json_schema_extra=NOT_RESULT)
     pack: bool = Field(False, description="pack each micro-batch's sequences into rows of twice the longest "
                        "(block-diagonal attention via position ids) instead of padding them: the same loss and "
-                       "gradient over fewer tokens; pays off when lengths vary widely (README Performance)")
+                       "gradient over fewer tokens; pays off when lengths vary widely (README Performance)",
+                       json_schema_extra=NOT_RESULT)
     dynamic_sampling: Literal["off", "skip", "refill"] = Field(
         "skip", description="DAPO: groups whose rewards are all equal carry no signal: off = keep them, skip = "
         "drop them from the update, refill = sample more prompts until the batch is full (or max_refill_rounds)")
     max_refill_rounds: int = Field(2, ge=0, description="extra sampling rounds per step with refill")
+    max_idle_steps: int = Field(5, ge=1, description="stop the stage with an error after this many steps in a "
+                                "row with nothing to update (every group skipped or unscorable); each is warned")
     select: RlSelect = Field(default_factory=RlSelect)
-    checkpoint_every: int = Field(10, ge=1, description="resumable checkpoint every N steps")
+    checkpoint_every: int = Field(10, ge=1, description="resumable checkpoint every N steps",
+                                  json_schema_extra=NOT_RESULT)
     save_steps: list[int] = Field(default_factory=list, description="also save HF checkpoints of these steps "
                                   "(under paths.rl_dir/checkpoints/step_N) for evaluation")
 
@@ -348,6 +414,25 @@ class Rl(_Model):
     @classmethod
     def _loss(cls, v: str) -> str:
         return _registered("policy_loss", v)
+
+    @field_validator("kl_coef")
+    @classmethod
+    def _kl_placement(cls, v: float, info: ValidationInfo) -> float:
+        adv = info.data.get("advantage")
+        if v > 0 and adv in KL_IN_REWARD:
+            raise ValueError(f"{adv} puts the KL in the reward ({KL_IN_REWARD[adv]}), not in the loss: set "
+                             "rl.kl_reward_coef instead and rl.kl_coef: 0")
+        return v
+
+    @field_validator("dynamic_sampling")
+    @classmethod
+    def _baseline(cls, v: str, info: ValidationInfo) -> str:
+        adv = info.data.get("advantage")
+        if v != "off" and adv in BATCH_BASELINE:
+            raise ValueError(f"{adv} uses a batch baseline ({BATCH_BASELINE[adv]}): a group whose rewards are all "
+                             "equal still carries signal, so skipping it changes the estimator; set "
+                             "rl.dynamic_sampling: off")
+        return v
 
 
 # -------------------------------------------------------------------------------------------- distill
@@ -387,10 +472,13 @@ class Distill(_Model):
     on_policy: DistillOnPolicy = Field(default_factory=DistillOnPolicy)
     grpo_steps: int = Field(0, ge=0, description="phase C: student GRPO after the bridge, with the rl section's "
                             "algorithm settings (0 = off)")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature of phases A and B")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of phases A and B; the divergences "
+                               "compare student and teacher distributions of logits / temperature")
     max_new_tokens: int = Field(80, ge=1)
-    micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward")
-    checkpoint_every: int = Field(10, ge=1, description="resumable checkpoint every N steps of phases A-C")
+    micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward",
+                                  json_schema_extra=NOT_RESULT)
+    checkpoint_every: int = Field(10, ge=1, description="resumable checkpoint every N steps of phases A-C",
+                                  json_schema_extra=NOT_RESULT)
 
 
 # ------------------------------------------------------------------------------------------- evaluate

@@ -24,15 +24,17 @@ from posttrain import algos
 from posttrain.grpo import Seq, batch_tensors, token_logp_entropy
 
 
-def _logits(model: torch.nn.Module, t: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(input_ids=t["ids"], attention_mask=t["attn"], use_cache=False).logits[:, :-1].float()  # [B, T-1, V]
+def _logits(model: torch.nn.Module, t: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+    out = model(input_ids=t["ids"], attention_mask=t["attn"], use_cache=False)
+    return out.logits[:, :-1].float() / temperature  # [B, T-1, V]
 
 
 def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: torch.optim.Optimizer,
                       seqs: Sequence[Seq], divergence: str, beta: float, pad_id: int, micro_batch_size: int,
-                      max_grad_norm: float = 1.0) -> dict[str, float]:
-    """One step on sum_t D(student_t, teacher_t) / tokens over completion positions. Returns the step's mean
-    divergence, forward and reverse KL (diagnostics), student entropy and completion length."""
+                      max_grad_norm: float = 1.0, temperature: float = 1.0) -> dict[str, float]:
+    """One step on sum_t D(student_t, teacher_t) / tokens over completion positions, both distributions of
+    logits / ``temperature`` (the sampling temperature, as in GKD/TRL). Returns the step's mean divergence,
+    forward and reverse KL (diagnostics), student entropy and completion length."""
     device = next(student.parameters()).device
     fn = algos.DIVERGENCES[divergence]
     n_tok = sum(len(s.completion_ids) for s in seqs)
@@ -42,8 +44,8 @@ def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: t
         t = batch_tensors(seqs[start : start + micro_batch_size], pad_id, device)
         m = t["mask"]
         with torch.no_grad():
-            t_logp = torch.log_softmax(_logits(teacher, t), -1)
-        s_logp = torch.log_softmax(_logits(student, t), -1)
+            t_logp = torch.log_softmax(_logits(teacher, t, temperature), -1)
+        s_logp = torch.log_softmax(_logits(student, t, temperature), -1)
         div = fn(s_logp, t_logp, beta)  # [b, T-1]
         loss = algos.aggregate(div, m, "token-mean", len(seqs), n_tok, 1)
         loss.backward()
@@ -60,15 +62,16 @@ def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: t
 
 
 def nll_update(student: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequence[Seq], pad_id: int,
-               micro_batch_size: int, max_grad_norm: float = 1.0) -> dict[str, float]:
-    """One SFT step on the sequences' completions (token-mean NLL). Returns loss, entropy, length."""
+               micro_batch_size: int, max_grad_norm: float = 1.0, temperature: float = 1.0) -> dict[str, float]:
+    """One SFT step on the sequences' completions (token-mean NLL of softmax(logits / ``temperature``), the
+    distribution the student will sample from). Returns loss, entropy, length."""
     device = next(student.parameters()).device
     n_tok = sum(len(s.completion_ids) for s in seqs)
     loss_sum, ent_sum = 0.0, 0.0
     opt.zero_grad(set_to_none=True)
     for start in range(0, len(seqs), micro_batch_size):
         t = batch_tensors(seqs[start : start + micro_batch_size], pad_id, device)
-        logp, ent = token_logp_entropy(student, t)
+        logp, ent = token_logp_entropy(student, t, temperature)
         loss = algos.aggregate(-logp, t["mask"], "token-mean", len(seqs), n_tok, 1)
         loss.backward()
         loss_sum += float(loss)

@@ -196,13 +196,16 @@ def batch_tensors(seqs: Sequence[Seq], pad_id: int, device: torch.device, pack: 
     return {k: v.to(device) for k, v in out.items()}
 
 
-def token_logp_entropy(model: torch.nn.Module, t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-prob of the targets and entropy, both [B, T-1] (unpacked when the input is packed)."""
+def token_logp_entropy(model: torch.nn.Module, t: dict[str, torch.Tensor], temperature: float = 1.0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-prob of the targets and entropy under softmax(logits / temperature), both [B, T-1]
+    (unpacked when the input is packed). ``temperature`` is the sampler's: the trainer then scores the
+    distribution the samples were drawn from (TRL and verl do the same)."""
     if "gather" in t:  # packed rows [R, W]
         out = model(input_ids=t["ids"], position_ids=t["pos"], use_cache=False)
     else:  # padded [B, T]
         out = model(input_ids=t["ids"], attention_mask=t["attn"], use_cache=False)
-    logits = out.logits[:, :-1].float()  # [rows, width-1, V]
+    logits = out.logits[:, :-1].float() / temperature  # [rows, width-1, V]
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, t["ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
     ent = -(logp_all.exp() * logp_all).sum(-1)
@@ -212,30 +215,45 @@ def token_logp_entropy(model: torch.nn.Module, t: dict[str, torch.Tensor]) -> tu
 
 
 @torch.no_grad()
-def _fill(model: torch.nn.Module, seqs: Sequence[Seq], attr: str, pad_id: int, micro: int, pack: bool) -> None:
+def _fill(model: torch.nn.Module, seqs: Sequence[Seq], attr: str, pad_id: int, micro: int, pack: bool,
+          temperature: float) -> None:
     """Set ``seq.<attr>`` to ``model``'s log-probs of each completion token (no grad)."""
     device = next(model.parameters()).device
     for start in range(0, len(seqs), micro):
         chunk = seqs[start : start + micro]
-        lp, _ = token_logp_entropy(model, batch_tensors(chunk, pad_id, device, pack))
+        lp, _ = token_logp_entropy(model, batch_tensors(chunk, pad_id, device, pack), temperature)
         for j, s in enumerate(chunk):
             p = len(s.prompt_ids)
             setattr(s, attr, lp[j, p - 1 : p - 1 + len(s.completion_ids)].tolist())
 
 
+def kl_shaped_rewards(rewards: Sequence[float], sampler_logp: Sequence[Sequence[float]],
+                      ref_logp: Sequence[Sequence[float]], coef: float) -> list[float]:
+    """KL in the reward (RLOO, Ahmadian et al. 2024; REINFORCE++, Hu 2025): r - coef * sum_t k1_t with
+    k1_t = sampler logp_t - ref logp_t of each sampled token (a constant for the gradient: it enters through
+    the advantage). Sequence level: REINFORCE++'s per-token returns give the first token exactly this; later
+    tokens there also drop the KL of their prefix, which is not modelled here."""
+    return [r - coef * (sum(s) - sum(q)) for r, s, q in zip(rewards, sampler_logp, ref_logp, strict=True)]
+
+
 def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequence[Seq], cfg: Rl, pad_id: int,
                   ref_model: torch.nn.Module | None = None, seed: int = 0) -> dict[str, float]:
-    """Optimise the policy on one rollout batch; returns averaged metrics. See module docstring."""
+    """Optimise the policy on one rollout batch; returns averaged metrics. See module docstring.
+
+    Every forward scores logits / ``cfg.sampling.temperature``. ``ref_model`` is used for the KL loss
+    (``cfg.kl_coef`` > 0); reference log-probs already on the sequences are not recomputed."""
     device = next(model.parameters()).device
+    temp = cfg.sampling.temperature
     loss_fn = algos.POLICY_LOSSES[cfg.policy_loss]
     loss_cfg = algos.LossCfg(cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip)
     kl_fn = algos.KL_ESTIMATORS[cfg.kl_estimator]
+    use_kl = ref_model is not None and cfg.kl_coef > 0
     norm_len = cfg.sampling.max_new_tokens
     on_policy = cfg.epochs * cfg.minibatches == 1  # then old log-probs come from the update's own forward
     if not on_policy:
-        _fill(model, seqs, "old_logp", pad_id, cfg.micro_batch_size, cfg.pack)
-    if ref_model is not None:
-        _fill(ref_model, seqs, "ref_logp", pad_id, cfg.micro_batch_size, cfg.pack)
+        _fill(model, seqs, "old_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp)
+    if use_kl and any(s.ref_logp is None for s in seqs):
+        _fill(ref_model, seqs, "ref_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp)
 
     sums = {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "gap": 0.0}
     ratio_max, tokens, gap_tokens, n_opt = 0.0, 0.0, 0.0, 0
@@ -253,10 +271,10 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
             for start in range(0, len(mb_seqs), cfg.micro_batch_size):
                 t = batch_tensors(mb_seqs[start : start + cfg.micro_batch_size], pad_id, device, cfg.pack)
                 m = t["mask"]
-                logp, ent = token_logp_entropy(model, t)  # [b, T-1]
+                logp, ent = token_logp_entropy(model, t, temp)  # [b, T-1]
                 old_logp = logp.detach() if on_policy else t["old_logp"]
                 loss_tok, clipped = loss_fn(logp, old_logp, t["adv"], loss_cfg)  # [b, T-1]
-                if ref_model is not None:
+                if use_kl:
                     kl = kl_fn(logp, t["ref_logp"])
                     loss_tok = loss_tok + cfg.kl_coef * kl
                     sums["kl"] += float((kl.detach() * m).sum())
@@ -267,7 +285,8 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
                 sums["loss"] += float(loss.detach())
                 sums["clipfrac"] += float((clipped.float() * m).sum())
                 sums["entropy"] += float((ent.detach() * m).sum())
-                ratio_max = max(ratio_max, float((torch.exp(logp.detach() - old_logp) * m).max()))
+                log_ratio = (logp.detach() - old_logp).clamp(-algos.LOG_RATIO_CLAMP, algos.LOG_RATIO_CLAMP)
+                ratio_max = max(ratio_max, float((torch.exp(log_ratio) * m).max()))
                 tokens += float(m.sum())
                 if epoch == 0:  # sampler vs trainer log-prob of the same tokens, before any update
                     sums["gap"] += float(((old_logp - t["sampler_logp"]).abs() * m).sum())
@@ -287,16 +306,33 @@ def update_from_groups(model: torch.nn.Module, opt: torch.optim.Optimizer, group
                        ) -> tuple[dict[str, float], dict[tuple[str, int], float]]:
     """Advantages over ``groups`` (``cfg.advantage``), then ``policy_update`` on the scorable samples.
 
-    Returns the update's metrics ({} when nothing was scorable) and each sample's advantage keyed by
-    (prompt_id, sample). Unscorable samples get an advantage of 0 and never enter the loss.
+    With ``cfg.kl_reward_coef`` > 0 the rewards are first shaped by the KL to ``ref_model``
+    (:func:`kl_shaped_rewards`). Returns the update's metrics ({} when nothing was scorable) and each
+    sample's advantage keyed by (prompt_id, sample). Unscorable samples get an advantage of 0 and never
+    enter the loss.
     """
     rows = [r for grp in groups for r in grp]
     if not rows:
         return {}, {}
+    scorable = [r for r in rows if r["reward"] is not None]
+    seqs = [Seq(prompt_ids[r["prompt_id"]], list(r["token_ids"]), list(r["logprobs"]), 0.0) for r in scorable]
+    kl_reward = None
+    if cfg.kl_reward_coef > 0 and seqs:
+        if ref_model is None:
+            raise ValueError("rl.kl_reward_coef > 0 needs the reference model")
+        _fill(ref_model, seqs, "ref_logp", pad_id, cfg.micro_batch_size, cfg.pack, cfg.sampling.temperature)
+        shaped = kl_shaped_rewards([r["reward"] for r in scorable], [s.sampler_logp for s in seqs],
+                                   [s.ref_logp for s in seqs], cfg.kl_reward_coef)
+        new = {(r["prompt_id"], r["sample"]): v for r, v in zip(scorable, shaped, strict=True)}
+        rows = [{**r, "reward": new.get((r["prompt_id"], r["sample"]))} for r in rows]
+        kl_reward = float(np.mean([sum(s.sampler_logp) - sum(s.ref_logp) for s in seqs]))
     adv = group_advantages(rows, cfg.group_size, cfg.advantage)
     advs = {(r["prompt_id"], r["sample"]): a for r, a in zip(rows, adv, strict=True)}
-    seqs = [Seq(prompt_ids[r["prompt_id"]], list(r["token_ids"]), list(r["logprobs"]), a)
-            for r, a in zip(rows, adv, strict=True) if r["reward"] is not None]
+    for s, r in zip(seqs, scorable, strict=True):
+        s.adv = advs[(r["prompt_id"], r["sample"])]
     if not seqs:
         return {}, advs
-    return policy_update(model, opt, seqs, cfg, pad_id, ref_model, seed=seed), advs
+    metrics = policy_update(model, opt, seqs, cfg, pad_id, ref_model, seed=seed)
+    if kl_reward is not None:
+        metrics["kl_seq"] = kl_reward  # mean per-sequence k1 sum that entered the rewards
+    return metrics, advs

@@ -1,4 +1,8 @@
-"""Evaluation metrics: unbiased pass@k, maj@k and percentile-bootstrap confidence intervals."""
+"""Evaluation metrics: unbiased pass@k, maj@k, Wilson intervals for proportions, percentile-bootstrap
+intervals (over problems) for means of per-problem values, and paired bootstrap intervals for differences.
+
+Hand-written because each is a few lines of numpy and the field's libraries (scipy, statsmodels) would be
+a heavy dependency for them; every formula is tested against hand-computed values."""
 
 from __future__ import annotations
 
@@ -20,18 +24,56 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
-def maj_at_k(answers: Sequence[str | None], correct: Sequence[bool | None], k: int) -> bool:
-    """Majority vote over the first ``k`` samples' extracted answers (None = no answer, no vote).
-
-    Ties go to the answer seen first. True when the winning answer's sample is correct.
-    """
-    votes = [(a, bool(c)) for a, c in zip(answers[:k], correct[:k], strict=True) if a is not None]
+def _majority_correct(answers: Sequence[str | None], correct: Sequence[bool | None]) -> bool:
+    """Majority vote over extracted answers (None = no vote); ties go to the answer seen first."""
+    votes = [(a, bool(c)) for a, c in zip(answers, correct, strict=True) if a is not None]
     if not votes:
         return False
     counts = Counter(a for a, _ in votes)
     top = max(counts.values())
     winner = next(a for a, _ in votes if counts[a] == top)
     return next(c for a, c in votes if a == winner)
+
+
+def maj_at_k(answers: Sequence[str | None], correct: Sequence[bool | None], k: int) -> float:
+    """maj@k of one problem from its ``n`` samples: the mean, over the ``n // k`` disjoint blocks of ``k``
+    consecutive samples, of whether the block's majority answer is correct.
+
+    Samples are exchangeable, so each block is an unbiased draw of maj@k and the mean uses (nearly) every
+    sample, as pass@k does; the ``n mod k`` trailing samples are in no block. k = n is the plain majority of
+    all samples. Ties go to the answer seen first within the block (a random tie-break, by exchangeability).
+    """
+    n = len(answers)
+    if not 1 <= k <= n:
+        raise ValueError(f"need 1 <= k <= n, got n={n} k={k}")
+    blocks = [_majority_correct(answers[i : i + k], correct[i : i + k]) for i in range(0, n - k + 1, k)]
+    return float(np.mean(blocks))
+
+
+Z95 = 1.959963984540054  # standard normal quantile at 0.975
+
+
+def wilson_ci(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (Wilson 1927): never zero-width at 0% or 100%, unlike
+    a percentile bootstrap or the Wald interval. (nan, nan) for n = 0."""
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p, z2 = successes / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    lo = 0.0 if successes == 0 else max(0.0, centre - half)
+    hi = 1.0 if successes == n else min(1.0, centre + half)
+    return float(lo), float(hi)
+
+
+def paired_bootstrap_ci(a: Sequence[float], b: Sequence[float], n_boot: int = 1000, seed: int = 0,
+                        alpha: float = 0.05) -> tuple[float, float]:
+    """Percentile bootstrap interval of mean(b) - mean(a) over problems resampled *jointly* (``a[i]`` and
+    ``b[i]`` are two models on the same problem i): the problem-to-problem variation both share cancels,
+    which is what makes a model-vs-model ordering decidable."""
+    if len(a) != len(b):
+        raise ValueError(f"paired values need equal lengths, got {len(a)} and {len(b)}")
+    return bootstrap_ci(np.asarray(b, dtype=float) - np.asarray(a, dtype=float), n_boot, seed, alpha)
 
 
 def bootstrap_ci(values: Sequence[float], n_boot: int = 1000, seed: int = 0, alpha: float = 0.05

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import string
 from pathlib import Path
@@ -95,13 +96,26 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     return tok
 
 
-def load_model(name: str, dtype: str = "float32", device: str | torch.device = "cpu") -> PreTrainedModel:
-    """Causal LM from a local folder or hub id, in eval mode on ``device``."""
+def load_model(name: str, dtype: str = "float32", device: str | torch.device = "cpu", trainable: bool = False
+               ) -> PreTrainedModel:
+    """Causal LM from a local folder or hub id, in eval mode on ``device``.
+
+    ``trainable``: the weights are fp32 masters whatever ``dtype`` is (the optimizer then keeps fp32 state
+    too); run forward/backward under :func:`autocast` in ``dtype``. Otherwise (inference only) the weights
+    are stored in ``dtype``."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32 if trainable else getattr(torch, dtype))
     except (OSError, ValueError) as e:
         raise ModelLoadError(_load_hint(name, e)) from None
     return model.to(device).eval()
+
+
+def autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """Mixed precision: ops inside run in ``dtype`` where autocast allows (matmuls), reductions stay fp32.
+    A no-op for float32, so the default path is bit-for-bit what it was. Gradients land in the fp32 masters."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
 
 
 def _load_hint(name: str, e: Exception) -> str:
@@ -113,11 +127,12 @@ def _load_hint(name: str, e: Exception) -> str:
 
 
 def init_base(cfg: ModelCfg, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The starting policy: built from ``model.tiny`` when ``model.base == 'tiny'``, else loaded."""
+    """The starting policy (fp32 master weights): built from ``model.tiny`` when ``model.base == 'tiny'``,
+    else loaded."""
     if cfg.base == "tiny":
         tok = build_char_tokenizer()
         return build_tiny_model(cfg.tiny, tok, seed), tok
-    return load_model(cfg.base, cfg.dtype), load_tokenizer(cfg.base)
+    return load_model(cfg.base, cfg.dtype, trainable=True), load_tokenizer(cfg.base)
 
 
 def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path) -> None:

@@ -114,7 +114,7 @@ def dvc_hashes(root: Path, stage: str) -> tuple[dict[str, str], dict[str, str], 
         with Repo(str(root)) as repo:
             st = next((s for s in repo.index.stages if s.addressing == stage), None)
             if st is None:
-                return deps, outs
+                return deps, outs, declared
             for d in st.deps:
                 value = d.get_hash().value
                 if isinstance(value, str):
@@ -377,9 +377,15 @@ def stage_run(stage: str, params: Params, root: Path = Path(".")) -> Iterator[No
                 rid = send(rec, uri, root)
                 log.info("tracked as MLflow run %s (%s) in %.2fs", rid, uri, time.time() - t0)
             except Exception as e:
-                folder = to_outbox(rec, outbox_dir(params, root))
-                log.warning("tracking store %s unreachable or refused the run (%s: %s): run kept in %s; "
-                            "`posttrain tracking sync` sends it", uri, type(e).__name__, str(e)[:200], folder)
+                try:
+                    folder = to_outbox(rec, outbox_dir(params, root))
+                except Exception as box_err:  # never hide the stage's own outcome (or exception) behind this
+                    log.error("tracking store %s unreachable (%s: %s) and the outbox %s is not writable (%s: %s): "
+                              "this %s run is not tracked", uri, type(e).__name__, str(e)[:200],
+                              outbox_dir(params, root), type(box_err).__name__, box_err, stage)
+                else:
+                    log.warning("tracking store %s unreachable or refused the run (%s: %s): run kept in %s; "
+                                "`posttrain tracking sync` sends it", uri, type(e).__name__, str(e)[:200], folder)
 
 
 def start_parent(params: Params, root: Path, name: str, tags: dict[str, str] | None = None) -> str | None:

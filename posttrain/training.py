@@ -1,8 +1,9 @@
 """Plain training functions: SFT example encoding, batching, optimizer/schedule, resumable checkpoints.
 
 A resumable checkpoint holds model, optimizer, scheduler, RNG states, the step and the training log,
-plus a fingerprint of everything that determines the run (params section, model config, input data
-hash). A checkpoint whose fingerprint differs from the current run's is stale and never resumed from.
+plus a fingerprint of everything that determines the run's result (params section less the fields marked
+``config.NOT_RESULT``, model config, input data hash). A checkpoint whose fingerprint differs from the
+current run's is stale: never resumed from, moved aside (not deleted).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import hashlib
 import json
 import logging
 import random
-import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,9 +19,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import BaseModel
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
+from posttrain.config import NOT_RESULT
 from posttrain.schema import atomic_path
 from posttrain.tasks import get_task
 
@@ -38,9 +40,22 @@ def file_digest(path: str | Path) -> str:
 
 
 def fingerprint(*parts: Any) -> str:
-    """A stable hash of JSON-able parts (pydantic models are dumped first)."""
-    norm = [p.model_dump(mode="json") if hasattr(p, "model_dump") else p for p in parts]
-    return hashlib.sha256(json.dumps(norm, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """A stable hash of what determines a run's result. Pydantic models are dumped without the fields marked
+    ``config.NOT_RESULT`` (micro-batch size, packing, checkpoint cadence): changing those between a kill and
+    a resume still resumes."""
+    return hashlib.sha256(json.dumps([_result_fields(p) for p in parts], sort_keys=True,
+                                     default=str).encode()).hexdigest()[:16]
+
+
+def _result_fields(x: Any) -> Any:
+    if isinstance(x, BaseModel):
+        return {name: _result_fields(getattr(x, name)) for name, f in type(x).model_fields.items()
+                if (f.json_schema_extra or {}) != NOT_RESULT}
+    if isinstance(x, list | tuple):
+        return [_result_fields(v) for v in x]
+    if isinstance(x, dict):
+        return {str(k): _result_fields(v) for k, v in x.items()}
+    return x
 
 
 def encode_sft(tokenizer: PreTrainedTokenizerBase, prompt: str, completion: str) -> tuple[list[int], list[int]]:
@@ -78,7 +93,7 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[st
 def sum_token_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Summed next-token NLL over completion tokens, and their count (divide by the *whole* batch's count
     so gradient accumulation gives exactly the full-batch token-mean loss)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits[:, :-1]
     target = batch["labels"][:, 1:]
     loss = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=IGNORE, reduction="sum"
@@ -114,16 +129,20 @@ def save_resumable(ckpt_dir: Path, step: int, state: dict[str, Any], keep: int =
 
 
 def load_resumable(ckpt_dir: Path, fp: str) -> dict[str, Any] | None:
-    """The newest checkpoint whose fingerprint is ``fp``; stale ones (other fingerprint) are removed."""
+    """The newest checkpoint whose fingerprint is ``fp``. Checkpoints of another configuration are never
+    resumed from, and never deleted either: the folder is moved aside to ``<name>.stale-<their fp>-<time>``
+    (logged), so a changed setting cannot wipe hours of training."""
     if not ckpt_dir.is_dir():
         return None
     for path in sorted(ckpt_dir.glob("step_*.pt"), reverse=True):
         state = torch.load(path, weights_only=False)
         if state.get("fingerprint") == fp:
             return state
-        log.warning("discarding checkpoints in %s: they belong to another configuration (fingerprint %s, this "
-                    "run %s)", ckpt_dir, state.get("fingerprint"), fp)
-        shutil.rmtree(ckpt_dir)  # a different run's checkpoints: never resume from them
+        aside = ckpt_dir.with_name(f"{ckpt_dir.name}.stale-{state.get('fingerprint')}-{time.strftime('%Y%m%d-%H%M%S')}")
+        ckpt_dir.rename(aside)
+        log.warning("checkpoints in %s belong to another configuration (fingerprint %s, this run %s): moved "
+                    "aside to %s; delete it when it is no longer needed", ckpt_dir, state.get("fingerprint"), fp,
+                    aside)
         return None
     return None
 
@@ -186,7 +205,7 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
         phase, spec = phase_of[step]
         idx, use_cot = step_batch(seed, step, len(demos), cfg.batch_size, spec.cot_frac)
         examples = [enc["cot" if c else "direct"][i] for i, c in zip(idx, use_cot, strict=True)]
-        n_tok = sum(sum(1 for y in ex[1] if y != IGNORE) - 1 for ex in examples)  # shifted count
+        n_tok = sum(sum(1 for y in ex[1][1:] if y != IGNORE) for ex in examples)  # next-token targets
         opt.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for m in range(n_micro):

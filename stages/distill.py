@@ -23,6 +23,7 @@ Run: ``dvc repro distill`` or ``python -m stages.distill [--params params.yaml]`
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import time
@@ -59,9 +60,9 @@ def _pass_rate(rows: list[dict[str, Any]]) -> float | None:
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Distill. ``inputs``: demos, train, teacher. ``out``: student_sft, student, checkpoints, report_dir, metrics."""
     cfg, rt = params.distill, params.runtime
-    if cfg.grpo_steps and params.rl.kl_coef > 0:
-        raise StageError("distill.grpo_steps > 0 with rl.kl_coef > 0: phase C has no KL reference yet; "
-                         "set rl.kl_coef: 0 or distill.grpo_steps: 0")
+    if cfg.grpo_steps and (params.rl.kl_coef > 0 or params.rl.kl_reward_coef > 0):
+        raise StageError("distill.grpo_steps > 0 with rl.kl_coef or rl.kl_reward_coef > 0: phase C has no KL "
+                         "reference yet; set both to 0 or distill.grpo_steps: 0")
     device = modeling.resolve_device(rt.device)
     tok = modeling.load_tokenizer(str(inputs["teacher"]))
     teacher = modeling.load_model(str(inputs["teacher"]), params.model.dtype, device)
@@ -78,8 +79,10 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     torch.set_num_threads(rt.train_threads)
     fp0 = training.fingerprint("student-sft", params.sft, cfg.student, params.seed,
                                training.file_digest(inputs["demos"]))
-    res = training.sft_train(student, tok, demos, params.sft, params.seed, out["checkpoints"] / "sft", fp0,
-                             progress=rt.progress, desc="student sft")
+    amp = functools.partial(modeling.autocast, params.model.dtype, device)  # mixed precision (no-op in fp32)
+    with amp():
+        res = training.sft_train(student, tok, demos, params.sft, params.seed, out["checkpoints"] / "sft", fp0,
+                                 progress=rt.progress, desc="student sft")
     with atomic_path(out["student_sft"]) as tmp:
         modeling.save_checkpoint(student, tok, tmp)
     sft_seconds = res["seconds"]
@@ -108,12 +111,15 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         if phase == "grpo":
             for g in opt.param_groups:
                 g["lr"] = params.rl.lr
-            sb = grpo.collect_step(s_backend, tok, prompts, cursor, params.rl, specs, seed, policy=f"student@{step}")
+            with amp():
+                sb = grpo.collect_step(s_backend, tok, prompts, cursor, params.rl, specs, seed,
+                                       policy=f"student@{step}")
             first = [r for grp in sb.sampled[: params.rl.prompts_per_step] for r in grp]
             torch.set_num_threads(rt.train_threads)
             student.train()
-            m, _ = grpo.update_from_groups(student, opt, sb.groups, params.rl, prompt_ids, tok.pad_token_id,
-                                           seed=seed)
+            with amp():
+                m, _ = grpo.update_from_groups(student, opt, sb.groups, params.rl, prompt_ids, tok.pad_token_id,
+                                               seed=seed)
             scorable = [r["reward"] for r in first if r["reward"] is not None]
             row.update({"loss": m.get("loss"), "entropy": m.get("entropy"), "grad_norm": m.get("grad_norm"),
                         "response_len": float(np.mean([len(r["token_ids"]) for r in first])),
@@ -127,10 +133,11 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
             sp = SamplingParams(cfg.temperature, 1.0, cfg.max_new_tokens, seed)
             n_student = 0 if phase == "warmup" else round(cfg.on_policy.student_frac * len(batch))
             rows = []
-            if n_student:
-                rows += sample_rows(s_backend, tok, batch[:n_student], pc.samples_per_prompt, sp, "student")[0]
-            if n_student < len(batch):
-                rows += sample_rows(t_backend, tok, batch[n_student:], pc.samples_per_prompt, sp, "teacher")[0]
+            with amp():
+                if n_student:
+                    rows += sample_rows(s_backend, tok, batch[:n_student], pc.samples_per_prompt, sp, "student")[0]
+                if n_student < len(batch):
+                    rows += sample_rows(t_backend, tok, batch[n_student:], pc.samples_per_prompt, sp, "teacher")[0]
             rows = score_rows(rows, specs)
             if phase == "warmup" and cfg.warmup.filter_correct:
                 rows = [r for r in rows if is_correct(r["rewards"])]
@@ -139,12 +146,15 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
             student.train()
             if rows:
                 seqs = _seqs(rows, prompt_ids)
-                if phase == "warmup" and cfg.warmup.targets == "hard":
-                    m = distillation.nll_update(student, opt, seqs, tok.pad_token_id, cfg.micro_batch_size)
-                else:
-                    div = "forward_kl" if phase == "warmup" else cfg.on_policy.divergence
-                    m = distillation.divergence_update(student, teacher, opt, seqs, div, cfg.on_policy.beta,
-                                                       tok.pad_token_id, cfg.micro_batch_size)
+                with amp():
+                    if phase == "warmup" and cfg.warmup.targets == "hard":
+                        m = distillation.nll_update(student, opt, seqs, tok.pad_token_id, cfg.micro_batch_size,
+                                                    temperature=cfg.temperature)
+                    else:
+                        div = "forward_kl" if phase == "warmup" else cfg.on_policy.divergence
+                        m = distillation.divergence_update(student, teacher, opt, seqs, div, cfg.on_policy.beta,
+                                                           tok.pad_token_id, cfg.micro_batch_size,
+                                                           temperature=cfg.temperature)
                 row.update(m)
         row["seconds"] = round(time.time() - t0, 3)
         log_rows.append({k: (float(f"{row[k]:.5g}") if isinstance(row.get(k), float) else row.get(k))

@@ -4,11 +4,14 @@ Inputs: ``paths.curated_dir/eval.parquet``; the checkpoints named in ``evaluate.
 benchmark files/hub sets in ``evaluate.benchmarks`` (GSM8K / MATH formats, scored with math-verify).
 Outputs: ``metrics/evaluate.json`` (``{split: {model: {greedy, pass@k, maj@k, ...}}}`` for
 ``dvc metrics show``), ``paths.eval_report_dir/generations.parquet`` (every completion with its
-extracted answer and verdict, for audit) and ``report.md`` (tables with 95% bootstrap intervals).
+extracted answer and verdict, for audit), ``paired.json`` (``{split: {"a vs b": {metric: diff, ci}}}`` for
+the ``evaluate.compare`` pairs) and ``report.md`` (tables with 95% intervals, paired differences).
 
-Per model and split: greedy accuracy; ``num_samples`` samples per prompt at ``evaluate.sampling`` give
-sampled pass@1 (mean over samples), unbiased pass@k, maj@k (vote over the first k samples), mean
-completion length and the share cut at ``max_new_tokens``. A problem whose gold answer cannot be parsed is
+Per model and split: greedy accuracy (Wilson interval); ``num_samples`` samples per prompt at
+``evaluate.sampling`` give sampled pass@1 (mean over samples), unbiased pass@k, maj@k (mean majority-vote
+correctness over the disjoint blocks of k samples), mean completion length and the share cut at
+``max_new_tokens`` (bootstrap intervals over problems). Each ``evaluate.compare`` pair gets paired
+differences: the same problems resampled jointly. A problem whose gold answer cannot be parsed is
 unscorable: counted, and left out of every denominator (never counted correct).
 
 Run: ``dvc repro evaluate`` or ``python -m stages.evaluate [--params params.yaml]``.
@@ -52,15 +55,20 @@ def score_problem(p: Problem, greedy: Completion, samples: list[Completion], ks:
     row = {"greedy": float(bool(verdicts[0][1])), "pass@1": c / len(s)}
     for k in ks:
         row[f"pass@{k}"] = M.pass_at_k(len(s), c, k)
-        row[f"maj@{k}"] = float(M.maj_at_k([a for a, _ in s], [v for _, v in s], k))
+        row[f"maj@{k}"] = M.maj_at_k([a for a, _ in s], [v for _, v in s], k)
     row["len"] = float(np.mean([len(x.token_ids) for x in samples]))
     row["greedy_len"] = float(len(greedy.token_ids))
     row["truncated"] = float(np.mean([x.finish_reason == "length" for x in samples]))
     return row, verdicts
 
 
+PROPORTIONS = {"greedy"}  # one 0/1 outcome per problem: Wilson interval; means of per-problem values: bootstrap
+NO_INTERVAL = {"len", "greedy_len", "truncated"}
+
+
 def summarize(rows: list[dict[str, Any]], n_unscorable: int, n_boot: int, seed: int) -> dict[str, Any]:
-    """Means (and 95% bootstrap intervals) of each per-problem metric over the problems that have it."""
+    """Means of each per-problem metric over the problems that have it, with 95% intervals: Wilson for the
+    greedy accuracy (a proportion), percentile bootstrap over problems for pass@k, maj@k (per-problem means)."""
     out: dict[str, Any] = {"n": len(rows), "n_sampled": sum("pass@1" in r for r in rows), "unscorable": n_unscorable}
     if not rows:
         return out
@@ -68,8 +76,27 @@ def summarize(rows: list[dict[str, Any]], n_unscorable: int, n_boot: int, seed: 
     for key in keys:
         vals = [r[key] for r in rows if key in r]
         out[key] = round(float(np.mean(vals)), 4)
-        if key not in {"len", "greedy_len", "truncated"}:
+        if key in PROPORTIONS:
+            out[f"{key}_ci"] = [round(x, 4) for x in M.wilson_ci(int(sum(vals)), len(vals))]
+        elif key not in NO_INTERVAL:
             out[f"{key}_ci"] = [round(x, 4) for x in M.bootstrap_ci(vals, n_boot, seed)]
+    return out
+
+
+def paired(per_a: dict[str, dict[str, Any]], per_b: dict[str, dict[str, Any]], n_boot: int, seed: int
+           ) -> dict[str, Any]:
+    """b - a on the problems both have, per metric: the mean difference and its paired-bootstrap 95% interval
+    (problems resampled jointly). ``per_*``: problem id -> per-problem metrics."""
+    ids = [i for i in per_a if i in per_b]
+    out: dict[str, Any] = {}
+    keys = [k for k in dict.fromkeys(k for i in ids for k in per_a[i]) if k not in NO_INTERVAL]
+    for key in keys:
+        both = [i for i in ids if key in per_a[i] and key in per_b[i]]
+        if not both:
+            continue
+        a, b = [per_a[i][key] for i in both], [per_b[i][key] for i in both]
+        out[key] = {"diff": round(float(np.mean(b) - np.mean(a)), 4), "n": len(both),
+                    "ci": [round(x, 4) for x in M.paired_bootstrap_ci(a, b, n_boot, seed)]}
     return out
 
 
@@ -88,12 +115,13 @@ def crossing(a: dict[str, Any], b: dict[str, Any], ks: list[int]) -> str:
 
 
 def report_markdown(results: dict[str, dict[str, dict[str, Any]]], ks: list[int], sampling: Any,
-                    compare: list[tuple[str, str]]) -> str:
+                    compare: list[tuple[str, str]], diffs: dict[str, dict[str, dict[str, Any]]]) -> str:
     shown = sorted({1, min(8, ks[-1]), ks[-1]} & set(ks))
     cols = ["greedy"] + [f"pass@{k}" for k in shown] + [f"maj@{ks[-1]}"]
     lines = ["# Evaluation", "",
              f"Sampled metrics at temperature {sampling.temperature}, top-p {sampling.top_p} (pass@1 is the mean "
-             "over samples); 95% bootstrap intervals over problems in brackets. Curves: pass_at_k.png.", ""]
+             "over samples; maj@k the mean over disjoint blocks of k samples). 95% intervals in brackets: Wilson "
+             "for greedy accuracy, bootstrap over problems for the rest. Curves: pass_at_k.png.", ""]
     for split, by_model in results.items():
         lines += [f"## {split}", "", "| model | n | " + " | ".join(cols) + " | mean len | cut at max |",
                   "|---|---:|" + "---:|" * (len(cols) + 2)]
@@ -108,6 +136,15 @@ def report_markdown(results: dict[str, dict[str, dict[str, Any]]], ks: list[int]
         for a, b in compare:
             if a in by_model and b in by_model:
                 lines.append(f"\npass@k, {a} vs {b}: {crossing(by_model[a], by_model[b], ks)}.")
+        pairs = diffs.get(split, {})
+        if pairs:
+            lines += ["", "Paired differences (second minus first, points; 95% paired-bootstrap interval over the "
+                      "same problems; an interval that excludes 0 decides the ordering):", "",
+                      "| pair | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+            for pair, d in pairs.items():
+                cells = [f"{100 * d[c]['diff']:+.1f} [{100 * d[c]['ci'][0]:+.1f}, {100 * d[c]['ci'][1]:+.1f}]"
+                         if c in d else "—" for c in cols]
+                lines.append(f"| {pair} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -128,6 +165,7 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
     sample_sp = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens,
                                params.seed)
     results: dict[str, dict[str, Any]] = {s: {} for s in splits}
+    per_problem: dict[str, dict[str, dict[str, dict[str, Any]]]] = {s: {} for s in splits}  # split/model/id
     gen_rows: list[dict[str, Any]] = []
     for name, path in tqdm(inputs["models"].items(), desc="evaluate", disable=not params.runtime.progress):
         model = modeling.load_model(path, params.model.dtype, device)
@@ -146,6 +184,7 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
                     unscorable += 1
                 else:
                     per.append(row)
+                    per_problem[split].setdefault(name, {})[p["id"]] = row
                 for j, (c, (ext, ok)) in enumerate(zip([g[0], *ss], verdicts, strict=True)):
                     gen_rows.append({"model": name, "split": split, "id": p["id"], "mode": "greedy" if j == 0
                                      else "sample", "sample": max(j - 1, 0), "completion": c.text,
@@ -158,8 +197,12 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
                      r.get("pass@1", float("nan")), r["n"], r["seconds"])
         del model
 
+    diffs = {split: {f"{a} vs {b}": paired(per_problem[split][a], per_problem[split][b], cfg.bootstrap, params.seed)
+                     for a, b in cfg.compare if a in per_problem[split] and b in per_problem[split]}
+             for split in splits}
     write_parquet(out["report_dir"] / "generations.parquet", gen_rows, GENERATION_SCHEMA)
-    write_text(out["report_dir"] / "report.md", report_markdown(results, cfg.ks, cfg.sampling, cfg.compare))
+    write_json(out["report_dir"] / "paired.json", diffs)
+    write_text(out["report_dir"] / "report.md", report_markdown(results, cfg.ks, cfg.sampling, cfg.compare, diffs))
     plots.pass_at_k_curves(results, cfg.ks, out["report_dir"] / "pass_at_k.png")
     write_json(out["metrics"], results)
     return results

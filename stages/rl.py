@@ -20,6 +20,7 @@ Run: ``dvc repro rl`` or ``python -m stages.rl [--params params.yaml]``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import time
@@ -48,7 +49,7 @@ from posttrain.schema import (
 )
 
 log = logging.getLogger("rl")
-LOG_FIELDS = ["step", "reward_mean", "pass_rate", "zero_var_frac", "groups_used", "refill_rounds", "loss",
+LOG_FIELDS = ["step", "updated", "reward_mean", "pass_rate", "zero_var_frac", "groups_used", "refill_rounds", "loss",
               "clipfrac", "kl", "entropy", "ratio_max", "grad_norm", "logprob_gap", "response_len",
               "samples_per_s", "gen_s", "reward_s", "update_s"]
 
@@ -72,9 +73,10 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                          f"{cfg.select.max_pass_rate}] (rl.select); see the reward audit")
     log.info("%d prompts selected by pass rate", len(prompts))
 
-    model = modeling.load_model(str(inputs["policy"]), params.model.dtype, device)
+    model = modeling.load_model(str(inputs["policy"]), params.model.dtype, device, trainable=True)
     tok = modeling.load_tokenizer(str(inputs["policy"]))
-    ref = modeling.load_model(str(inputs["policy"]), params.model.dtype, device) if cfg.kl_coef > 0 else None
+    use_ref = cfg.kl_coef > 0 or cfg.kl_reward_coef > 0
+    ref = modeling.load_model(str(inputs["policy"]), params.model.dtype, device) if use_ref else None
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
     backend = BACKENDS[params.rollout.backend](model, tok, cfg.generate_batch_size)
     policy0 = modeling.checkpoint_digest(inputs["policy"])
@@ -91,22 +93,36 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
             stale.unlink()
 
     t_run = time.time()
+    idle = 0  # steps in a row with nothing to update
+    amp = functools.partial(modeling.autocast, params.model.dtype, device)  # mixed precision (no-op in fp32)
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="rl", disable=not rt.progress)
     for step in bar:
         t0 = time.time()
         torch.set_num_threads(rt.generate_threads)
         model.eval()
         seed = params.seed * 1_000_003 + step * 1009
-        sb = grpo.collect_step(backend, tok, prompts, cursor, cfg, params.reward.rewards, seed,
-                               policy=f"{policy0}@step{step}")
+        with amp():
+            sb = grpo.collect_step(backend, tok, prompts, cursor, cfg, params.reward.rewards, seed,
+                                   policy=f"{policy0}@step{step}")
         used = [row for grp in sb.groups for row in grp]
 
         torch.set_num_threads(rt.train_threads)
         model.train()
         t2 = time.time()
-        metrics, advs = grpo.update_from_groups(model, opt, sb.groups, cfg, prompt_ids, tok.pad_token_id, ref,
-                                                seed=seed)
+        with amp():
+            metrics, advs = grpo.update_from_groups(model, opt, sb.groups, cfg, prompt_ids, tok.pad_token_id, ref,
+                                                    seed=seed)
         update_s = time.time() - t2
+        idle = 0 if metrics else idle + 1
+        if idle:
+            log.warning("step %d: nothing to update (%d groups sampled, %d kept by dynamic sampling %r, none "
+                        "scorable or all skipped); %d such step(s) in a row, the stage stops at %d",
+                        step + 1, len(sb.sampled), len(sb.groups), cfg.dynamic_sampling, idle, cfg.max_idle_steps)
+            if idle >= cfg.max_idle_steps:
+                raise StageError(f"{idle} steps in a row had nothing to update (every group had zero reward "
+                                 f"variance or no scorable sample; zero-variance share {sb.zero_var_frac:.2f}). "
+                                 "Check the reward audit and rl.select, or set rl.dynamic_sampling: refill "
+                                 "(rl.max_idle_steps)")
 
         all_rows = [row for grp in sb.sampled for row in grp]
         used_ids = {(row["prompt_id"], row["sample"]) for row in used if row["reward"] is not None}
@@ -118,7 +134,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         correct = [is_correct(row["rewards"]) for row in scorable]
         step_s = time.time() - t0
         log_rows.append({
-            "step": step + 1,
+            "step": step + 1, "updated": int(bool(metrics)),
             "reward_mean": round(float(np.mean([row["reward"] for row in scorable])), 4) if scorable else None,
             "pass_rate": round(float(np.mean([bool(c) for c in correct])), 4) if correct else None,
             "zero_var_frac": round(sb.zero_var_frac, 4), "groups_used": len(sb.groups), "refill_rounds": sb.rounds,

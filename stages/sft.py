@@ -45,8 +45,9 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     model.to(device).train()
 
     fp = training.fingerprint(params.sft, params.model, params.seed, training.file_digest(inputs["demos"]))
-    res = training.sft_train(model, tok, demos, params.sft, params.seed, out["checkpoints"], fp,
-                             progress=params.runtime.progress)
+    with modeling.autocast(params.model.dtype, device):  # fp32 masters; bf16 compute when model.dtype says so
+        res = training.sft_train(model, tok, demos, params.sft, params.seed, out["checkpoints"], fp,
+                                 progress=params.runtime.progress)
     log_rows, start, elapsed = res["log"], res["start"], res["seconds"]
     total = params.sft.total_steps
 

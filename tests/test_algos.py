@@ -116,10 +116,67 @@ def test_loss_invariant_to_micro_batch_split(mode):
 
 def test_kl_estimators():
     logp, ref = torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)])
-    assert algos.kl_k1(logp, ref).item() == pytest.approx(math.log(2))  # log 0.5 - log 0.25
+    # k2: 0.5 * (log 0.5 - log 0.25)^2 = 0.5 * (ln 2)^2
+    assert algos.kl_k2(logp, ref).item() == pytest.approx(0.5 * math.log(2) ** 2)
     # k3: d = ref - logp = -log 2; exp(d) - d - 1 = 0.5 + 0.693147 - 1
     assert algos.kl_k3(logp, ref).item() == pytest.approx(0.5 + math.log(2) - 1)
     assert algos.kl_k3(logp, logp).item() == 0.0
+    assert "k1" not in algos.KL_ESTIMATORS  # as a loss its expected gradient is 0: noise only
+
+
+def test_kl_gradients_two_tokens():
+    """d/d logp of each estimator, two tokens, by hand:
+    token 1: logp = ln 0.5, ref = ln 0.25; token 2: logp = ln 0.25, ref = ln 0.5.
+    k3 = exp(ref - logp) - (ref - logp) - 1 -> d/dlogp = 1 - exp(ref - logp): 1 - 0.5 = 0.5; 1 - 2 = -1.
+    k2 = (logp - ref)^2 / 2 -> d/dlogp = logp - ref: ln 2 = 0.693147; -ln 2."""
+    ref = torch.log(torch.tensor([0.25, 0.5]))
+    for name, expected in (("k3", [0.5, -1.0]), ("k2", [math.log(2), -math.log(2)])):
+        logp = torch.log(torch.tensor([0.5, 0.25])).requires_grad_()
+        algos.KL_ESTIMATORS[name](logp, ref).sum().backward()
+        torch.testing.assert_close(logp.grad, torch.tensor(expected), atol=1e-6, rtol=0)
+
+
+def test_kl_expected_gradients_on_policy():
+    """Over a 2-token vocabulary pi = softmax(theta), the exact on-policy expectation of each estimator's
+    gradient, sum_y pi(y) * d k(log pi(y), log ref(y)) / d theta, equals the gradient of a true KL:
+    k2 -> KL(pi || ref) (reverse KL), k3 -> KL(ref || pi). By hand at theta = (0, 0) (pi = [0.5, 0.5]),
+    ref = [0.25, 0.75]: d KL(pi||ref)/d theta_0 = pi_0 (log(pi_0/ref_0) - KL(pi||ref))
+    = 0.5 (ln 2 - 0.143841) = 0.274653; d KL(ref||pi)/d theta_0 = pi_0 - ref_0 = 0.25."""
+    ref = torch.log(torch.tensor([0.25, 0.75]))
+    for name, expected in (("k2", 0.274653), ("k3", 0.25)):
+        theta = torch.zeros(2, requires_grad=True)
+        logpi = torch.log_softmax(theta, -1)
+        k = algos.KL_ESTIMATORS[name](logpi, ref)  # [2]: the estimator at each possible sample
+        grads = [torch.autograd.grad(k[y], theta, retain_graph=True)[0] for y in range(2)]
+        expect = sum(logpi[y].exp().detach() * grads[y] for y in range(2))
+        torch.testing.assert_close(expect, torch.tensor([expected, -expected]), atol=1e-6, rtol=0)
+    # and k1 = logp - ref, as a loss, has zero expected gradient: sum_y pi(y) d log pi(y) = d sum_y pi(y) = 0
+    theta = torch.zeros(2, requires_grad=True)
+    logpi = torch.log_softmax(theta, -1)
+    g = sum(logpi[y].exp().detach() * torch.autograd.grad(logpi[y], theta, retain_graph=True)[0] for y in range(2))
+    assert g.abs().max().item() < 1e-7
+
+
+@pytest.mark.parametrize("estimator", ["k2", "k3"])
+def test_extreme_logprob_at_a_padded_position_stays_finite(estimator):
+    """ref_logp is 0 at padded positions; a -100 log-prob there (exp(100) overflows fp32) must give a finite
+    loss and finite gradients after masking, for the policy loss and the KL."""
+    logp = torch.tensor([[-0.5, -100.0]], requires_grad=True)
+    old = torch.tensor([[-0.5, 0.0]])
+    ref = torch.tensor([[-0.7, 0.0]])
+    mask = torch.tensor([[1, 0]])
+    pg, _ = ppo_clip(logp, old, torch.tensor([1.0]), LossCfg(0.2, 0.28))
+    loss_tok = pg + 0.1 * algos.KL_ESTIMATORS[estimator](logp, ref)
+    loss = aggregate(loss_tok, mask, "token-mean", 1, 1, 2)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert logp.grad[0, 1].item() == 0.0  # nothing flows from the padded position
+    # the same with the extreme value in the old log-prob (ratio exp(+100))
+    logp2 = torch.tensor([[-0.5, 0.0]], requires_grad=True)
+    pg2, _ = ppo_clip(logp2, torch.tensor([[-0.5, -100.0]]), torch.tensor([-1.0]), LossCfg(0.2, 0.28))
+    loss2 = aggregate(pg2, mask, "token-mean", 1, 1, 2)
+    loss2.backward()
+    assert torch.isfinite(loss2) and torch.isfinite(logp2.grad).all()
 
 
 def test_entropy_of_uniform_logits():

@@ -26,6 +26,15 @@ def test_repo_params_validate():
     (lambda p: p["evaluate"].update(ks=[1, 128]), "evaluate: Value error, every k must be in [1, num_samples=64]"),
     (lambda p: p.pop("sft"), "sft: Field required"),
     (lambda p: p["task"].update(kind="chess"), "task: Input tag 'chess'"),
+    # combinations that would silently do the wrong thing (issue: correctness at real settings)
+    (lambda p: p["model"].update(dtype="float16"), "model.dtype: Value error, float16 needs loss scaling"),
+    (lambda p: p["rl"]["sampling"].update(temperature=0), "rl.sampling.temperature: Value error, RL needs "),
+    (lambda p: p["rl"]["sampling"].update(top_p=0.9), "rl.sampling.top_p: Value error, the trainer cannot score"),
+    (lambda p: p["rl"].update(kl_estimator="k1"), "rl.kl_estimator: Input should be 'k2' or 'k3'"),
+    (lambda p: p["rl"].update(advantage="reinforce_pp"), "rl.dynamic_sampling: Value error, reinforce_pp"),
+    (lambda p: p["rl"].update(advantage="reinforce_pp", dynamic_sampling="off", kl_coef=0.1),
+     "rl.kl_coef: Value error, reinforce_pp puts the KL in the reward"),
+    (lambda p: p["rl"].update(advantage="rloo", kl_coef=0.1), "rl.kl_coef: Value error, rloo puts the KL in the"),
 ])
 def test_bad_config_names_the_key(mutate, expected):
     raw = repo_params()

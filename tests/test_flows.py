@@ -39,6 +39,20 @@ def _flow(repo: Path, home: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+def test_bad_override_exits_2_naming_the_key_before_prefect_starts(tmp_path, monkeypatch, capsys):
+    from flows import pipeline
+
+    repo = _repo(tmp_path)
+    before = (repo / "params.yaml").read_text()
+    monkeypatch.chdir(repo)
+    monkeypatch.setattr(pipeline, "pipeline", lambda **kw: pytest.fail("the flow started"))
+    with pytest.raises(SystemExit) as e:
+        pipeline.main(["--target", "curate", "-S", "curate.eval.sise=10"])
+    assert e.value.code == 2 and "curate.eval.sise: unknown key" in capsys.readouterr().err
+    assert (repo / "params.yaml").read_text() == before
+
+
+@pytest.mark.slow  # three flow runs, each starting Prefect's ephemeral server: ~90 s
 def test_flow_in_process_runs_stages_through_dvc_and_records_overrides(tmp_path):
     repo, home = _repo(tmp_path), tmp_path / "prefect"
     before = (repo / "params.yaml").read_text()

@@ -1,5 +1,6 @@
 """The online loop's pieces: prompt cursor, dynamic-sampling test, and the policy update itself."""
 
+import pytest
 import torch
 
 from posttrain import grpo
@@ -60,12 +61,73 @@ def test_off_policy_epochs_recompute_old_logprobs_and_clip():
     assert m["clipfrac"] > 0 and m["ratio_max"] > 1.0  # later minibatches move away from the old policy
 
 
-def test_kl_to_reference_is_zero_at_start_and_logged():
-    tok, model, seqs, cfg = _setup(kl_coef=0.1)
-    ref = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 0)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    m = grpo.policy_update(model.train(), opt, seqs, cfg, tok.pad_token_id, ref_model=ref.eval())
-    assert abs(m["kl"]) < 1e-6  # identical policy and reference before the step
+def test_kl_term_pulls_the_policy_toward_the_reference():
+    """With zero advantages the only gradient is the KL term's: one step must lower the KL to a reference
+    that differs from the policy, and the logged KL must be the k3 mean computed by hand from log-probs.
+    (Fails if the KL term is dropped from the loss: the weights would not move.)"""
+    tok, model, seqs, _ = _setup()
+    ref = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 1).eval()
+    for s in seqs:
+        s.adv = 0.0
+
+    def mean_k3():
+        with torch.no_grad():
+            t = grpo.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"))
+            lp, _ = grpo.token_logp_entropy(model, t)
+            rlp, _ = grpo.token_logp_entropy(ref, t)
+            d = rlp - lp
+            return float(((d.exp() - d - 1) * t["mask"]).sum() / t["mask"].sum())
+
+    before = mean_k3()
+    cfg = Rl(lr=1e-3, micro_batch_size=1, kl_coef=1.0, kl_estimator="k3")
+    m = grpo.policy_update(model.train(), torch.optim.AdamW(model.parameters(), lr=cfg.lr), seqs, cfg,
+                           tok.pad_token_id, ref_model=ref)
+    assert abs(m["kl"] - before) < 1e-5  # logged: the pre-step k3 mean
+    assert before > 1e-3 and mean_k3() < before  # the step moved the policy toward the reference
+
+
+def test_bf16_mixed_precision_update_moves_the_weights_like_fp32(tmp_path):
+    """model.dtype bfloat16: fp32 master weights and optimizer state, forward/backward under autocast. At
+    lr 1e-6 an AdamW step (~1e-6 per weight) is far below bf16's spacing near these weights (~1e-4), so
+    with bf16 storage it rounds away; with fp32 masters it lands, in the fp32 update's direction."""
+    from posttrain import modeling
+
+    tok, model, seqs, _ = _setup()
+    modeling.save_checkpoint(model, tok, tmp_path / "m")
+    cfg = Rl(lr=1e-6, micro_batch_size=1)
+    deltas = []
+    # fp32; bf16 with fp32 masters (the fix); bf16 storage and optimizer state (what bfloat16 used to mean)
+    for dtype, trainable in (("float32", True), ("bfloat16", True), ("bfloat16", False)):
+        m = modeling.load_model(str(tmp_path / "m"), dtype, trainable=trainable).train()
+        w0 = torch.cat([p.detach().float().flatten().clone() for p in m.parameters()])
+        with modeling.autocast(dtype, torch.device("cpu")):
+            grpo.policy_update(m, torch.optim.AdamW(m.parameters(), lr=cfg.lr), seqs, cfg, tok.pad_token_id)
+        deltas.append(torch.cat([p.detach().float().flatten() for p in m.parameters()]) - w0)
+    fp32, bf16, bf16_storage = deltas
+
+    def moved(d):
+        return (d != 0).float().mean().item()
+
+    def cos(d):
+        return torch.nn.functional.cosine_similarity(fp32, d, dim=0).item()
+
+    assert moved(bf16) > 0.95 and cos(bf16) > 0.95, (moved(bf16), cos(bf16))  # measured: 99.9%, 0.998
+    assert moved(bf16_storage) < 0.1 and cos(bf16_storage) < 0.5  # the control: 2.2% moved, cosine 0.14
+
+
+def test_trainer_scores_the_sampling_temperature():
+    """At T = 0.7 the trainer's log-probs of a sampled batch equal the sampler's (logits / T), so the on-policy
+    ratio is exactly 1 and nothing is clipped."""
+    tok, model, _, _ = _setup()
+    ids = chat_prompt_ids(tok, ["12*3=", "7*8="])
+    comps = BACKENDS["hf"](model.eval(), tok, 8).generate(ids, 3, SamplingParams(0.7, 1.0, 10, 0))
+    seqs = [grpo.Seq(p, c.token_ids, c.logprobs, 1.0 - j) for p, g in zip(ids, comps, strict=True)
+            for j, c in enumerate(g)]
+    cfg = Rl(lr=1e-2, micro_batch_size=2, sampling={"temperature": 0.7})
+    m = grpo.policy_update(model.train(), torch.optim.AdamW(model.parameters(), lr=cfg.lr), seqs, cfg,
+                           tok.pad_token_id)
+    assert m["logprob_gap"] < 1e-5, m["logprob_gap"]
+    assert m["ratio_max"] == 1.0 and m["clipfrac"] == 0.0
 
 
 def test_dynamic_sampling_modes():
@@ -147,3 +209,35 @@ def test_policy_update_is_the_same_packed_or_padded():
         assert abs(m0[k] - m1[k]) < 1e-5, k
     for a, b in zip(w0, w1, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_kl_in_the_reward_hand_values():
+    # r - coef * sum_t (sampler logp_t - ref logp_t): 1 - 0.1 * ((-0.5 + 0.7) + (-1.0 + 0.6)) = 1 - 0.1 * (-0.2) = 1.02
+    shaped = grpo.kl_shaped_rewards([1.0, 0.0], [[-0.5, -1.0], [-2.0]], [[-0.7, -0.6], [-1.0]], 0.1)
+    assert shaped == pytest.approx([1.02, 0.1])  # second: 0 - 0.1 * (-2.0 + 1.0) = 0.1
+
+
+def test_kl_in_the_reward_separates_a_group_of_equal_rewards():
+    """Two samples with the same task reward: without KL the group has no signal (advantages 0); with
+    kl_reward_coef the sample that strayed further from the reference (larger k1 sum) gets the negative
+    advantage. GRPO on two values is +-1/sqrt(2) = +-0.707107 whatever their gap (unbiased std = gap/sqrt 2)."""
+    tok, model, seqs, _ = _setup()
+    ref = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 1).eval()
+    rows = [{"prompt_id": "p", "sample": j, "reward": 1.0, "token_ids": s.completion_ids, "logprobs": s.sampler_logp}
+            for j, s in enumerate(seqs)]
+    prompt_ids = {"p": seqs[0].prompt_ids}
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    _, plain = grpo.update_from_groups(model, opt, [rows], Rl(group_size=2), prompt_ids, tok.pad_token_id)
+    assert list(plain.values()) == [0.0, 0.0]
+    m, shaped = grpo.update_from_groups(model, opt, [rows], Rl(group_size=2, kl_reward_coef=0.1), prompt_ids,
+                                        tok.pad_token_id, ref_model=ref)
+    k1 = []
+    for s in seqs:
+        t = grpo.batch_tensors([s], tok.pad_token_id, torch.device("cpu"))
+        with torch.no_grad():
+            rlp, _ = grpo.token_logp_entropy(ref, t)
+        k1.append(sum(s.sampler_logp) - float((rlp * t["mask"]).sum()))
+    assert k1[0] != pytest.approx(k1[1])
+    expect = [0.707107, -0.707107] if k1[0] < k1[1] else [-0.707107, 0.707107]
+    assert [shaped[("p", 0)], shaped[("p", 1)]] == pytest.approx(expect, abs=1e-4)
+    assert m["kl_seq"] == pytest.approx(sum(k1) / 2, abs=1e-4)

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from posttrain.metrics import bootstrap_ci, maj_at_k, pass_at_k
+from posttrain.metrics import bootstrap_ci, maj_at_k, paired_bootstrap_ci, pass_at_k, wilson_ci
 
 
 @pytest.mark.parametrize("n,c,k,expected", [
@@ -24,13 +24,43 @@ def test_pass_at_k_rejects_bad_counts():
         pass_at_k(4, 1, 5)
 
 
-def test_maj_at_k():
+def test_maj_at_k_uses_every_sample():
+    """maj@k = the mean, over the n // k disjoint blocks of k consecutive samples, of whether the block's
+    majority answer is correct (None = no vote; a tie goes to the answer seen first in the block)."""
     answers = ["3", "5", "5", None, "3", "3"]
     correct = [True, False, False, False, True, True]
-    assert maj_at_k(answers, correct, 3) is False  # 5 wins 2-1
-    assert maj_at_k(answers, correct, 6) is True  # 3 wins 3-2; None does not vote
-    assert maj_at_k(["3", "5"], [True, False], 2) is True  # tie -> first seen
-    assert maj_at_k([None, None], [False, False], 2) is False
+    # k = 3: blocks [3, 5, 5] -> 5 wins (wrong); [None, 3, 3] -> 3 wins (right): 1/2
+    assert maj_at_k(answers, correct, 3) == 0.5
+    # k = 2: [3, 5] tie -> 3 (right); [5, None] -> 5 (wrong); [3, 3] -> right: 2/3
+    assert maj_at_k(answers, correct, 2) == 2 / 3
+    assert maj_at_k(answers, correct, 6) == 1.0  # 3 wins 3-2 over all six
+    assert maj_at_k(answers, correct, 1) == 0.5  # each sample alone: 3 of the 6 are correct
+    assert maj_at_k([None, None], [False, False], 2) == 0.0
+    # 7 samples, k = 3: two blocks; the 7th sample is in no block
+    assert maj_at_k(["1", "1", "2", "2", "2", "1", "1"], [True, True, False, False, False, True, True], 3) == 0.5
+
+
+def test_wilson_interval_hand_values():
+    # 0 of 20: lower 0, upper z^2 / (n + z^2) = 3.8415 / 23.8415 = 0.161125
+    lo, hi = wilson_ci(0, 20)
+    assert lo == 0.0 and math.isclose(hi, 0.161125, abs_tol=1e-5)
+    lo, hi = wilson_ci(20, 20)  # symmetric: never a zero-width interval at 100%
+    assert math.isclose(lo, 1 - 0.161125, abs_tol=1e-5) and hi == 1.0
+    # 10 of 20: centre 0.5, half-width z * sqrt(0.25 / 20 + z^2 / 1600) / (1 + z^2 / 20)
+    # = 1.959964 * sqrt(0.0125 + 0.0024010) / 1.192074 = 0.200702
+    lo, hi = wilson_ci(10, 20)
+    assert math.isclose(lo, 0.5 - 0.200702, abs_tol=1e-5) and math.isclose(hi, 0.5 + 0.200702, abs_tol=1e-5)
+
+
+def test_paired_bootstrap_of_a_difference():
+    a = [0.0] * 50 + [1.0] * 50
+    assert paired_bootstrap_ci(a, a) == (0.0, 0.0)  # a model against itself: exactly no difference
+    b = [1.0] + a[1:]  # one problem flips from wrong to right: difference 0.01, never negative in a resample
+    lo, hi = paired_bootstrap_ci(a, b, n_boot=2000)
+    assert lo == 0.0 and 0.0 < hi <= 0.04
+    # unpaired, the same two means would have intervals ~ +-0.1 each: pairing is what makes this decidable
+    lo_a, hi_a = bootstrap_ci(a, n_boot=2000)
+    assert hi_a - lo_a > 0.15
 
 
 def test_bootstrap_ci():

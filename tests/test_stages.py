@@ -1,13 +1,16 @@
 """Each stage's run() on tiny fixtures (seconds on CPU)."""
 
 import json
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.config import parse_params
 from posttrain.errors import StageError
+from posttrain.metrics import pass_at_k, wilson_ci
 from posttrain.schema import read_parquet, read_problems
 from stages import curate, distill, evaluate, reward, rl, rollout, sft
 
@@ -105,13 +108,19 @@ def test_sft_then_evaluate(tiny):
     res = evaluate.run(p, {**_ins(p, "evaluate"),
                            "models": {k: v for k, v in p.evaluate.models.items() if k in ("base", "sft")}},
                        o["evaluate"])
-    for name in ("base", "sft"):
-        r = res["eval"][name]
-        assert r["n"] == 12 and 0 <= r["greedy"] <= 1
-        assert r["pass@1"] <= r["pass@2"] <= r["pass@4"]  # pass@k is monotone in k
-        assert r["pass@1_ci"][0] <= r["pass@1"] <= r["pass@1_ci"][1]
     gens = read_parquet(Path(p.paths.eval_report_dir) / "generations.parquet")
     assert len(gens) == 2 * 12 * (1 + 4)
+    for name in ("base", "sft"):  # every reported number follows from the saved generations
+        r = res["eval"][name]
+        assert r["n"] == 12 and 0 <= r["greedy"] <= 1
+        greedy = [bool(g["correct"]) for g in gens if g["model"] == name and g["mode"] == "greedy"]
+        assert r["greedy"] == pytest.approx(sum(greedy) / 12, abs=1e-4)
+        assert r["greedy_ci"] == pytest.approx(list(wilson_ci(sum(greedy), 12)), abs=1e-4)  # a proportion: Wilson
+        correct = Counter(g["id"] for g in gens if g["model"] == name and g["mode"] == "sample" and g["correct"])
+        ids = {g["id"] for g in gens if g["model"] == name}
+        for k in (1, 2, 4):
+            assert r[f"pass@{k}"] == pytest.approx(np.mean([pass_at_k(4, correct[i], k) for i in ids]), abs=1e-4)
+        assert r["pass@1_ci"][0] <= r["pass@1"] <= r["pass@1_ci"][1]
     assert "| sft |" in (Path(p.paths.eval_report_dir) / "report.md").read_text()
 
 
@@ -164,7 +173,7 @@ def test_rollout_reward_rl_then_evaluate(tiny):
     for grp in {r["prompt_id"] for r in used}:  # group-normalised advantages sum to ~0 within each group
         assert abs(sum(r["advantage"] for r in used if r["prompt_id"] == grp)) < 1e-4
     log_lines = (Path(P.rl_report_dir) / "train_log.csv").read_text().splitlines()
-    assert len(log_lines) == 1 + 4 and log_lines[0].startswith("step,reward_mean,pass_rate,zero_var_frac")
+    assert len(log_lines) == 1 + 4 and log_lines[0].startswith("step,updated,reward_mean,pass_rate,zero_var_frac")
     assert not Path(P.rl_checkpoints).exists()
     AutoModelForCausalLM.from_pretrained(P.rl_model)
 
@@ -209,3 +218,20 @@ def test_distill_refuses_kl_in_phase_c_before_any_work(tiny):
     with pytest.raises(StageError, match="rl.kl_coef"):
         distill.run(p, *distill.paths(p))
     assert not Path(p.paths.student_sft_model).exists()
+
+
+def test_rl_stops_when_steps_in_a_row_have_nothing_to_update(tiny):
+    """An untrained policy never solves the task: with `correct` as the only reward every group has zero
+    variance, dynamic sampling skips them all, and no step updates anything. The stage must say so and stop
+    after rl.max_idle_steps such steps in a row, not log loss = 0 and carry on."""
+    tiny["reward"]["rewards"] = [{"name": "correct", "weight": 1.0}]
+    tiny["rl"].update({"steps": 6, "max_idle_steps": 2})
+    p = parse_params(tiny)
+    o = _outs(p)
+    curate.run(p, {}, o["curate"])
+    sft.run(p, _ins(p, "sft"), o["sft"])
+    rollout.run(p, _ins(p, "rollout"), o["rollout"])
+    reward.run(p, {"rollouts": o["rollout"]["rollouts"]}, o["reward"])
+    with pytest.raises(StageError, match="2 steps in a row had nothing to update"):
+        rl.run(p, _ins(p, "rl"), o["rl"])
+    assert not Path(p.paths.rl_model).exists()

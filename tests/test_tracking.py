@@ -183,3 +183,28 @@ def test_metric_keys_are_valid_mlflow_names():
     assert tracking.metric_key("eval.rl.pass@16") == "eval.rl.pass_at_16"
     assert tracking.metric_key("eval.rl.maj@4_ci") == "eval.rl.maj_at_4_ci"
     assert tracking.metric_key("rl/pg_clipfrac") == "rl/pg_clipfrac"
+
+
+def test_dvc_hashes_of_a_stage_dvc_yaml_does_not_declare(tmp_path):
+    """A dvc.yaml without the stage: no hash tags, and the same three values as every other path
+    (callers unpack three; a 2-tuple there left the run untracked, not even in the outbox)."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "dvc.yaml").write_text("stages:\n  other:\n    cmd: echo hi\n")
+    deps, outs, declared = tracking.dvc_hashes(tmp_path, "rl")
+    assert (deps, outs, declared) == ({}, {}, {})
+
+
+def test_a_failing_outbox_never_hides_the_stage_error(tmp_path, monkeypatch):
+    from posttrain.errors import StageError
+
+    raw = tiny_raw(tmp_path)
+    raw["tracking"] = {"enabled": True, "uri": f"http://127.0.0.1:{_free_port()}", "experiment": "t", "outbox": "box"}
+    params = parse_params(raw)
+    monkeypatch.setattr(tracking, "build_record", lambda *a, **k: _record(tmp_path))
+    (tmp_path / "box").write_text("a file where the outbox folder should be")  # to_outbox cannot write
+    with pytest.raises(StageError, match="the stage's own error"):
+        with tracking.stage_run("rl", params, tmp_path):
+            raise StageError("the stage's own error")

@@ -1,0 +1,94 @@
+"""training.py: the SFT loss normalisation and resumable checkpoints (what resumes, what is set aside)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import torch
+
+from posttrain import training
+from posttrain.config import Rl, Sft, TinyModel
+from posttrain.modeling import build_char_tokenizer, build_tiny_model
+
+DEMOS = [{"prompt": "12*3=", "answer": "36", "solution": None, "task": "arith"},
+         {"prompt": "4738*7=", "answer": "33166", "solution": None, "task": "arith"}]
+
+
+def _model(seed: int = 0):
+    tok = build_char_tokenizer()
+    return build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, seed), tok
+
+
+def _sft(**kw) -> Sft:
+    return Sft(**{"phases": [{"steps": 1, "cot_frac": 0.0}], "batch_size": 2, "micro_batch_size": 1,
+                  "warmup_steps": 0, "log_every": 1, "checkpoint_every": 100, **kw})
+
+
+def test_sft_loss_is_the_token_mean_over_completion_tokens(tmp_path):
+    """Step 1's logged loss is the mean NLL over every completion token of the batch (both examples),
+    computed here by hand from the untouched model: sum of -log p(target) / number of targets. The bare-answer
+    completions 'answer: 36' and 'answer: 33166' + EOS are 11 and 14 tokens: 25 targets, not 25 - 2."""
+    model, tok = _model()
+    ref = copy.deepcopy(model).eval()
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for d in DEMOS:
+            ids, labels = training.encode_sft(tok, d["prompt"], "answer: " + d["answer"])
+            logp = torch.log_softmax(ref(input_ids=torch.tensor([ids])).logits[0, :-1].float(), -1)
+            for t, y in enumerate(labels[1:]):
+                if y != training.IGNORE:
+                    nll -= float(logp[t, y])
+                    count += 1
+    assert count == 25  # 11 + 14 completion tokens (character tokenizer, EOS included)
+    res = training.sft_train(model, tok, DEMOS, _sft(), 0, tmp_path / "ck", "fp", progress=False)
+    assert math.isclose(res["log"][0]["loss"], nll / count, rel_tol=1e-5), (res["log"][0]["loss"], nll / count)
+
+
+def test_fingerprint_ignores_knobs_that_do_not_change_the_result():
+    base = training.fingerprint(Rl())
+    assert training.fingerprint(Rl(micro_batch_size=8, pack=True, checkpoint_every=3)) == base
+    assert training.fingerprint(Rl(lr=1e-5)) != base
+    assert training.fingerprint(Rl(generate_batch_size=64)) != base  # chunking seeds the samples
+    assert training.fingerprint(_sft(micro_batch_size=2, checkpoint_every=7)) == training.fingerprint(_sft())
+
+
+def test_resume_after_changing_micro_batch_size_gives_the_same_weights(tmp_path):
+    """The usual out-of-memory fix between a kill and a resume (a smaller micro-batch) resumes from the
+    checkpoint and ends where an uninterrupted run ends; a change that alters the result (lr) moves the old
+    checkpoints aside, never deletes them."""
+    demos = DEMOS * 4
+    cfg = _sft(phases=[{"steps": 4, "cot_frac": 0.0}], batch_size=4, micro_batch_size=4, checkpoint_every=2)
+    whole, tok = _model()
+    training.sft_train(whole, tok, demos, cfg, 0, tmp_path / "whole", training.fingerprint(cfg), progress=False)
+
+    # "killed" after step 2: a run of the first two steps leaves the step-2 checkpoint behind
+    ck = tmp_path / "ck"
+    killed, _ = _model()
+    training.sft_train(killed, tok, demos, cfg, 0, ck, training.fingerprint(cfg), progress=False)
+    for p in sorted(ck.glob("step_*.pt"))[1:]:
+        p.unlink()
+    assert [p.name for p in ck.glob("step_*.pt")] == ["step_0000002.pt"]
+
+    smaller = cfg.model_copy(update={"micro_batch_size": 1})
+    resumed, _ = _model()
+    res = training.sft_train(resumed, tok, demos, smaller, 0, ck, training.fingerprint(smaller), progress=False)
+    assert res["start"] == 2
+    for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+    other = cfg.model_copy(update={"lr": 1e-3})
+    fresh, _ = _model()
+    res = training.sft_train(fresh, tok, demos, other, 0, ck, training.fingerprint(other), progress=False)
+    assert res["start"] == 0
+    aside = list(tmp_path.glob("ck.stale-*"))
+    assert len(aside) == 1 and (aside[0] / "step_0000002.pt").is_file()
+
+
+def test_stale_checkpoint_folder_name_says_what_it_was(tmp_path: Path):
+    ck = tmp_path / "rl"
+    training.save_resumable(ck, 5, {"fingerprint": "aaaa", "step": 5})
+    assert training.load_resumable(ck, "bbbb") is None
+    (aside,) = tmp_path.glob("rl.stale-*")
+    assert "aaaa" in aside.name and (aside / "step_0000005.pt").is_file()
