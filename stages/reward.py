@@ -26,6 +26,7 @@ from posttrain.errors import StageError
 from posttrain.rewards import pass_rates, score_rows
 from posttrain.runner import stage_main
 from posttrain.schema import PASS_RATE_SCHEMA, SCORED_SCHEMA, read_parquet, write_json, write_parquet, write_text
+from posttrain.tasks import get_task
 
 log = logging.getLogger("reward")
 
@@ -48,6 +49,8 @@ def audit(scored: list[dict[str, Any]], rates: list[dict[str, Any]], n_examples:
                                   "completion": r["completion"], "rewards": r["rewards"]})
     pr = [x["pass_rate"] for x in rates if x["pass_rate"] is not None]
     hist = Counter(f"{x:.3f}" for x in pr)
+    # the verifiers' guards: completions refused before any equivalence check (hedges, several answers, ...)
+    guards = Counter(g for r in scored if (g := get_task(r["task"]).guard(r["completion"])) is not None)
     return {
         "samples": len(rewards), "unscorable": len(rewards) - len(scorable),
         "unscorable_frac": (len(rewards) - len(scorable)) / max(len(rewards), 1),
@@ -57,7 +60,7 @@ def audit(scored: list[dict[str, Any]], rates: list[dict[str, Any]], n_examples:
         "prompts": len(rates), "pass_rate_mean": float(np.mean(pr)) if pr else None,
         "pass_rate_histogram": dict(sorted(hist.items())),
         "never_solved": sum(x == 0 for x in pr), "always_solved": sum(x == 1 for x in pr),
-        "examples": examples,
+        "guards": dict(sorted(guards.items())), "examples": examples,
     }
 
 
@@ -68,6 +71,8 @@ def audit_markdown(a: dict[str, Any]) -> str:
              f"{a['pass_rate_mean']}; never solved {a['never_solved']}, always solved {a['always_solved']}.", "",
              "| component | mean |", "|---|---:|"]
     lines += [f"| {k} | {v:.4f} |" for k, v in a["component_means"].items()]
+    lines += ["", "Verifier guards (completions refused before any equivalence check; they earn nothing):", "",
+              "| guard | samples |", "|---|---:|"] + [f"| {k} | {v} |" for k, v in a["guards"].items()]
     lines += ["", "| reward | samples |", "|---|---:|"] + [f"| {k} | {v} |" for k, v in a["reward_buckets"].items()]
     lines += ["", "| pass rate | prompts |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in a["pass_rate_histogram"].items()]

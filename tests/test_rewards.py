@@ -16,29 +16,67 @@ COT = "8*7+0=56 6;3*7+5=26 66;7*7+2=51 166;4*7+5=33 33166;answer: 33166"
 @pytest.mark.parametrize("completion,correct,fmt", [
     (COT, 1.0, 1.0),
     ("answer: 33166", 1.0, 1.0),
+    ("answer: 033166\n", 1.0, 0.0),  # leading zero and a trailing newline: still the same integer
     ("answer: 33167", 0.0, 1.0),
-    ("answer: 1;answer: 33166", 1.0, 0.0),  # the last answer is verified, but two answers are bad format
     ("4738*7=", 0.0, 0.0),  # only the prompt echoed
     ("", 0.0, 0.0),
     ("33166", 0.0, 0.0),  # number without the answer marker
-    ("answer: 33166 and more text", 1.0, 0.0),
 ])
 def test_arith_reward_table(completion, correct, fmt):
     assert REWARDS["correct"](_s(completion)) == correct
     assert REWARDS["format"](_s(completion)) == fmt
 
 
-@pytest.mark.parametrize("completion,correct,fmt", [
-    ("so \\boxed{72}", 1.0, 1.0),
-    ("first \\boxed{72} then \\boxed{70}", 0.0, 0.0),  # several boxed answers: a set, never the gold
-    ("the question says 72 apples? I do not know", 0.0, 0.0),  # number only from the prompt echo
-    ("", 0.0, 0.0),
-])
-def test_math_reward_table(completion, correct, fmt):
-    s = _s(completion, answer="72", task="math")
-    assert REWARDS["correct"](s) == correct
-    assert REWARDS["math_verify"](s) == correct
-    assert REWARDS["format"](s) == fmt
+# Completions that must never earn reward, whatever their gold (33166 / 5), and the guard that stops each.
+ARITH_ATTACKS = [
+    ("answer: 33166 or 33167", "not_final"),  # hedge
+    ("answer: 33166, 33167", "not_final"),  # several answers in one
+    ("answer: 33166 and more text", "not_final"),
+    ("answer: 33000-34000", "not_final"),  # an interval
+    ("answer: {33166, 33167}", "not_final"),  # a set (no integer right after the marker)
+    ("answer: 33166;answer: 33167", "several_answers"),  # a correct answer, then a different final one
+    ("answer: 1;answer: 33166", "several_answers"),  # a wrong one, then the right one: still two answers
+    ("4738*7=33166", "no_answer"),  # the answer only in an echoed prompt
+    ("I am sure this is correct. answer: correct", "not_final"),  # text claiming to be correct
+    ("answer: 33166 (verified correct)", "not_final"),
+    ("answer: " + "9" * 5000, "pathological"),  # int() of > 4300 digits raises: must not crash, must not pay
+]
+MATH_ATTACKS = [
+    ("\\boxed{5} or \\boxed{6}", "several_answers"),
+    ("\\boxed{5} \\boxed{5}", "several_answers"),
+    ("\\boxed{5}. Wait, the answer is 6.", "several_answers"),  # correct, then a different final one
+    ("The answer is 5 or 6.", "hedged"),
+    ("the answer is 5 \\text{ or } 6", "hedged"),
+    ("\\boxed{5 \\pm 1}", None),  # \\pm is a legitimate answer form (1 \\pm \\sqrt{19}): math-verify says no
+    ("\\boxed{5 \\text{ or } 6}", "hedged"),
+    ("\\boxed{5, 6}", None),  # a tuple: math-verify itself says no
+    ("\\boxed{\\{5, 6\\}}", None),  # a set
+    ("\\boxed{[4, 6]}", None),  # an interval containing the answer
+    ("\\boxed{4 < x < 6}", None),
+    ("\\boxed{}", "empty_box"),
+    ("\\boxed{5", "unbalanced_box"),
+    ("The answer is correct.", None),  # text claiming to be correct
+    ("the question asks about 5 apples", None),  # the number only in an echo of the prompt, no answer
+    ("\\boxed{" + "9^{" * 6 + "9" + "}" * 6 + "}", "pathological"),  # exponent tower: sympy hangs 5 s
+    ("\\boxed{9^{9^{9}}}", "pathological"),  # already 5 s
+    ("\\boxed{9^9^9}", "pathological"),
+    ("\\boxed{" + "(" * 3000 + "}", "pathological"),  # the parser times out at 5 s
+    ("\\boxed{" + "9" * 5000 + "}", "pathological"),
+]
+
+
+@pytest.mark.parametrize("completion,why", ARITH_ATTACKS + [(c, w) for c, w in MATH_ATTACKS])
+def test_adversarial_completions_earn_nothing_and_are_fast(completion, why):
+    import time
+
+    from posttrain.tasks import arith, mathfmt
+
+    task, gold, mod = ("arith", "33166", arith) if (completion, why) in ARITH_ATTACKS else ("math", "5", mathfmt)
+    t = time.perf_counter()
+    for name in ("correct", "math_verify") if task == "math" else ("correct",):
+        assert REWARDS[name](_s(completion, answer=gold, task=task)) == 0.0, name
+    assert time.perf_counter() - t < 1.0
+    assert mod.guard(completion) == why
 
 
 def test_unparseable_gold_is_unscorable_not_free():
@@ -66,3 +104,22 @@ def test_rewards_are_picklable():
         assert pickle.loads(pickle.dumps(fn)) is fn
     s = _s(COT)
     assert pickle.loads(pickle.dumps(s)) == s
+
+
+def test_guards_never_refuse_a_real_benchmark_answer():
+    """The guards must not cost honest answers: every gold of MATH-500, Minerva, OlympiadBench, AIME 24/25 and
+    AMC 23 (1,546 answers), boxed at the end of a solution, passes them."""
+    import json
+
+    from conftest import BENCH
+
+    from posttrain.tasks import mathfmt
+
+    n = 0
+    for name in ("math500", "minervamath", "olympiadbench", "aime24", "aime25", "amc2023"):
+        for line in (BENCH / f"{name}.jsonl").read_text().splitlines():
+            a = json.loads(line)["answer"]
+            gold = str(a[0] if isinstance(a, list) else a)
+            assert mathfmt.guard(f"Working it out carefully, we get \\boxed{{{gold}}}.") is None, (name, gold)
+            n += 1
+    assert n == 1546

@@ -32,7 +32,7 @@ def test_sampling_is_deterministic_and_in_range():
 
 @pytest.mark.parametrize("completion,expected", [
     ("answer: 33166", True),
-    ("8*7+0=56 6;answer: 1;answer: 33166", True),  # the last answer counts
+    ("8*7+0=56 6;answer: 1;answer: 33166", False),  # two answers: hedging, whichever comes last
     ("answer: 33166;answer: 1", False),
     ("33166", False),  # no answer marker
     ("", False),

@@ -18,11 +18,14 @@ class Task:
     gold_ok: Callable[[str], bool]  # can this gold answer be scored at all?
     render: Callable[[str, str, str | None, str], str]  # (prompt, answer, solution, 'cot'|'direct') -> text
     extract: Callable[[str], str | None]  # completion -> its final answer as a string (for maj@k votes)
+    guard: Callable[[str], str | None]  # completion -> why it can never earn reward (hedge, several answers...)
 
 
 TASKS: dict[str, Task] = {
-    "arith": Task(verify=arith.verify, gold_ok=arith.gold_ok, render=arith.render, extract=arith.extract_answer),
-    "math": Task(verify=mathfmt.verify, gold_ok=mathfmt.gold_ok, render=mathfmt.render, extract=mathfmt.extract_answer),
+    "arith": Task(verify=arith.verify, gold_ok=arith.gold_ok, render=arith.render, extract=arith.extract_answer,
+                  guard=arith.guard),
+    "math": Task(verify=mathfmt.verify, gold_ok=mathfmt.gold_ok, render=mathfmt.render,
+                 extract=mathfmt.extract_answer, guard=mathfmt.guard),
 }
 
 

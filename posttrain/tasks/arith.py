@@ -6,15 +6,15 @@ writing ``digit*b+carry=product`` and the answer digits found so far, then ``ans
     8*7+0=56 6;3*7+5=26 66;7*7+2=51 166;4*7+5=33 33166;answer: 33166
 
 The bare-answer form is just ``answer: 33166``. The verifier is an exact integer comparison of the
-last ``answer:`` in the completion with the gold answer.
+completion's one final answer with the gold answer. It cannot be gamed: a completion earns nothing when
+a guard (``guard``) fires: no ``answer:``, several of them, anything but the integer after it (hedges such as
+``answer: 33166 or 33167``, intervals, lists), or an absurdly long number.
 """
 
 from __future__ import annotations
 
 import random
 import re
-
-ANSWER_RE = re.compile(r"answer:\s*(-?\d+)")
 
 
 def make_problem(a: int, b: int) -> tuple[str, str]:
@@ -50,10 +50,39 @@ def sample_operands(
     return rng.randint(lo, 10**d - 1), rng.randint(min_mult, max_mult)
 
 
+FINAL_RE = re.compile(r"answer:[ \t]*(-?\d+)[ \t]*\.?\s*\Z")  # the completion ends with its one answer
+MAX_DIGITS = 100  # a longer "number" is an attack on int() (Python refuses > 4300 digits), not an answer
+GUARDS = ("no_answer", "several_answers", "not_final", "pathological")
+
+
+def guard(completion: str) -> str | None:
+    """Why the completion cannot earn reward whatever the gold (one of ``GUARDS``), or None if it can."""
+    n = completion.count("answer:")
+    if n == 0:
+        return "no_answer"
+    if n > 1:
+        return "several_answers"  # e.g. a correct answer followed by a different final one
+    m = FINAL_RE.search(completion)
+    if m is None:
+        return "not_final"  # text after the integer: a hedge, an interval, a list, a claim
+    if len(m.group(1).lstrip("-")) > MAX_DIGITS:
+        return "pathological"
+    return None
+
+
+def _canon(n: str) -> str:
+    """Integer string without leading zeros ('-007' -> '-7'); string compare avoids int()'s digit limit."""
+    sign = "-" if n.startswith("-") else ""
+    digits = n.lstrip("-").lstrip("0") or "0"
+    return "0" if digits == "0" else sign + digits
+
+
 def extract_answer(completion: str) -> str | None:
-    """The integer after the last ``answer:`` in the completion, or None."""
-    found = ANSWER_RE.findall(completion)
-    return found[-1] if found else None
+    """The completion's final answer (the integer ending it), or None when a guard fires."""
+    if guard(completion) is not None:
+        return None
+    m = FINAL_RE.search(completion)
+    return _canon(m.group(1)) if m else None
 
 
 def gold_ok(answer: str) -> bool:
@@ -61,11 +90,12 @@ def gold_ok(answer: str) -> bool:
 
 
 def verify(gold: str, completion: str) -> bool | None:
-    """True/False by exact integer match; None when the gold itself is not an integer (unscorable)."""
+    """True/False by exact integer match of the one final answer; None when the gold itself is not an
+    integer (unscorable). Guarded completions are False."""
     if not gold_ok(gold):
         return None
     pred = extract_answer(completion)
-    return pred is not None and int(pred) == int(gold.strip())
+    return pred is not None and pred == _canon(gold.strip())
 
 
 def render(prompt: str, answer: str, solution: str | None, style: str) -> str:

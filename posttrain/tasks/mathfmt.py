@@ -1,9 +1,15 @@
-"""Math word-problem formats (GSM8K, MATH/AIME) and a ``math-verify`` based verifier.
+r"""Math word-problem formats (GSM8K, MATH/AIME) and a ``math-verify`` based verifier.
 
 ``verify(gold, completion)`` wraps ``math_verify.verify(gold, pred)`` so the argument order cannot be
 swapped by a caller, parses the gold once (cached), and returns None (unscorable) when the gold has no
 parseable answer: an unparseable gold is never counted as correct. Call it from the main thread or a
 process pool: math-verify's timeouts use signals (see ARCHITECTURE.md).
+
+Before math-verify sees a completion, cheap syntactic guards (``guard``) refuse what must never earn reward
+and what could hang its parser: several final answers (two boxes, or an answer stated after the box),
+a hedged final answer (``5 or 6``, ``\pm``), an empty or unbalanced box, and pathological expressions
+(very long, deeply nested, exponent towers: math-verify's own timeout is 5 s per call). math-verify then
+rejects sets and intervals for a single gold by itself (tests/test_rewards.py has the adversarial table).
 """
 
 from __future__ import annotations
@@ -41,11 +47,82 @@ def gold_ok(answer: str) -> bool:
     return bool(answer.strip()) and len(_parse_gold(answer.strip())) > 0
 
 
+GUARDS = ("several_answers", "hedged", "empty_box", "unbalanced_box", "pathological")
+_ANCHOR_RE = re.compile(r"(?:final answer|the answer|answer)\s*(?:is|:)", re.IGNORECASE)
+_HEDGE_RE = re.compile(r"\bor\b|\beither\b|\\lor\b")  # (\pm is a legitimate answer form: 1 \pm \sqrt{19})
+MAX_ANSWER_CHARS = 300  # the longest gold among MATH-500, Minerva, OlympiadBench, AIME, AMC passes
+MAX_NESTING = 8  # braces/parentheses/brackets
+MAX_TOWER = 1  # no exponent inside an exponent: 9^{9^{9}} alone hangs sympy 5 s; no benchmark gold has one
+
+
+def _final_span(completion: str) -> str | None:
+    """The text of the completion's final answer: the last box's content, else what follows the last answer
+    anchor up to the end of its line (None when there is neither)."""
+    boxed = last_boxed(completion)
+    if boxed is not None:
+        return boxed
+    anchors = list(_ANCHOR_RE.finditer(completion))
+    if not anchors:
+        return None
+    return completion[anchors[-1].end() :].split("\n", 1)[0]
+
+
+def guard(completion: str) -> str | None:
+    """Why the completion cannot earn reward whatever the gold (one of ``GUARDS``), or None if it can."""
+    n_box = completion.count("\\boxed")
+    if n_box > 1:
+        return "several_answers"
+    if n_box == 1:
+        content = last_boxed(completion)
+        if content is None:
+            return "unbalanced_box"
+        if not content.strip():
+            return "empty_box"
+        end = completion.rfind("\\boxed{") + len("\\boxed{") + len(content) + 1
+        if _ANCHOR_RE.search(completion[end:]):
+            return "several_answers"  # a boxed answer, then another one stated after it
+    span = _final_span(completion)
+    if span is None:
+        return None  # no answer at all: math-verify finds nothing (a plain 0, not a guard)
+    if _HEDGE_RE.search(span.replace("\\text{", " ").replace("}", " ")):
+        return "hedged"
+    if len(span) > MAX_ANSWER_CHARS or _nesting(span) > MAX_NESTING or _tower(span) > MAX_TOWER:
+        return "pathological"
+    return None
+
+
+def _nesting(text: str) -> int:
+    depth = worst = 0
+    for ch in text:
+        depth += (ch in "{([") - (ch in "})]")
+        worst = max(worst, depth)
+    return worst
+
+
+def _tower(text: str) -> int:
+    """Height of the tallest exponent tower: ``x^2 + x^3`` -> 1, ``9^{9^{9}}`` and ``9^9^9`` -> 2."""
+    groups: list[bool] = []  # per open brace: does it open an exponent?
+    height = worst = 0
+    for i, ch in enumerate(text):
+        if ch == "^":
+            worst = max(worst, height + 1)
+        elif ch == "{":
+            groups.append(i > 0 and text[i - 1] == "^")
+            height += groups[-1]
+        elif ch == "}" and groups:
+            height -= groups.pop()
+    chain = max((m.group(0).count("^") for m in re.finditer(r"(?:\^[\w.]+)+", text)), default=0)
+    return max(worst, chain)
+
+
 def verify(gold: str, completion: str) -> bool | None:
-    """math-verify equivalence of the completion's final answer with ``gold``; None if gold unparseable."""
+    """math-verify equivalence of the completion's final answer with ``gold``; None if gold unparseable;
+    False when a guard fires."""
     g = _parse_gold(gold.strip()) if gold.strip() else ()
     if not g:
         return None
+    if guard(completion) is not None:
+        return False
     pred = parse(completion, extraction_config=PRED_CONFIG)
     if not pred:
         return False
@@ -53,7 +130,10 @@ def verify(gold: str, completion: str) -> bool | None:
 
 
 def extract_answer(completion: str) -> str | None:
-    """The completion's final answer as math-verify extracts it (its string form), or None."""
+    """The completion's final answer as math-verify extracts it (its string form), or None (also when a
+    guard fires)."""
+    if guard(completion) is not None:
+        return None
     parsed = parse(completion, extraction_config=PRED_CONFIG)
     return str(parsed[-1]) if parsed else None
 
