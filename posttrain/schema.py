@@ -1,12 +1,14 @@
 """Row types of the pipeline's data artifacts and their atomic Parquet / JSON I/O.
 
-Every artifact is written to a temporary sibling and renamed into place, so a killed stage never leaves
-a half-written file that a later stage (or DVC) would take for a finished one.
+Every artifact is written to a temporary sibling, fsynced and renamed into place (``atomic_path``), so a
+killed stage never leaves a half-written file that a later stage (or DVC) would take for a finished one,
+and a machine crash right after a stage cannot leave a renamed-but-empty file.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -17,6 +19,8 @@ from typing import Any, TypedDict
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+log = logging.getLogger("posttrain.schema")
 
 
 class Problem(TypedDict):
@@ -88,19 +92,59 @@ PASS_RATE_SCHEMA = pa.schema(
 )
 
 
+TMP_TAG = ".tmp-"  # temp folders are ``.<name>.tmp-<random>`` beside the output they will become
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; on success rename it over ``path`` (file or folder)."""
+    """Yield a temporary path beside ``path``; on success fsync it (every file, then the folders) and rename
+    it over ``path`` (a file, or a folder: the old folder is renamed aside first, then the new one in, so a
+    reader never sees a half-written output). The parent folder is fsynced after the rename.
+
+    Temp folders a killed run left beside ``path`` (``.<name>.tmp-*``, model-sized for a checkpoint) are
+    removed when the next run writes ``path``, with a warning naming each.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent)) / path.name
+    _remove_stale(path)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}{TMP_TAG}", dir=path.parent))
+    tmp = tmp_dir / path.name
     try:
         yield tmp
+        _fsync_tree(tmp)
         if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
+            os.replace(path, tmp_dir / f"{path.name}.old")  # removed with tmp_dir below
         os.replace(tmp, path)
+        _fsync(path.parent)
     finally:
-        shutil.rmtree(tmp.parent, ignore_errors=True)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _remove_stale(path: Path) -> None:
+    for stale in path.parent.glob(f".{path.name}{TMP_TAG}*"):
+        log.warning("removing %s: a temporary output left by a run that was killed while writing %s", stale, path)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _fsync(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(p: Path) -> None:
+    """fsync a file, or every file of a folder and then each folder (bottom-up)."""
+    if not p.exists():
+        return
+    if p.is_file():
+        _fsync(p)
+        return
+    for root, _dirs, files in os.walk(p, topdown=False):
+        for f in files:
+            _fsync(Path(root) / f)
+        _fsync(Path(root))
 
 
 def write_parquet(path: str | Path, rows: Sequence[dict[str, Any]], schema: pa.Schema) -> None:
