@@ -19,6 +19,7 @@ Run: ``dvc repro evaluate`` or ``python -m stages.evaluate [--params params.yaml
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from pathlib import Path
@@ -195,7 +196,10 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
             r = results[split][name]
             log.info("%s/%s: greedy %.3f pass@1 %.3f (n=%d, %.1fs)", name, split, r.get("greedy", float("nan")),
                      r.get("pass@1", float("nan")), r["n"], r["seconds"])
-        del model
+        del backend, model  # the backend holds the model too: drop both, so one model is resident at a time
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     diffs = {split: {f"{a} vs {b}": paired(per_problem[split][a], per_problem[split][b], cfg.bootstrap, params.seed)
                      for a, b in cfg.compare if a in per_problem[split] and b in per_problem[split]}

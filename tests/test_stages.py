@@ -92,7 +92,7 @@ def test_curate_fails_above_contamination_limit(tiny):
     assert (Path(p.paths.curate_report_dir) / "decontamination.md").exists()  # the report is still written
 
 
-def test_sft_then_evaluate(tiny):
+def test_sft_then_evaluate(tiny, monkeypatch):
     p = parse_params(tiny)
     o = _outs(p)
     curate.run(p, {}, o["curate"])
@@ -105,9 +105,26 @@ def test_sft_then_evaluate(tiny):
         AutoModelForCausalLM.from_pretrained(path)
         assert AutoTokenizer.from_pretrained(path).chat_template
 
+    import gc
+    import weakref
+
+    from posttrain import modeling
+
+    loaded: list[weakref.ref] = []
+    real_load = modeling.load_model
+
+    def load_one_at_a_time(*a, **k):  # evaluate must drop every reference to a model before the next loads
+        gc.collect()
+        assert all(r() is None for r in loaded), "the previous model is still resident"
+        m = real_load(*a, **k)
+        loaded.append(weakref.ref(m))
+        return m
+
+    monkeypatch.setattr(modeling, "load_model", load_one_at_a_time)
     res = evaluate.run(p, {**_ins(p, "evaluate"),
                            "models": {k: v for k, v in p.evaluate.models.items() if k in ("base", "sft")}},
                        o["evaluate"])
+    assert len(loaded) == 2
     gens = read_parquet(Path(p.paths.eval_report_dir) / "generations.parquet")
     assert len(gens) == 2 * 12 * (1 + 4)
     for name in ("base", "sft"):  # every reported number follows from the saved generations
