@@ -234,6 +234,9 @@ class CurateEval(_Model):
 
 class Curate(_Model):
     sources: list[SourceSpec] = Field(min_length=1, description="where training problems come from")
+    max_quarantined_frac: float = Field(0.5, ge=0, le=1, description="fail the stage when a source (training or "
+                                        "eval) has more than this share of its rows quarantined: a wrong format "
+                                        "or file, not a few bad rows")
     eval: CurateEval = Field(default_factory=CurateEval)
     sft_size: int = Field(2000, ge=0, description="rows set aside, with solutions, as SFT demonstrations")
     dedup: Dedup = Field(default_factory=Dedup)

@@ -44,6 +44,18 @@ def setup(params: Params) -> None:
     seed_everything(params.seed)
 
 
+def expected_failure(stage: str, e: BaseException) -> str | None:
+    """One line for a failure a user can fix (out of memory, a missing file), None for a bug."""
+    torch = sys.modules.get("torch")
+    if isinstance(e, MemoryError) or (torch is not None and isinstance(e, torch.OutOfMemoryError)):
+        where = "GPU" if torch is not None and isinstance(e, torch.OutOfMemoryError) else "host"
+        return (f"out of {where} memory. Lower {stage}.micro_batch_size (or the generate batch size) and re-run: "
+                "a changed micro-batch size resumes from the last checkpoint")
+    if isinstance(e, FileNotFoundError):
+        return f"file not found: {e.filename or e}"
+    return None
+
+
 def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[str] | None = None) -> None:
     """Parse ``--params``, validate, run ``body``; one-line errors: config -> exit 2, stage -> exit 1."""
     ap = argparse.ArgumentParser(prog=f"python -m stages.{name}")
@@ -64,5 +76,11 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
             body(params)
     except StageError as e:
         print(f"posttrain {name}: {e}", file=sys.stderr)
+        sys.exit(1)
+    except Exception as e:  # expected failures get one line too; anything else is a bug: its traceback stays
+        line = expected_failure(name, e)
+        if line is None:
+            raise
+        print(f"posttrain {name}: {line}", file=sys.stderr)
         sys.exit(1)
     logging.getLogger(name).info("done in %.1fs", time.time() - t0)

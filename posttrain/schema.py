@@ -20,6 +20,8 @@ from typing import Any, TypedDict
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from posttrain.errors import StageError
+
 log = logging.getLogger("posttrain.schema")
 
 
@@ -154,7 +156,14 @@ def write_parquet(path: str | Path, rows: Sequence[dict[str, Any]], schema: pa.S
 
 
 def read_parquet(path: str | Path) -> list[dict[str, Any]]:
-    return pq.read_table(path).to_pylist()
+    """Rows of a Parquet file. A missing or unreadable file is a :class:`StageError` naming it (one line)."""
+    if not Path(path).is_file():
+        raise StageError(f"{path}: not found (has the stage that writes it run? `dvc repro <this stage>` runs "
+                         "the upstream stages first)")
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pa.ArrowInvalid, OSError) as e:
+        raise StageError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0][:200]})") from None
 
 
 def read_problems(path: str | Path) -> list[Problem]:

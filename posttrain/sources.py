@@ -9,6 +9,7 @@ with ``id = <source name>:<row index>``, traceable to the raw line.
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +23,7 @@ from posttrain.config import (
     SyntheticSource,
     Validation,
 )
+from posttrain.errors import StageError
 from posttrain.schema import Problem
 from posttrain.tasks import arith, get_task, mathfmt
 
@@ -63,10 +65,18 @@ def _datasets_rows(src: FileSource | HubSource) -> Iterator[Raw]:
     """Parquet files and hub datasets go through ``datasets.load_dataset``."""
     import datasets
 
-    if isinstance(src, FileSource):
-        ds = datasets.load_dataset("parquet", data_files=src.path, split="train")
-    else:
-        ds = datasets.load_dataset(src.hub_id, src.config, split=src.split)
+    what = src.path if isinstance(src, FileSource) else f"hub dataset {src.hub_id!r}"
+    try:
+        if isinstance(src, FileSource):
+            ds = datasets.load_dataset("parquet", data_files=src.path, split="train")
+        else:
+            ds = datasets.load_dataset(src.hub_id, src.config, split=src.split)
+    except Exception as e:  # datasets raises many types (offline, not found, corrupt): one line naming the source
+        hint = (" (HF_HUB_OFFLINE=1 and it is not in the local cache: run once with the hub reachable, or point "
+                "a `kind: file` source at a local copy)" if isinstance(src, HubSource)
+                and os.environ.get("HF_HUB_OFFLINE") == "1" else "")
+        raise StageError(f"source {src.name!r}: {what} cannot be read: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''}{hint}") from None
     for i, row in enumerate(ds):
         if src.limit is not None and i >= src.limit:
             return

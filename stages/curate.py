@@ -15,6 +15,7 @@ Run: ``dvc repro curate`` or ``python -m stages.curate [--params params.yaml]``.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -31,20 +32,32 @@ log = logging.getLogger("curate")
 
 # --------------------------------------------------------------------------------------------- run
 def _collect(sources: list[Any], task: Any, task_kind: str, v: Validation, seed: int, progress: bool,
-             desc: str) -> tuple[list[Problem], list[dict[str, Any]], int]:
-    rows, quarantined, n_in = [], [], 0
+             desc: str, max_quarantined_frac: float) -> tuple[list[Problem], list[dict[str, Any]], int, list[str]]:
+    """Valid rows, quarantined rows, rows read, and one complaint per source whose quarantined share exceeds
+    ``max_quarantined_frac`` (naming the file and its top reasons)."""
+    rows, quarantined, n_in, complaints = [], [], 0, []
     for k, src in enumerate(sources):
+        n_src, bad = 0, Counter()
         for rid, obj, err in tqdm(read_source(src, task, seed + 1000 * k), desc=f"{desc}:{src.name}",
                                   disable=not progress, unit="row", leave=False):
             n_in += 1
+            n_src += 1
             err = err or validate(obj, task_kind, v)
             if err:
                 quarantined.append({"id": rid, "split": desc, "reason": err,
                                     "row": obj if obj is not None else None})
+                bad[err.split(":")[0]] += 1
                 continue
             rows.append(Problem(id=rid, source=src.name, task=task_kind, prompt=obj["prompt"],
                                 answer=obj["answer"].strip(), solution=obj.get("solution")))
-    return rows, quarantined, n_in
+        share = sum(bad.values()) / max(n_src, 1)
+        if n_src == 0 or share > max_quarantined_frac:
+            where = getattr(src, "path", None) or getattr(src, "hub_id", None) or src.name
+            top = ", ".join(f"{reason} ({n})" for reason, n in bad.most_common(3)) or "no rows at all"
+            complaints.append(f"{desc} source {src.name!r} ({where}): {sum(bad.values())} of {n_src} rows "
+                              f"quarantined ({share:.0%} > curate.max_quarantined_frac={max_quarantined_frac}); "
+                              f"top reasons: {top}")
+    return rows, quarantined, n_in, complaints
 
 
 def dedup(rows: list[Problem], n: int, threshold: float) -> tuple[list[Problem], list[dict[str, Any]]]:
@@ -92,12 +105,15 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
 
     # 1. eval split: its own source (or the generator, seeded apart from training), validated, deduped
     eval_src = cfg.eval.source or SyntheticSource(name="arith_eval", num_rows=cfg.eval.size * 2)
-    ev, ev_quarantine, ev_in = _collect([eval_src], task, kind, v, params.seed + 7919, prog, "eval")
+    ev, ev_quarantine, ev_in, complaints = _collect([eval_src], task, kind, v, params.seed + 7919, prog, "eval",
+                                                    cfg.max_quarantined_frac)
     ev, _ = dedup(ev, cfg.dedup.near_ngram, cfg.dedup.near_threshold)
     ev = ev[: cfg.eval.size]
 
     # 2. training pool: read + validate -> dedup -> decontaminate (eval split always, then benchmarks)
-    rows, quarantine, n_in = _collect(cfg.sources, task, kind, v, params.seed, prog, "train")
+    rows, quarantine, n_in, train_complaints = _collect(cfg.sources, task, kind, v, params.seed, prog, "train",
+                                                        cfg.max_quarantined_frac)
+    complaints += train_complaints
     rows, dups = dedup(rows, cfg.dedup.near_ngram, cfg.dedup.near_threshold)
     bench: dict[str, list[tuple[str, str]]] = {"eval_split": [(r["id"], r["prompt"]) for r in ev]}
     for b in cfg.decontam.benchmarks:
@@ -134,6 +150,8 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
     log.info("in=%d kept=%d (train %d, sft %d) quarantined=%d duplicates=%d contaminated=%d eval=%d",
              n_in, len(rows), len(train), len(sft), len(quarantine), len(dups), len(bad), len(ev))
 
+    if complaints:  # after the writes: quarantine.jsonl shows every rejected row and its reason
+        raise StageError("; ".join(complaints) + f" (every row and reason: {d / 'quarantine.jsonl'})")
     limit = cfg.decontam.max_contaminated_frac
     if limit is not None and n_in and len(bad) / n_in > limit:
         raise StageError(f"contaminated share {len(bad) / n_in:.3f} > curate.decontam.max_contaminated_frac="

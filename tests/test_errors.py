@@ -1,0 +1,104 @@
+"""Bad input anywhere: one clear line and exit 1 (config errors: exit 2, tests/test_config.py); tracebacks
+only for bugs. Each case runs the stage's real ``main`` path (``runner.stage_main``) in-process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from posttrain import runner
+from stages import curate, rl, sft
+
+
+def _main(tmp_path: Path, raw: dict, stage, capsys) -> tuple[int, str]:
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(SystemExit) as e:
+        runner.stage_main(stage.__name__.split(".")[-1], lambda p: stage.run(p, *stage.paths(p)),
+                          ["--params", str(tmp_path / "params.yaml")])
+    err = capsys.readouterr().err.strip()
+    return e.value.code, err
+
+
+def _one_line(err: str) -> str:
+    lines = [x for x in err.splitlines() if x.startswith("posttrain ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_source_whose_rows_are_all_quarantined_stops_curate(tiny, tmp_path, capsys):
+    """A .json file holding one array: every 'row' is bad. curate stops naming the file and the top reason,
+    instead of succeeding with zero rows for sft to die on."""
+    src = tmp_path / "gsm8k.json"
+    src.write_text(json.dumps([{"question": "q?", "answer": "#### 1"}] * 3))
+    tiny["task"] = {"kind": "math"}
+    tiny["curate"]["sources"] = [{"kind": "file", "name": "gsm", "path": str(src), "format": "gsm8k"}]
+    tiny["curate"]["eval"] = {"source": {"kind": "file", "name": "gsm_eval", "path": str(src), "format": "gsm8k"},
+                              "size": 1}
+    code, err = _main(tmp_path, tiny, curate, capsys)
+    line = _one_line(err)
+    assert code == 1 and str(src) in line and "1 of 1 rows quarantined" in line and "row is not a JSON object" in line
+    assert (Path(tiny["paths"]["curated_dir"]) / "quarantine.jsonl").is_file()  # nothing lost: every reason kept
+
+
+def test_missing_upstream_output(tiny, tmp_path, capsys):
+    code, err = _main(tmp_path, tiny, rl, capsys)  # nothing upstream has run
+    line = _one_line(err)
+    assert code == 1 and "train.parquet: not found" in line and "dvc repro" in line
+
+
+def test_unreadable_parquet(tiny, tmp_path, capsys):
+    d = Path(tiny["paths"]["curated_dir"])
+    d.mkdir(parents=True)
+    (d / "train.parquet").write_text("this is not parquet")
+    code, err = _main(tmp_path, tiny, rl, capsys)
+    line = _one_line(err)
+    assert code == 1 and "train.parquet: not a readable Parquet file" in line
+
+
+@pytest.mark.parametrize("base,expected", [
+    ("someone/not-cached-here", "not a local folder and HF_HUB_OFFLINE=1"),
+    ("EMPTY", "no file named"),  # a model folder without weights
+])
+def test_model_that_cannot_be_loaded(tiny, tmp_path, capsys, monkeypatch, base, expected):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    if base == "EMPTY":
+        folder = tmp_path / "empty_model"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        base = str(folder)
+    tiny["model"]["base"] = base
+    d = Path(tiny["paths"]["curated_dir"])
+    d.mkdir(parents=True)
+    from posttrain.schema import PROBLEM_SCHEMA, write_parquet
+
+    write_parquet(d / "sft.parquet", [{"id": "a:0", "source": "a", "task": "arith", "prompt": "12*3=", "answer": "36",
+                                       "solution": None}], PROBLEM_SCHEMA)
+    code, err = _main(tmp_path, tiny, sft, capsys)
+    line = _one_line(err)
+    assert code == 1 and expected in line, line
+
+
+@pytest.mark.parametrize("exc,expected", [
+    ("cuda", "out of GPU memory. Lower sft.micro_batch_size"),
+    ("host", "out of host memory. Lower sft.micro_batch_size"),
+])
+def test_out_of_memory_is_one_line_with_the_fix(tiny, tmp_path, capsys, monkeypatch, exc, expected):
+    import torch
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB") if exc == "cuda" \
+            else MemoryError()
+
+    monkeypatch.setattr(sft, "run", oom)
+    code, err = _main(tmp_path, tiny, sft, capsys)
+    assert code == 1 and expected in _one_line(err)
+
+
+def test_a_bug_keeps_its_traceback(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(sft, "run", lambda *a, **k: {}["missing"])
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny))
+    with pytest.raises(KeyError):
+        runner.stage_main("sft", lambda p: sft.run(p, *sft.paths(p)), ["--params", str(tmp_path / "params.yaml")])
