@@ -4,10 +4,13 @@ Why hand-written: open-r1's decontaminator (lower/strip + any shared 8-gram) can
 than n words and lets shared instructions cause matches; open-instruct's needs Elasticsearch. This index
 fixes both in ~100 lines and also serves near-duplicate detection.
 
-- ``normalize``: NFKC, casefold, whitespace collapsed. ``words`` splits into word runs and single
-  punctuation marks, so re-spacing (``apples , she`` vs ``apples, she``) and re-casing do not hide a copy.
-- ``ngrams``: word n-grams; a text shorter than n words yields one n-gram, the whole text, so short
-  prompts (``12*7=``) are still caught by exact n-gram equality.
+- ``normalize``: NFKC, casefold, LaTeX read as plain math (``math_plain``: ``$`` dropped, ``\\frac{a}{b}``,
+  ``(a)/(b)`` and ``a/b`` all become ``a / b``, ``\\cdot``/``\\times`` become ``*``, ``\\left``/``\\right`` and
+  brackets dropped, ``^{2}`` and ``^2`` the same), whitespace collapsed. ``words`` splits into word runs and
+  single punctuation marks, so re-spacing (``apples , she`` vs ``apples, she``) and re-casing do not hide a copy.
+- ``grams``: word n-grams *within each sentence*, so a copy with its sentences reordered has the same set;
+  a sentence shorter than n words yields one n-gram, the whole sentence, so short prompts (``12*7=``) are
+  still caught by exact n-gram equality.
 - Scoring a row against one indexed item: ``score = max(shared/row_ngrams, shared/item_ngrams)``: the
   first catches a (lightly edited) copy of an item, the second an item embedded in a longer row.
 - Boilerplate: n-grams present in more than ``boilerplate_frac`` of an index's items (shared
@@ -23,10 +26,28 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 _WORD_RE = re.compile(r"\w+|[^\w\s]")
+_LATEX = [  # (pattern, replacement), in order
+    (re.compile(r"\$"), " "),
+    (re.compile(r"\\[dt]frac"), r"\\frac"),
+    (re.compile(r"\\(?:left|right|displaystyle|[,;:!]|q?quad)"), " "),
+    (re.compile(r"\\(?:cdot|times|ast)"), "*"),
+    (re.compile(r"\\text(?:bf|it|rm)?\b"), " "),
+]
+_FRAC = re.compile(r"\\frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
+_BRACKETS = re.compile(r"[{}()\[\]]")
+
+
+def math_plain(text: str) -> str:
+    """LaTeX and its plain-text rewrites mapped to one form (see module docstring)."""
+    for pat, rep in _LATEX:
+        text = pat.sub(rep, text)
+    for _ in range(3):  # nested fractions, innermost first
+        text = _FRAC.sub(r"\1 / \2", text)
+    return _BRACKETS.sub(" ", text).replace("\\", " ")
 
 
 def normalize(text: str) -> str:
-    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+    return " ".join(math_plain(unicodedata.normalize("NFKC", text).casefold()).split())
 
 
 def words(text: str) -> list[str]:
@@ -42,12 +63,29 @@ def ngrams(tokens: list[str], n: int) -> set[str]:
     return {" ".join(tokens[i : i + n]) for i in range(len(tokens) - n + 1)}
 
 
+def sentences(tokens: list[str]) -> list[list[str]]:
+    """Split tokens after ``.``/``?``/``!`` (a ``.`` between digits is a decimal point, not an end)."""
+    out, cur = [], []
+    for i, t in enumerate(tokens):
+        cur.append(t)
+        nxt = tokens[i + 1] if i + 1 < len(tokens) else ""
+        if t in {".", "?", "!"} and not (t == "." and nxt.isdigit() and i > 0 and tokens[i - 1].isdigit()):
+            out.append(cur)
+            cur = []
+    return out + [cur] if cur else out
+
+
+def grams(text: str, n: int) -> set[str]:
+    """The n-grams of each sentence of ``text`` (order-insensitive across sentences)."""
+    return set().union(*(ngrams(s, n) for s in sentences(words(text)))) if text.strip() else set()
+
+
 @dataclass
 class Match:
     item_id: str
     score: float
     shared: list[str]  # the shared n-grams (for the report)
-    method: str  # "exact" | "ngram"
+    method: str  # "exact" | "ngram:row-in-item" (a copy, edited or cut) | "ngram:item-in-row" (wrapped/embedded)
 
 
 @dataclass
@@ -61,7 +99,7 @@ class NgramIndex:
     boilerplate: set[str] = field(default_factory=set)
 
     def add(self, item_id: str, text: str) -> None:
-        g = ngrams(words(text), self.n)
+        g = grams(text, self.n)
         for gram in g:
             self.grams[gram].add(item_id)
         self.size[item_id] = len(g)
@@ -80,7 +118,7 @@ class NgramIndex:
         norm = normalize(text)
         if norm in self.exact:
             return Match(self.exact[norm], 1.0, [], "exact")
-        row = ngrams(words(text), self.n) - self.boilerplate
+        row = grams(text, self.n) - self.boilerplate
         if not row:
             return None
         shared: dict[str, list[str]] = defaultdict(list)
@@ -91,9 +129,10 @@ class NgramIndex:
         for item, gs in shared.items():
             if self.size[item] <= 0:
                 continue
-            score = max(len(gs) / len(row), len(gs) / self.size[item])
-            if best is None or score > best.score:
-                best = Match(item, score, sorted(gs), "ngram")
+            of_row, of_item = len(gs) / len(row), len(gs) / self.size[item]
+            score = max(of_row, of_item)
+            if best is None or score > best.score:  # which share decided: a (rewritten) copy, or an embedding
+                best = Match(item, score, sorted(gs), "ngram:row-in-item" if of_row >= of_item else "ngram:item-in-row")
         return best
 
 

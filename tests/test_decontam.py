@@ -1,13 +1,9 @@
-import json
-import random
-
 import pytest
 from conftest import BENCH
 
-from posttrain.config import Decontam
-from posttrain.decontam import build_index, ngrams, normalize, words
+from posttrain.decontam import build_index, grams, ngrams, normalize, sentences, words
 from posttrain.schema import Problem
-from stages.curate import decontaminate, dedup
+from stages.curate import dedup
 
 SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -17,6 +13,20 @@ def test_normalize_and_words():
     assert words("apples , she") == words("Apples,she") == ["apples", ",", "she"]
     assert ngrams(["a", "b"], 8) == {"a b"}  # shorter than n: the whole text is one n-gram
     assert ngrams(["a", "b", "c"], 2) == {"a b", "b c"}
+
+
+def test_latex_and_its_plain_rewrites_normalize_alike():
+    forms = ["Find $\\frac{x+1}{2} \\cdot y^{2}$.", "Find (x+1)/(2) * y^2.", "find x+1/2 * y^2.",
+             "Find $\\left(\\dfrac{x+1}{2}\\right) \\times y^{2}$."]
+    assert len({tuple(words(f)) for f in forms}) == 1, [words(f) for f in forms]
+
+
+def test_reordered_sentences_have_the_same_grams():
+    a = "Tom has three red apples in a bag at home. He buys two more apples at the shop today. How many now?"
+    b = "He buys two more apples at the shop today. How many now? Tom has three red apples in a bag at home."
+    assert grams(a, 8) == grams(b, 8)
+    assert sentences(words("It costs 3.5 dollars. Then 2.")) == [["it", "costs", "3", ".", "5", "dollars", "."],
+                                                                 ["then", "2", "."]]  # a decimal point is no end
 
 
 def test_short_prompts_are_caught_and_distinguished():
@@ -53,41 +63,20 @@ def test_near_duplicate_dedup_keeps_first():
     assert dups[0]["duplicate_of"] == "s:0"
 
 
-def _load(name, key):
-    with open(BENCH / name) as f:
-        return [json.loads(line)[key] for line in f]
-
-
-def _perturb(text: str, rng: random.Random) -> str:
-    """Light edits a scraped copy would carry: re-case, re-space, dropped instruction, one word changed."""
-    t = text.replace(SUFFIX, "").strip()
-    t = rng.choice([str.upper, str.lower, str.title, lambda s: s])(t)
-    t = t.replace(", ", " , ").replace(". ", ".  ").replace("\n", " ")
-    toks = t.split(" ")
-    if len(toks) > 12:
-        toks[rng.randrange(len(toks))] = "something"
-    return " ".join(toks)
+TARGETS = {"verbatim": 0.99, "recase_respace": 0.99, "wrapped": 0.99, "reordered": 0.99, "latex_rewritten": 0.95,
+           "truncated_60": 0.95}
 
 
 @pytest.mark.skipif(not BENCH.is_dir(), reason="../shared/benchmarks not present")
-def test_planted_contamination_in_real_gsm8k_train():
-    rng = random.Random(0)
-    train = _load("gsm8k_train.jsonl", "question")
-    gsm_test = _load("gsm8k_test.jsonl", "question")
-    math500 = _load("math500.jsonl", "problem")
-    planted = [("gsm8k_test", q) for q in rng.sample(gsm_test, 25)] + [("math500", q) for q in rng.sample(math500, 25)]
-    rows = [Problem(id=f"train:{i}", source="train", task="math", prompt=q, answer="1", solution=None)
-            for i, q in enumerate(train)]
-    rows += [Problem(id=f"planted:{b}:{i}", source="planted", task="math", prompt=_perturb(q, rng), answer="1",
-                     solution=None) for i, (b, q) in enumerate(planted)]
-    benches = {"gsm8k_test": [(f"t:{i}", q) for i, q in enumerate(gsm_test)],
-               "math500": [(f"m:{i}", q) for i, q in enumerate(math500)]}
-    _, bad, report = decontaminate(rows, benches, Decontam())
-    caught = sum(1 for r in bad if r.startswith("planted:"))
-    false_pos = sorted(r for r in bad if r.startswith("train:"))
-    recall, fp_rate = caught / len(planted), len(false_pos) / len(train)
-    print(f"\nplanted recall {caught}/{len(planted)} = {recall:.3f}; "
-          f"clean GSM8K-train flagged {len(false_pos)}/{len(train)} = {fp_rate:.4f} ({false_pos})")
-    assert recall >= 0.95
-    assert fp_rate <= 0.002
-    assert report["benchmarks"]["math500"]["boilerplate_ngrams"] > 0  # the shared instruction was dropped
+def test_rewritten_copies_are_caught_without_false_positives():
+    """100 rewritten copies per kind (tests/perturb.py, seeded) of GSM8K-test / MATH-500 / AIME / AMC items
+    planted into the 7,473 real GSM8K-train rows: recall per kind, and clean train rows flagged (<= 0.3%)."""
+    import perturb
+
+    res = perturb.measure(per_kind=100, seed=0)
+    print(f"\nrecall {res['recall']}; clean GSM8K-train flagged {res['false_positives']}/{res['clean_rows']} "
+          f"({res['fp_ids']}); methods {res['methods']}; {res['seconds']} s")
+    for kind, target in TARGETS.items():
+        assert res["recall"][kind] >= target, (kind, res["recall"][kind])
+    assert res["false_positive_rate"] <= 0.003
+    assert set(res["methods"]) <= {"exact", "ngram:row-in-item", "ngram:item-in-row"}
