@@ -10,8 +10,10 @@ stays off (DVC is the cache).
 
 Parameters: ``target`` (a stage; None = all), ``overrides`` (``["rl.lr=1e-5", ...]``, applied to
 params.yaml the way ``dvc exp run -S`` applies them: the workspace file is rewritten, comments kept, and
-validated before any stage runs), ``exp_name`` (when set, the finished workspace is recorded with
-``dvc exp save -n <name>``, so ``dvc exp show`` lists it with its params and metrics), ``route`` and ``repo``.
+validated before any stage runs; one pipeline run per workspace at a time, ``dvcrepo.workspace_lock``, so a
+concurrent run waits instead of running with the other's params), ``exp_name`` (when set, the finished
+workspace is recorded with ``dvc exp save -n <name>``, so ``dvc exp show`` lists it with its params and
+metrics), ``route`` and ``repo``.
 
 GPU routing (``route=True``, the default of the deployed pipeline): stages whose class in
 ``prefect.resources`` is ``gpu`` run as a ``posttrain-stage`` flow run of the ``gpu`` deployment, on the
@@ -35,6 +37,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +48,9 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from posttrain import tracking
 from posttrain.config import ConfigError, Params, load_params, parse_params
-from posttrain.dvcrepo import clear_stale_locks
+from posttrain.dvcrepo import clear_stale_locks, workspace_lock
 from posttrain.errors import StageError
+from posttrain.schema import write_text
 
 STAGE_DEPLOYMENT = "posttrain-stage/gpu"
 _PARENT: list[str] = []  # the MLflow parent run of this process's pipeline invocation
@@ -122,19 +127,27 @@ def parse_overrides(repo: Path, overrides: list[str]) -> tuple[Params, list[tupl
 
 
 def apply_overrides(repo: Path, overrides: list[str]) -> Params:
-    """Validate the overrides (:func:`parse_overrides`), then write them into params.yaml."""
-    from dvc.utils.serialize import modify_yaml
+    """Validate the overrides (:func:`parse_overrides`), then write them into params.yaml: a ruamel round trip
+    (comments and order kept, as ``dvc exp run -S`` does), written atomically (a concurrent reader never sees
+    half a file)."""
+    import io
+
+    from ruamel.yaml import YAML
 
     path = repo / "params.yaml"
     params, edits = parse_overrides(repo, overrides)
     if not edits:
         return params
-    with modify_yaml(path) as data:  # ruamel round trip: comments and order kept, as dvc exp run -S does
-        for keys, value in edits:
-            node = data
-            for k in keys[:-1]:
-                node = node[k]
-            node[keys[-1]] = value
+    rt = YAML()
+    data = rt.load(path.read_text())
+    for keys, value in edits:
+        node = data
+        for k in keys[:-1]:
+            node = node[k]
+        node[keys[-1]] = value
+    buf = io.StringIO()
+    rt.dump(data, buf)
+    write_text(path, buf.getvalue())
     return params
 
 
@@ -173,12 +186,14 @@ def stage_task(stage: str, repo: str) -> str:
 
 
 @task(cache_policy=None, persist_result=False)
-def remote_stage_task(stages: list[str], repo: str, commit: str, mlflow_parent: str | None) -> dict[str, str]:
-    """Consecutive gpu stages as one flow run of the gpu stage deployment; waits for it, fails if it failed."""
+def remote_stage_task(stages: list[str], repo: str, commit: str, mlflow_parent: str | None,
+                      params_text: str | None = None) -> dict[str, str]:
+    """Consecutive gpu stages as one flow run of the gpu stage deployment; waits for it, fails if it failed.
+    ``params_text``: the pipeline's params.yaml (overrides applied), for a worker in another checkout."""
     from prefect.deployments import run_deployment
 
     fr = run_deployment(STAGE_DEPLOYMENT, parameters={"stages": stages, "repo": repo, "commit": commit,
-                                                      "mlflow_parent": mlflow_parent},
+                                                      "mlflow_parent": mlflow_parent, "params_text": params_text},
                         flow_run_name="+".join(stages), timeout=None, as_subflow=True, poll_interval=1)
     if fr.state is None or not fr.state.is_completed():
         raise StageError(f"stages {stages}: flow run {fr.id} ended {fr.state.name if fr.state else 'unknown'}")
@@ -192,23 +207,42 @@ def _head(repo: Path) -> str:
 
 @flow(name="posttrain-stage", log_prints=True)
 def stage_flow(stages: list[str], repo: str | None = None, commit: str | None = None,
-               mlflow_parent: str | None = None) -> dict[str, str]:
-    """Stages on a worker, one task each: same commit as the pipeline; with a DVC remote, the upstream outputs
-    are pulled first and the stages' outputs pushed after."""
+               mlflow_parent: str | None = None, params_text: str | None = None) -> dict[str, str]:
+    """Stages on a worker, one task each: same commit as the pipeline, and the pipeline's params
+    (``params_text``, overrides included: a worker in its own checkout would otherwise run the committed
+    ones; its params.yaml is restored after). With a DVC remote, the upstream outputs are pulled first and
+    the stages' outputs pushed after."""
     root = Path(repo or os.getcwd())
     _PARENT[:] = [mlflow_parent] if mlflow_parent else []
     if commit and _head(root) != commit:
         raise StageError(f"worker checkout {root} is at {_head(root)[:12] or 'no commit'}, the pipeline at "
                           f"{commit[:12]}: check out the pipeline's commit on the worker")
-    remote = load_params(root / "params.yaml").prefect.dvc_remote
-    if remote:
-        upstream = [s for s in stage_order(root, stages[-1]) if s not in stages]
-        if upstream:
-            dvc("pull", "--remote", remote, *upstream, repo=root)
-    statuses = {s: stage_task.with_options(name=s, task_run_name=s)(s, str(root)) for s in stages}
-    if remote:
-        dvc("push", "--remote", remote, *stages, repo=root)
+    with pipeline_params(root / "params.yaml", params_text):
+        remote = load_params(root / "params.yaml").prefect.dvc_remote
+        if remote:
+            upstream = [s for s in stage_order(root, stages[-1]) if s not in stages]
+            if upstream:
+                dvc("pull", "--remote", remote, *upstream, repo=root)
+        statuses = {s: stage_task.with_options(name=s, task_run_name=s)(s, str(root)) for s in stages}
+        if remote:
+            dvc("push", "--remote", remote, *stages, repo=root)
     return statuses
+
+
+@contextmanager
+def pipeline_params(path: Path, params_text: str | None) -> Iterator[None]:
+    """The pipeline's params.yaml in this checkout for the ``with`` body, the checkout's own restored after
+    (no-op when they are the same file content, as when workers share the pipeline's checkout)."""
+    own = path.read_text()
+    if params_text is None or params_text == own:
+        yield
+        return
+    parse_params(yaml.safe_load(params_text), "the pipeline's params")  # refuse before touching anything
+    write_text(path, params_text)
+    try:
+        yield
+    finally:
+        write_text(path, own)
 
 
 @flow(name="posttrain-pipeline", log_prints=True)
@@ -216,11 +250,22 @@ def pipeline(target: str | None = None, overrides: list[str] | None = None, exp_
              route: bool = False, repo: str | None = None) -> dict[str, str]:
     """Run the DAG (or ``target`` and its upstream) stage by stage through DVC; see the module docstring."""
     root = Path(repo or os.getcwd()).resolve()
-    params = apply_overrides(root, list(overrides or []))
+    from prefect.runtime import flow_run
+
+    wait = parse_overrides(root, list(overrides or []))[0].prefect.workspace_wait_s
+    with workspace_lock(root, f"flow run {flow_run.name!r} with overrides {list(overrides or [])}", wait):
+        return _pipeline(root, target, list(overrides or []), exp_name, route)
+
+
+def _pipeline(root: Path, target: str | None, overrides: list[str], exp_name: str | None, route: bool
+              ) -> dict[str, str]:
+    """The pipeline's body, with the workspace held (see ``pipeline``)."""
+    log = get_run_logger()
+    log.info("workspace %s held by this run", root)
+    params = apply_overrides(root, overrides)
     stages = stage_order(root, target)
     cfg = params.prefect
     commit = _head(root)
-    log = get_run_logger()
     from prefect.runtime import flow_run
 
     parent = tracking.start_parent(params, root, f"pipeline {flow_run.name}",
@@ -230,13 +275,14 @@ def pipeline(target: str | None = None, overrides: list[str] | None = None, exp_
         _link_mlflow(params, root, parent)
     statuses: dict[str, str] = {}
     retry = {"retries": cfg.retries, "retry_delay_seconds": cfg.retry_delay_s}
+    params_text = (root / "params.yaml").read_text()
     ok = False
     try:
         for kind, group in _groups(stages, cfg.resources if route else {}):
             if kind == "gpu":  # consecutive gpu stages: one flow run on the gpu pool (one worker pick-up)
                 name = "+".join(group)
                 statuses |= remote_stage_task.with_options(name=name, task_run_name=name, **retry)(
-                    group, str(root), commit, parent)
+                    group, str(root), commit, parent, params_text)
             else:
                 (s,) = group
                 statuses[s] = stage_task.with_options(name=s, task_run_name=s, **retry)(s, str(root))
@@ -289,6 +335,9 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"posttrain: {e}", file=sys.stderr)
         sys.exit(2)
+    except StageError as e:
+        print(f"posttrain: {e}", file=sys.stderr)
+        sys.exit(1)
     print(json.dumps(statuses))
 
 

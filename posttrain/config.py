@@ -229,7 +229,9 @@ class CurateEval(_Model):
         None, description="where eval problems come from; None = the task generator (task arith only), "
         "seeded apart from the training draw"
     )
-    size: int = Field(200, ge=1, description="eval rows kept (after validation and dedup)")
+    rows: int = Field(200, ge=1, description="eval rows kept (after validation and dedup). Not named `size`: "
+                      "DVC's run-cache key drops every key named size or nfiles (dvc_data's Meta fields), so a "
+                      "changed `size` param would restore the old outputs")
 
 
 class Curate(_Model):
@@ -531,7 +533,11 @@ class PrefectCfg(_Model):
                          "stage's own checkpoints; DVC skips what is already up to date)")
     retry_delay_s: float = Field(5.0, ge=0, description="seconds between retries")
     dvc_remote: str | None = Field(None, description="DVC remote a worker in another checkout pulls a "
-                                   "stage's deps from and pushes its outs to (None: workers share this checkout)")
+                                   "stage's deps from and pushes its outs to (None: workers share this checkout); "
+                                   "the pipeline's params (overrides included) are sent to the worker")
+    workspace_wait_s: float = Field(3600.0, ge=0, description="a pipeline run waits this long for another run "
+                                    "in the same checkout to finish (one run per workspace: overrides rewrite "
+                                    "params.yaml), then refuses naming it; 0 = refuse at once")
 
     @field_validator("resources")
     @classmethod

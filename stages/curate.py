@@ -104,11 +104,11 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
     task, kind, v, prog = params.task, params.task.kind, cfg.validation, params.runtime.progress
 
     # 1. eval split: its own source (or the generator, seeded apart from training), validated, deduped
-    eval_src = cfg.eval.source or SyntheticSource(name="arith_eval", num_rows=cfg.eval.size * 2)
+    eval_src = cfg.eval.source or SyntheticSource(name="arith_eval", num_rows=cfg.eval.rows * 2)
     ev, ev_quarantine, ev_in, complaints = _collect([eval_src], task, kind, v, params.seed + 7919, prog, "eval",
                                                     cfg.max_quarantined_frac)
     ev, _ = dedup(ev, cfg.dedup.near_ngram, cfg.dedup.near_threshold)
-    ev = ev[: cfg.eval.size]
+    ev = ev[: cfg.eval.rows]
 
     # 2. training pool: read + validate -> dedup -> decontaminate (eval split always, then benchmarks)
     rows, quarantine, n_in, train_complaints = _collect(cfg.sources, task, kind, v, params.seed, prog, "train",

@@ -34,7 +34,7 @@ def tiny_raw(root: Path | None) -> dict[str, Any]:
     p["model"]["tiny"] = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64,
                           "max_position_embeddings": 128}
     p["curate"]["sources"][0]["num_rows"] = 300
-    p["curate"]["eval"]["size"] = 12
+    p["curate"]["eval"]["rows"] = 12
     p["curate"]["sft_size"] = 100
     p["sft"].update({"phases": [{"steps": 6, "cot_frac": 1.0}, {"steps": 2, "cot_frac": 0.5}],
                      "batch_size": 8, "micro_batch_size": 4, "warmup_steps": 2, "checkpoint_every": 3,

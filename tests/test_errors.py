@@ -36,7 +36,7 @@ def test_a_source_whose_rows_are_all_quarantined_stops_curate(tiny, tmp_path, ca
     tiny["task"] = {"kind": "math"}
     tiny["curate"]["sources"] = [{"kind": "file", "name": "gsm", "path": str(src), "format": "gsm8k"}]
     tiny["curate"]["eval"] = {"source": {"kind": "file", "name": "gsm_eval", "path": str(src), "format": "gsm8k"},
-                              "size": 1}
+                              "rows": 1}
     code, err = _main(tmp_path, tiny, curate, capsys)
     line = _one_line(err)
     assert code == 1 and str(src) in line and "1 of 1 rows quarantined" in line and "row is not a JSON object" in line

@@ -61,13 +61,13 @@ def test_flow_in_process_runs_stages_through_dvc_and_records_overrides(tmp_path)
     assert bad.returncode == 2 and "curate.eval.sise: unknown key" in bad.stderr
     assert not (repo / "dvc.lock").exists() and (repo / "params.yaml").read_text() == before  # nothing ran
 
-    r = _flow(repo, home, "--target", "curate", "-S", "curate.eval.size=10")
+    r = _flow(repo, home, "--target", "curate", "-S", "curate.eval.rows=10")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {"curate": "ran"}
     assert "Running stage 'curate'" in r.stderr  # the stage's output streams into the flow's logs
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
     assert list(lock["stages"]) == ["curate"] and lock["stages"]["curate"]["params"]["params.yaml"]["curate"][
-        "eval"]["size"] == 10  # the override is what DVC recorded
+        "eval"]["rows"] == 10  # the override is what DVC recorded
     assert "# posttrain parameters" in (repo / "params.yaml").read_text()  # rewritten as by dvc exp run -S
 
     again = _flow(repo, home, "--target", "curate")
@@ -228,3 +228,84 @@ def test_real_server_routes_gpu_stages_to_the_gpu_pool_and_survives_a_killed_wor
         assert "after-kill" in exps.stdout  # exp_name: the finished run is a DVC experiment
     finally:
         procs.stop_all()
+
+
+def test_a_worker_runs_with_the_pipelines_params_then_gets_its_own_back(tmp_path):
+    """A gpu worker in its own checkout receives the pipeline's params.yaml (overrides included) instead of
+    running its committed one; its own file is restored afterwards, also when a stage fails."""
+    from flows.pipeline import pipeline_params
+
+    repo = _repo(tmp_path)
+    path = repo / "params.yaml"
+    own = path.read_text()
+    theirs = own.replace("  lr: 3.0e-05", "  lr: 1.0e-05")
+    assert theirs != own
+    with pytest.raises(RuntimeError):
+        with pipeline_params(path, theirs):
+            assert yaml.safe_load(path.read_text())["rl"]["lr"] == 1e-5
+            raise RuntimeError("the stage failed")
+    assert path.read_text() == own
+    from posttrain.config import ConfigError
+
+    with pytest.raises(ConfigError):  # bad params from the pipeline: refused before the file is touched
+        with pipeline_params(path, own.replace("  lr: 3.0e-05", "  lr: fast")):
+            pass
+    assert path.read_text() == own
+
+
+def _hold(repo: str, ready, release) -> None:
+    from posttrain.dvcrepo import workspace_lock
+
+    with workspace_lock(repo, "flow run 'first'", 0):
+        ready.set()
+        release.wait(30)
+
+
+def test_one_pipeline_run_per_workspace(tmp_path):
+    """A second run waits for the first (then refuses, naming it); a killed holder frees the workspace."""
+    import multiprocessing as mp
+
+    from posttrain.dvcrepo import workspace_lock
+    from posttrain.errors import StageError
+
+    (tmp_path / ".dvc").mkdir()
+    ctx = mp.get_context("spawn")
+    ready, release = ctx.Event(), ctx.Event()
+    holder = ctx.Process(target=_hold, args=(str(tmp_path), ready, release))
+    holder.start()
+    assert ready.wait(60)
+    t = time.time()
+    with pytest.raises(StageError, match="in use by another pipeline run \\(flow run 'first', pid"):
+        with workspace_lock(tmp_path, "second", wait_s=1.0):
+            pass
+    assert time.time() - t >= 1.0  # it waited before refusing
+    holder.kill()
+    holder.join()
+    with workspace_lock(tmp_path, "second", wait_s=5.0):  # the kernel released the dead holder's lock
+        pass
+
+
+@pytest.mark.slow
+def test_two_overlapping_flow_runs_each_run_with_their_own_params(tmp_path):
+    """The nightly run and a manual run with overrides start together in one checkout: both complete, and
+    each one's stage ran (and was tracked in MLflow) with its own params, not the other's."""
+    repo = _repo(tmp_path)
+    raw = yaml.safe_load((repo / "params.yaml").read_text())
+    raw["tracking"]["enabled"] = True
+    (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    procs = []
+    for i, size in enumerate((10, 12)):
+        procs.append(subprocess.Popen([sys.executable, "-m", "flows.pipeline", "--target", "curate", "-S",
+                                       f"curate.eval.rows={size}"], cwd=repo, env=_env(tmp_path / f"prefect{i}"),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        time.sleep(1)
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("posttrain").experiment_id],
+                              "tags.mlflow.runName = 'curate'")
+    seen = sorted((r.data.params["curate.eval.rows"], r.data.metrics["eval"]) for r in runs)
+    assert seen == [("10", 10.0), ("12", 12.0)]  # each ran, and was recorded, with its own override

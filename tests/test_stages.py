@@ -67,7 +67,7 @@ def test_curate_quarantines_malformed_rows(tiny, tmp_path):
     tiny["task"] = {"kind": "math"}
     tiny["curate"]["sources"] = [{"kind": "file", "name": "messy", "path": str(src), "format": "gsm8k"}]
     tiny["curate"]["eval"] = {"source": {"kind": "file", "name": "messy_eval", "path": str(src), "format": "gsm8k",
-                                         "limit": 1}, "size": 1}
+                                         "limit": 1}, "rows": 1}
     tiny["curate"]["sft_size"] = 1
     tiny["curate"]["max_quarantined_frac"] = 1.0  # 8 of 11 bad rows: the point here is counting them
     p = parse_params(tiny)
