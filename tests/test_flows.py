@@ -52,28 +52,6 @@ def test_bad_override_exits_2_naming_the_key_before_prefect_starts(tmp_path, mon
     assert (repo / "params.yaml").read_text() == before
 
 
-@pytest.mark.slow  # three flow runs, each starting Prefect's ephemeral server: ~90 s
-def test_flow_in_process_runs_stages_through_dvc_and_records_overrides(tmp_path):
-    repo, home = _repo(tmp_path), tmp_path / "prefect"
-    before = (repo / "params.yaml").read_text()
-
-    bad = _flow(repo, home, "--target", "curate", "-S", "curate.eval.sise=10")
-    assert bad.returncode == 2 and "curate.eval.sise: unknown key" in bad.stderr
-    assert not (repo / "dvc.lock").exists() and (repo / "params.yaml").read_text() == before  # nothing ran
-
-    r = _flow(repo, home, "--target", "curate", "-S", "curate.eval.rows=10")
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"curate": "ran"}
-    assert "Running stage 'curate'" in r.stderr  # the stage's output streams into the flow's logs
-    lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    assert list(lock["stages"]) == ["curate"] and lock["stages"]["curate"]["params"]["params.yaml"]["curate"][
-        "eval"]["rows"] == 10  # the override is what DVC recorded
-    assert "# posttrain parameters" in (repo / "params.yaml").read_text()  # rewritten as by dvc exp run -S
-
-    again = _flow(repo, home, "--target", "curate")
-    assert again.returncode == 0 and json.loads(again.stdout.strip().splitlines()[-1]) == {"curate": "skipped"}
-
-
 def test_consecutive_gpu_stages_share_one_remote_run():
     from flows.pipeline import _groups
 
@@ -287,12 +265,14 @@ def test_one_pipeline_run_per_workspace(tmp_path):
 
 @pytest.mark.slow
 def test_two_overlapping_flow_runs_each_run_with_their_own_params(tmp_path):
-    """The nightly run and a manual run with overrides start together in one checkout: both complete, and
-    each one's stage ran (and was tracked in MLflow) with its own params, not the other's."""
+    """The in-process flow on Prefect's ephemeral server, twice at once: the nightly run and a manual run with
+    overrides start together in one checkout. Both complete, each one's stage ran (and was tracked in MLflow)
+    with its own params, dvc.lock records the params of the run that finished last, and a re-run skips."""
     repo = _repo(tmp_path)
-    raw = yaml.safe_load((repo / "params.yaml").read_text())
+    text = (repo / "params.yaml").read_text()
+    raw = yaml.safe_load(text)
     raw["tracking"]["enabled"] = True
-    (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    (repo / "params.yaml").write_text(text.split("\n")[0] + "\n" + yaml.safe_dump(raw, sort_keys=False))
     procs = []
     for i, size in enumerate((10, 12)):
         procs.append(subprocess.Popen([sys.executable, "-m", "flows.pipeline", "--target", "curate", "-S",
@@ -300,8 +280,10 @@ def test_two_overlapping_flow_runs_each_run_with_their_own_params(tmp_path):
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         time.sleep(1)
     outs = [p.communicate(timeout=600) for p in procs]
-    for p, (_out, err) in zip(procs, outs, strict=True):
+    for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1]) == {"curate": "ran"}
+        assert "Running stage 'curate'" in err  # the stage's output streams into the flow's logs
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlflow.db'}")
@@ -309,3 +291,10 @@ def test_two_overlapping_flow_runs_each_run_with_their_own_params(tmp_path):
                               "tags.mlflow.runName = 'curate'")
     seen = sorted((r.data.params["curate.eval.rows"], r.data.metrics["eval"]) for r in runs)
     assert seen == [("10", 10.0), ("12", 12.0)]  # each ran, and was recorded, with its own override
+    last = yaml.safe_load((repo / "params.yaml").read_text())["curate"]["eval"]["rows"]
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    assert lock["stages"]["curate"]["params"]["params.yaml"]["curate"]["eval"]["rows"] == last  # what DVC recorded
+    assert "# posttrain parameters" in (repo / "params.yaml").read_text()  # rewritten as by dvc exp run -S
+
+    again = _flow(repo, tmp_path / "prefect0", "--target", "curate")
+    assert again.returncode == 0 and json.loads(again.stdout.strip().splitlines()[-1]) == {"curate": "skipped"}
