@@ -115,17 +115,65 @@ class TinyModel(_Model):
         return self
 
 
+class LoraCfg(_Model):
+    """LoRA adapters (``peft``) on the trained model: SFT, RL and distill train only these; the saved model is
+    the merged HF folder (``from_pretrained`` and vLLM load it as is), the adapter is kept in its ``adapter/``."""
+
+    r: int = Field(16, ge=1, description="adapter rank")
+    alpha: int = Field(32, ge=1, description="scaling numerator (the update is alpha / r * B A)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input (0: the RL ratio of an "
+                           "on-policy step stays exactly 1)")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names to adapt (e.g. [q_proj, k_proj, v_proj, o_proj]) or "
+        "'all-linear' (every linear layer but the LM head)")
+
+
+class PromptCfg(_Model):
+    """How a problem becomes the model's input, and where generation stops. Applied once, when the base
+    policy (or a pretrained student) is loaded: the chat template and the stop tokens are written into the
+    model folder (tokenizer_config.json, generation_config.json), so every model descending from it, and
+    vLLM or ``from_pretrained`` users of it, prompt and stop the same way."""
+
+    system: str | None = Field(None, description="system message put first in every conversation (the chat "
+                               "template must render system messages)")
+    instruction: str = Field("", description="appended to every user prompt, e.g. '\\nPlease reason step by "
+                             "step, and put your final answer within \\boxed{}.' for the math task")
+    template: str | None = Field(None, description="for a model without a chat template: a plain prompt with "
+                                 "'{prompt}', e.g. 'Question: {prompt}\\nAnswer:' (the completion follows, then "
+                                 "EOS). A model with neither is refused")
+    stop: list[str] = Field([], description="extra stops: a string that is one token (e.g. '<|im_end|>') "
+                            "becomes a stop token id beside generation_config's EOS ids; any other string stops "
+                            "generation when the decoded completion contains it (cut from the text)")
+
+    @field_validator("template")
+    @classmethod
+    def _has_slot(cls, v: str | None) -> str | None:
+        if v is not None and v.count("{prompt}") != 1:
+            raise ValueError("must contain '{prompt}' exactly once")
+        return v
+
+
 class ModelCfg(_Model):
     base: str = Field(
         "tiny",
         description="'tiny' builds a fresh Llama from model.tiny + a character tokenizer; otherwise a local "
         "HF folder or a hub id (needs the hub; with HF_HUB_OFFLINE=1 a hub id fails fast)",
     )
+    revision: str | None = Field(None, description="hub revision (commit sha, tag or branch) of model.base: pin "
+                                 "a commit sha for a reproducible run; recorded in MLflow and the lineage")
     tiny: TinyModel = Field(default_factory=TinyModel, description="used only when base == 'tiny'")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="compute dtype. Training keeps fp32 master weights and optimizer state and runs "
         "forward/backward under torch.autocast in this dtype (mixed precision); inference-only models (evaluate, "
-        "the rollout stage, a distillation teacher, a KL reference) are loaded in it")
+        "the rollout stage, a distillation teacher, a KL reference) are loaded in it. With LoRA the frozen base "
+        "is stored in this dtype and the adapters in fp32")
+    lora: LoraCfg | None = Field(None, description="null: full fine-tuning; else train LoRA adapters")
+    gradient_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in "
+                                         "backward (less memory, ~30% more compute)")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="attention kernel passed to from_pretrained (flash_attention_2 needs the package "
+        "and a GPU)")
+    prompt: PromptCfg = Field(default_factory=PromptCfg)
 
     @field_validator("dtype")
     @classmethod
@@ -182,6 +230,8 @@ class HubSource(_Model):
     hub_id: str = Field(description="e.g. openai/gsm8k")
     config: str | None = Field(None, description="dataset config name, e.g. 'main'")
     split: str = Field("train", description="split to load")
+    revision: str | None = Field(None, description="dataset revision (commit sha, tag or branch): pin a sha for a "
+                                 "reproducible run; recorded in the curate report and MLflow")
     format: Literal["gsm8k", "math", "generic"] = Field(description="see FileSource.format")
     limit: int | None = Field(None, ge=1, description="read at most this many rows")
 
@@ -325,7 +375,10 @@ def _registered(kind: str, name: str) -> str:
 # -------------------------------------------------------------------------------------------- rollout
 class Rollout(_Model):
     backend: Literal["hf", "vllm"] = Field("hf", description="rollout backend (vllm: GPU-worker environment)")
-    num_prompts: int = Field(512, ge=1, description="train prompts to sample (a seeded shuffle's first N)")
+    num_prompts: int | None = Field(
+        512, ge=1, description="train prompts to score (a seeded shuffle's first N). RL selects its prompts by "
+        "these pass rates, so only scored prompts can reach RL: null scores the whole training split (the "
+        "real-run profile); the tiny default scores 512 to keep the CPU run short")
     group_size: int = Field(8, ge=1, description="G: completions per prompt")
     sampling: Sampling = Field(default_factory=Sampling)
     batch_size: int = Field(256, ge=1, description="sequences per generate() call")
@@ -471,8 +524,12 @@ class DistillOnPolicy(DistillPhase):
 
 class Distill(_Model):
     teacher: str = Field(description="teacher checkpoint (a paths.* alias); must share the student's tokenizer")
-    student: TinyModel = Field(default_factory=lambda: TinyModel(num_layers=2),
-                               description="the student's size (built like model.tiny, same tokenizer)")
+    student: TinyModel | str = Field(
+        default_factory=lambda: TinyModel(num_layers=2),
+        description="a size (a fresh Llama built like model.tiny, with the teacher's tokenizer and vocabulary "
+        "size) or a pretrained model: a local HF folder or hub id (e.g. a smaller model of the teacher's family). "
+        "Either way the student first gets its own cold start (the sft recipe); model.lora applies to it too")
+    student_revision: str | None = Field(None, description="hub revision of a pretrained student")
     warmup: DistillWarmup = Field(default_factory=DistillWarmup)
     on_policy: DistillOnPolicy = Field(default_factory=DistillOnPolicy)
     grpo_steps: int = Field(0, ge=0, description="phase C: student GRPO after the bridge, with the rl section's "

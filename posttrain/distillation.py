@@ -20,13 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from posttrain import algos
-from posttrain.grpo import Seq, batch_tensors, token_logp_entropy
-
-
-def _logits(model: torch.nn.Module, t: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
-    out = model(input_ids=t["ids"], attention_mask=t["attn"], use_cache=False)
-    return out.logits[:, :-1].float() / temperature  # [B, T-1, V]
+from posttrain import algos, logprobs
+from posttrain.grpo import Seq, batch_tensors
 
 
 def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: torch.optim.Optimizer,
@@ -34,26 +29,42 @@ def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: t
                       max_grad_norm: float = 1.0, temperature: float = 1.0) -> dict[str, float]:
     """One step on sum_t D(student_t, teacher_t) / tokens over completion positions, both distributions of
     logits / ``temperature`` (the sampling temperature, as in GKD/TRL). Returns the step's mean divergence,
-    forward and reverse KL (diagnostics), student entropy and completion length."""
+    forward and reverse KL (diagnostics), student entropy and completion length.
+
+    Memory-lean (``posttrain.logprobs``): both heads run only at completion positions, ``chunk`` positions at
+    a time, so neither model's [B, T, V] logits exist; a chunk's [chunk, V] distributions are recomputed in
+    backward. Where the two heads have a different number of rows (checkpoints pad the vocabulary to
+    different multiples) the distributions are over the rows both have; the stage checks every token is among them.
+    """
     device = next(student.parameters()).device
     fn = algos.DIVERGENCES[divergence]
+    _, s_head = logprobs.decoder_and_head(student)
+    _, t_head = logprobs.decoder_and_head(teacher)
+    n_vocab = min(s_head.out_features, t_head.out_features)  # same tokenizer; heads padded to different sizes
+
+    def stats(sh: torch.Tensor, th: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        s_logp = torch.log_softmax(s_head(sh)[:, :n_vocab].float() / temperature, -1)  # [c, V]
+        with torch.no_grad():
+            t_logp = torch.log_softmax(t_head(th)[:, :n_vocab].float() / temperature, -1)
+        div = fn(s_logp, t_logp, beta)  # [c]
+        with torch.no_grad():
+            return (div, algos.forward_kl(s_logp, t_logp), algos.reverse_kl(s_logp, t_logp),
+                    -(s_logp.exp() * s_logp).sum(-1))
+
     n_tok = sum(len(s.completion_ids) for s in seqs)
     sums = {"loss": 0.0, "forward_kl": 0.0, "reverse_kl": 0.0, "entropy": 0.0}
     opt.zero_grad(set_to_none=True)
     for start in range(0, len(seqs), micro_batch_size):
         t = batch_tensors(seqs[start : start + micro_batch_size], pad_id, device)
-        m = t["mask"]
         with torch.no_grad():
-            t_logp = torch.log_softmax(_logits(teacher, t, temperature), -1)
-        s_logp = torch.log_softmax(_logits(student, t, temperature), -1)
-        div = fn(s_logp, t_logp, beta)  # [b, T-1]
-        loss = algos.aggregate(div, m, "token-mean", len(seqs), n_tok, 1)
+            th, _, _ = logprobs.hidden_at_targets(teacher, t)  # [N, H_teacher]
+        sh, _, _ = logprobs.hidden_at_targets(student, t)  # [N, H_student]
+        div, fkl, rkl, ent = logprobs.per_chunk(stats, sh, th)
+        loss = div.sum() / max(n_tok, 1)  # token-mean over the whole batch (exact under micro-batching)
         loss.backward()
-        with torch.no_grad():
-            sums["loss"] += float(loss)
-            sums["forward_kl"] += float((algos.forward_kl(s_logp, t_logp) * m).sum())
-            sums["reverse_kl"] += float((algos.reverse_kl(s_logp, t_logp) * m).sum())
-            sums["entropy"] += float((-(s_logp.exp() * s_logp).sum(-1) * m).sum())
+        sums["loss"] += float(loss.detach())
+        for k, v in (("forward_kl", fkl), ("reverse_kl", rkl), ("entropy", ent)):
+            sums[k] += float(v.sum())
     grad_norm = float(torch.nn.utils.clip_grad_norm_(student.parameters(), max_grad_norm))
     opt.step()
     tok = max(n_tok, 1)
@@ -71,7 +82,7 @@ def nll_update(student: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Seque
     opt.zero_grad(set_to_none=True)
     for start in range(0, len(seqs), micro_batch_size):
         t = batch_tensors(seqs[start : start + micro_batch_size], pad_id, device)
-        logp, ent = token_logp_entropy(student, t, temperature)
+        logp, ent = logprobs.token_logp_entropy(student, t, temperature, entropy="detached")
         loss = algos.aggregate(-logp, t["mask"], "token-mean", len(seqs), n_tok, 1)
         loss.backward()
         loss_sum += float(loss)

@@ -25,6 +25,8 @@ import torch
 
 from posttrain import algos
 from posttrain.config import Rl
+from posttrain.logprobs import token_logp_entropy
+from posttrain.modeling import adapter_off
 from posttrain.rewards import score_rows
 from posttrain.rollout import RolloutBackend, SamplingParams, sample_rows
 
@@ -196,24 +198,6 @@ def batch_tensors(seqs: Sequence[Seq], pad_id: int, device: torch.device, pack: 
     return {k: v.to(device) for k, v in out.items()}
 
 
-def token_logp_entropy(model: torch.nn.Module, t: dict[str, torch.Tensor], temperature: float = 1.0
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-prob of the targets and entropy under softmax(logits / temperature), both [B, T-1]
-    (unpacked when the input is packed). ``temperature`` is the sampler's: the trainer then scores the
-    distribution the samples were drawn from (TRL and verl do the same)."""
-    if "gather" in t:  # packed rows [R, W]
-        out = model(input_ids=t["ids"], position_ids=t["pos"], use_cache=False)
-    else:  # padded [B, T]
-        out = model(input_ids=t["ids"], attention_mask=t["attn"], use_cache=False)
-    logits = out.logits[:, :-1].float() / temperature  # [rows, width-1, V]
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, t["ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1)
-    if "gather" in t:
-        logp, ent = logp.flatten()[t["gather"]], ent.flatten()[t["gather"]]
-    return logp, ent
-
-
 @torch.no_grad()
 def _fill(model: torch.nn.Module, seqs: Sequence[Seq], attr: str, pad_id: int, micro: int, pack: bool,
           temperature: float) -> None:
@@ -221,7 +205,7 @@ def _fill(model: torch.nn.Module, seqs: Sequence[Seq], attr: str, pad_id: int, m
     device = next(model.parameters()).device
     for start in range(0, len(seqs), micro):
         chunk = seqs[start : start + micro]
-        lp, _ = token_logp_entropy(model, batch_tensors(chunk, pad_id, device, pack), temperature)
+        lp, _ = token_logp_entropy(model, batch_tensors(chunk, pad_id, device, pack), temperature, entropy="off")
         for j, s in enumerate(chunk):
             p = len(s.prompt_ids)
             setattr(s, attr, lp[j, p - 1 : p - 1 + len(s.completion_ids)].tolist())
@@ -241,7 +225,9 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     """Optimise the policy on one rollout batch; returns averaged metrics. See module docstring.
 
     Every forward scores logits / ``cfg.sampling.temperature``. ``ref_model`` is used for the KL loss
-    (``cfg.kl_coef`` > 0); reference log-probs already on the sequences are not recomputed."""
+    (``cfg.kl_coef`` > 0); reference log-probs already on the sequences are not recomputed. A LoRA (peft)
+    ``ref_model`` scores with its adapter disabled: passing the LoRA policy itself makes its frozen base the
+    reference."""
     device = next(model.parameters()).device
     temp = cfg.sampling.temperature
     loss_fn = algos.POLICY_LOSSES[cfg.policy_loss]
@@ -253,7 +239,8 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     if not on_policy:
         _fill(model, seqs, "old_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp)
     if use_kl and any(s.ref_logp is None for s in seqs):
-        _fill(ref_model, seqs, "ref_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp)
+        with adapter_off(ref_model):
+            _fill(ref_model, seqs, "ref_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp)
 
     sums = {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "gap": 0.0}
     ratio_max, tokens, gap_tokens, n_opt = 0.0, 0.0, 0.0, 0
@@ -271,7 +258,7 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
             for start in range(0, len(mb_seqs), cfg.micro_batch_size):
                 t = batch_tensors(mb_seqs[start : start + cfg.micro_batch_size], pad_id, device, cfg.pack)
                 m = t["mask"]
-                logp, ent = token_logp_entropy(model, t, temp)  # [b, T-1]
+                logp, ent = token_logp_entropy(model, t, temp, "grad" if cfg.entropy_coef else "detached")
                 old_logp = logp.detach() if on_policy else t["old_logp"]
                 loss_tok, clipped = loss_fn(logp, old_logp, t["adv"], loss_cfg)  # [b, T-1]
                 if use_kl:
@@ -320,7 +307,8 @@ def update_from_groups(model: torch.nn.Module, opt: torch.optim.Optimizer, group
     if cfg.kl_reward_coef > 0 and seqs:
         if ref_model is None:
             raise ValueError("rl.kl_reward_coef > 0 needs the reference model")
-        _fill(ref_model, seqs, "ref_logp", pad_id, cfg.micro_batch_size, cfg.pack, cfg.sampling.temperature)
+        with adapter_off(ref_model):
+            _fill(ref_model, seqs, "ref_logp", pad_id, cfg.micro_batch_size, cfg.pack, cfg.sampling.temperature)
         shaped = kl_shaped_rewards([r["reward"] for r in scorable], [s.sampler_logp for s in seqs],
                                    [s.ref_logp for s in seqs], cfg.kl_reward_coef)
         new = {(r["prompt_id"], r["sample"]): v for r, v in zip(scorable, shaped, strict=True)}

@@ -46,12 +46,33 @@ class Node:
     verdict: str | None = None  # decontamination, for curate
     sources: list[str] = field(default_factory=list)  # deps produced by no stage
     parents: list[Node] = field(default_factory=list)
+    pins: dict[str, Any] = field(default_factory=dict)  # external inputs named in params: hub ids and revisions
 
     def to_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "outs": [o.__dict__ for o in self.outs], "params_digest": self.params_digest,
                 "metrics": self.metrics, "mlflow_run_id": self.run_id, "commit": self.commit,
-                "decontamination": self.verdict, "sources": self.sources,
+                "decontamination": self.verdict, "sources": self.sources, "pins": self.pins,
                 "parents": [p.to_dict() for p in self.parents]}
+
+
+NAMES = ("base", "hub_id", "student")  # params that name a model or dataset outside the repo
+
+
+def pins(params: Any, prefix: str = "") -> dict[str, Any]:
+    """The params (as dvc.lock records them) that name an input outside the repo (model.base, a hub dataset's
+    hub_id, a pretrained distill.student) with their revisions (null: the hub's moving main branch).
+    Local folders and files are hashed by DVC instead; ``tiny`` is built, not fetched."""
+    out: dict[str, Any] = {}
+    items = params.items() if isinstance(params, dict) else enumerate(params) if isinstance(params, list) else []
+    for k, v in items:
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict | list):
+            out |= pins(v, key)
+        elif str(k) in NAMES and isinstance(v, str) and v != "tiny" and not Path(v).exists():
+            out[key] = v
+            rev = "student_revision" if k == "student" else "revision"
+            out[f"{prefix}.{rev}" if prefix else rev] = params.get(rev)
+    return out
 
 
 def load_lock(root: Path) -> dict[str, Any]:
@@ -169,7 +190,7 @@ def trace(root: Path, target: str, metrics_dir: str = "metrics", tracking_uri: s
         outs = [Out(o["path"], _md5(o)) for o in e.get("outs", [])]
         params = json.dumps(e.get("params", {}), sort_keys=True)
         n = Node(stage, outs, hashlib.sha256(params.encode()).hexdigest()[:12], _key_metrics(root, stage, metrics_dir),
-                 verdict=_verdict(root, e))
+                 verdict=_verdict(root, e), pins=pins(e.get("params", {})))
         run = runs.find(stage, outs)
         if run is not None:
             n.run_id, n.commit = run.info.run_id, run.data.tags.get("git.commit")
@@ -274,6 +295,8 @@ def render(tree: Node, verified: bool) -> Any:
             lines.append("  metrics: " + ", ".join(f"{k}={v}" for k, v in shown))
         if n.verdict:
             lines.append(f"  decontamination: {n.verdict}")
+        if n.pins:
+            lines.append("  inputs: " + ", ".join(f"{k}={'unpinned' if v is None else v}" for k, v in n.pins.items()))
         return "\n".join(lines)
 
     seen: set[str] = set()

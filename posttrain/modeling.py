@@ -11,8 +11,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import string
+import sys
 from pathlib import Path
 
 import torch
@@ -27,7 +29,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from posttrain.config import ModelCfg, TinyModel
+from posttrain.config import LoraCfg, ModelCfg, PromptCfg, TinyModel
 from posttrain.errors import ModelLoadError
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
@@ -56,10 +58,12 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_tiny_model(cfg: TinyModel, tokenizer: PreTrainedTokenizerBase, seed: int) -> LlamaForCausalLM:
-    """A freshly initialised Llama of the configured size (deterministic under ``seed``)."""
+def build_tiny_model(cfg: TinyModel, tokenizer: PreTrainedTokenizerBase, seed: int, vocab_size: int | None = None
+                     ) -> LlamaForCausalLM:
+    """A freshly initialised Llama of the configured size (deterministic under ``seed``); ``vocab_size``
+    defaults to the tokenizer's length (a real teacher's config may have more rows: pass its own)."""
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,
@@ -84,10 +88,10 @@ def _is_local(name: str) -> bool:
     return Path(name).exists() or name.startswith((".", "/")) or os.sep + os.sep in name
 
 
-def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+def load_tokenizer(name: str, revision: str | None = None) -> PreTrainedTokenizerBase:
     """Tokenizer from a local folder or hub id; left padding for generation; a pad token guaranteed."""
     try:
-        tok = AutoTokenizer.from_pretrained(name)
+        tok = AutoTokenizer.from_pretrained(name, revision=revision)
     except (OSError, ValueError) as e:
         raise ModelLoadError(_load_hint(name, e)) from None
     tok.padding_side = "left"
@@ -96,15 +100,16 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     return tok
 
 
-def load_model(name: str, dtype: str = "float32", device: str | torch.device = "cpu", trainable: bool = False
-               ) -> PreTrainedModel:
+def load_model(name: str, dtype: str = "float32", device: str | torch.device = "cpu", trainable: bool = False,
+               revision: str | None = None, attn_implementation: str = "sdpa") -> PreTrainedModel:
     """Causal LM from a local folder or hub id, in eval mode on ``device``.
 
     ``trainable``: the weights are fp32 masters whatever ``dtype`` is (the optimizer then keeps fp32 state
-    too); run forward/backward under :func:`autocast` in ``dtype``. Otherwise (inference only) the weights
-    are stored in ``dtype``."""
+    too); run forward/backward under :func:`autocast` in ``dtype``. Otherwise (inference only, or the frozen
+    base under LoRA) the weights are stored in ``dtype``."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32 if trainable else getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32 if trainable else getattr(torch, dtype),
+                                                     revision=revision, attn_implementation=attn_implementation)
     except (OSError, ValueError) as e:
         raise ModelLoadError(_load_hint(name, e)) from None
     return model.to(device).eval()
@@ -127,16 +132,136 @@ def _load_hint(name: str, e: Exception) -> str:
 
 
 def init_base(cfg: ModelCfg, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The starting policy (fp32 master weights): built from ``model.tiny`` when ``model.base == 'tiny'``,
-    else loaded."""
+    """The starting policy and its tokenizer, prompt format and stops applied (:func:`apply_prompt`): built from
+    ``model.tiny`` when ``model.base == 'tiny'``, else loaded (at ``model.revision``). fp32 master weights,
+    or the frozen base in ``model.dtype`` when LoRA is on; not yet made trainable (:func:`make_trainable`)."""
     if cfg.base == "tiny":
         tok = build_char_tokenizer()
-        return build_tiny_model(cfg.tiny, tok, seed), tok
-    return load_model(cfg.base, cfg.dtype, trainable=True), load_tokenizer(cfg.base)
+        model = build_tiny_model(cfg.tiny, tok, seed)
+    else:
+        model = load_model(cfg.base, cfg.dtype, trainable=cfg.lora is None, revision=cfg.revision,
+                           attn_implementation=cfg.attn_implementation)
+        tok = load_tokenizer(cfg.base, cfg.revision)
+    apply_prompt(model, tok, cfg.prompt, cfg.base)
+    return model, tok
+
+
+def load_policy(name: str, cfg: ModelCfg, device: torch.device) -> PreTrainedModel:
+    """A model folder to train: fp32 masters for full fine-tuning, or the base in ``cfg.dtype`` + fresh LoRA
+    adapters (:func:`make_trainable`)."""
+    model = load_model(name, cfg.dtype, device, trainable=cfg.lora is None,
+                       attn_implementation=cfg.attn_implementation)
+    return make_trainable(model, cfg.lora, cfg.gradient_checkpointing)
+
+
+def make_trainable(model: PreTrainedModel, lora: LoraCfg | None, gradient_checkpointing: bool) -> PreTrainedModel:
+    """Gradient checkpointing (non-reentrant, so a frozen base needs no input-grad hook) and, with ``lora``,
+    ``peft`` LoRA adapters (the base frozen; adapters in fp32 even on a bf16 base: peft's autocast_adapter_dtype)."""
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora is None:
+        return model
+    import peft
+
+    pcfg = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
+                           target_modules=lora.target_modules)
+    return peft.get_peft_model(model, pcfg)
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    peft = sys.modules.get("peft")  # a peft model exists only once peft was imported
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def adapter_off(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """Inside: a LoRA model computes as its frozen base (the KL reference without a second copy). A no-op for a
+    plain model."""
+    return model.disable_adapter() if is_lora(model) else contextlib.nullcontext()
+
+
+def trainable_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+# ------------------------------------------------------------------------------------- prompt and stops
+def _jinja_str(s: str) -> str:
+    return json.dumps(s)  # a JSON string is a valid Jinja string literal (same escapes)
+
+
+def plain_chat_template(template: str) -> str:
+    """A chat template for a model without one, from ``model.prompt.template`` ('...{prompt}...'): system text
+    and a blank line, the user prompt in the template, then the completion and EOS."""
+    pre, post = template.split("{prompt}")
+    return ("{% if bos_token %}{{ bos_token }}{% endif %}{% for m in messages %}"
+            "{% if m['role'] == 'system' %}{{ m['content'] + '\\n\\n' }}"
+            f"{{% elif m['role'] == 'user' %}}{{{{ {_jinja_str(pre)} + m['content'] + {_jinja_str(post)} }}}}"
+            "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}")
+
+
+def wrap_chat_template(template: str, system: str | None, instruction: str) -> str:
+    """``template`` with the messages rewritten first: ``instruction`` appended to each user turn, ``system``
+    put first when the conversation has no system message. The model's own template renders the result."""
+    pre = ""
+    if instruction:
+        pre += ("{% set ns = namespace(m=[]) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+                f"{{% set ns.m = ns.m + [{{'role': 'user', 'content': m['content'] + {_jinja_str(instruction)}}}] %}}"
+                "{% else %}{% set ns.m = ns.m + [m] %}{% endif %}{% endfor %}{% set messages = ns.m %}")
+    if system is not None:
+        pre += ("{% if messages[0]['role'] != 'system' %}"
+                f"{{% set messages = [{{'role': 'system', 'content': {_jinja_str(system)}}}] + messages %}}"
+                "{% endif %}")
+    return pre + template
+
+
+def apply_prompt(model: PreTrainedModel, tok: PreTrainedTokenizerBase, cfg: PromptCfg, name: str) -> None:
+    """Write ``model.prompt`` into the tokenizer's chat template and the model's generation_config (EOS ids +
+    stop strings): saved with the folder, inherited by every model trained from it. Raises ModelLoadError
+    when the model has no chat template and no ``model.prompt.template`` is set, or when its template drops
+    the system message."""
+    if cfg.template is not None:
+        tok.chat_template = plain_chat_template(cfg.template)
+    elif not tok.chat_template:
+        raise ModelLoadError(f"model {name!r} has no chat template: set model.prompt.template (a plain prompt "
+                             "with '{prompt}', e.g. 'Question: {prompt}\\nAnswer:')")
+    if cfg.system is not None or cfg.instruction:
+        tok.chat_template = wrap_chat_template(tok.chat_template, cfg.system, cfg.instruction)
+    if cfg.system is not None:
+        probe = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False,
+                                        add_generation_prompt=True)
+        if cfg.system not in probe:
+            raise ModelLoadError(f"model {name!r}: its chat template drops system messages; put the text in "
+                                 "model.prompt.instruction instead of model.prompt.system")
+    gc = model.generation_config
+    eos = gc.eos_token_id if isinstance(gc.eos_token_id, list) else [gc.eos_token_id]
+    ids, strings = [i for i in eos if i is not None] + [tok.eos_token_id], []
+    vocab = tok.get_vocab()
+    for s in cfg.stop:
+        if s in vocab:
+            ids.append(vocab[s])
+        else:
+            strings.append(s)
+    ids = sorted(set(ids))
+    gc.eos_token_id = ids if len(ids) > 1 else ids[0]
+    gc.stop_strings = strings or None
+    gc.pad_token_id = tok.pad_token_id
+
+
+def stop_ids(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> list[int]:
+    """Every token id that ends generation: generation_config's EOS ids (one or a list) and the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
+    return sorted(i for i in ids if i is not None)
 
 
 def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
-    """``save_pretrained`` model + tokenizer into ``path`` (a standard HF folder)."""
+    """``save_pretrained`` model + tokenizer into ``path`` (a standard HF folder). A LoRA model is saved merged
+    (a plain folder that ``from_pretrained`` and vLLM load) with its adapter in ``path/adapter``; the model
+    in memory keeps its adapter (the merge runs on a copy)."""
+    if is_lora(model):
+        import copy
+
+        model.save_pretrained(path / "adapter", safe_serialization=True)
+        model = copy.deepcopy(model).merge_and_unload()
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
 

@@ -70,7 +70,7 @@ def _datasets_rows(src: FileSource | HubSource) -> Iterator[Raw]:
         if isinstance(src, FileSource):
             ds = datasets.load_dataset("parquet", data_files=src.path, split="train")
         else:
-            ds = datasets.load_dataset(src.hub_id, src.config, split=src.split)
+            ds = datasets.load_dataset(src.hub_id, src.config, split=src.split, revision=src.revision)
     except Exception as e:  # datasets raises many types (offline, not found, corrupt): one line naming the source
         hint = (" (HF_HUB_OFFLINE=1 and it is not in the local cache: run once with the hub reachable, or point "
                 "a `kind: file` source at a local copy)" if isinstance(src, HubSource)

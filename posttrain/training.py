@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
+from posttrain import logprobs
 from posttrain.config import NOT_RESULT
 from posttrain.schema import atomic_path
 from posttrain.tasks import get_task
@@ -92,18 +93,18 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[st
 
 def sum_token_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Summed next-token NLL over completion tokens, and their count (divide by the *whole* batch's count
-    so gradient accumulation gives exactly the full-batch token-mean loss)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits[:, :-1]
+    so gradient accumulation gives exactly the full-batch token-mean loss). Memory-lean: the LM head runs
+    only at completion positions, in chunks (``posttrain.logprobs``)."""
     target = batch["labels"][:, 1:]
-    loss = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), ignore_index=IGNORE, reduction="sum"
-    )
-    return loss, int((target != IGNORE).sum())
+    t = {"ids": batch["input_ids"], "attn": batch["attention_mask"], "mask": target != IGNORE}
+    logp, _ = logprobs.token_logp_entropy(model, t, entropy="off")  # targets are the ids: labels copy them
+    return -logp.sum(), int(t["mask"].sum())
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, warmup: int, total: int
                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
     return opt, get_cosine_schedule_with_warmup(opt, warmup, total)
 
 

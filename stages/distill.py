@@ -57,6 +57,35 @@ def _pass_rate(rows: list[dict[str, Any]]) -> float | None:
     return float(np.mean(v)) if v else None
 
 
+def _student(params: Params, tok: Any, teacher: Any, device: torch.device) -> Any:
+    """The student, trainable (``model.lora``, gradient checkpointing), stopping like the teacher. A size builds
+    a fresh Llama with the teacher's tokenizer and vocabulary size; a pretrained folder or hub id must share
+    the teacher's tokenizer (the divergences compare distributions token id by token id)."""
+    cfg = params.distill
+    if isinstance(cfg.student, str):
+        s_tok = modeling.load_tokenizer(cfg.student, cfg.student_revision)
+        if s_tok.get_vocab() != tok.get_vocab():
+            diff = len(set(s_tok.get_vocab().items()) ^ set(tok.get_vocab().items()))
+            raise StageError(f"distill.student {cfg.student!r}: its tokenizer differs from the teacher's ({len(s_tok)} "
+                             f"vs {len(tok)} tokens, {diff} (token, id) pairs differ). Token-level distillation needs "
+                             "one vocabulary: use a student of the teacher's family, or a size (a fresh student "
+                             "built on the teacher's tokenizer); cross-tokenizer distillation (e.g. ULD) is not "
+                             "implemented")
+        student = modeling.load_model(cfg.student, params.model.dtype, trainable=params.model.lora is None,
+                                      revision=cfg.student_revision,
+                                      attn_implementation=params.model.attn_implementation)
+    else:
+        student = modeling.build_tiny_model(cfg.student, tok, params.seed + 1, vocab_size=teacher.config.vocab_size)
+    common = min(student.config.vocab_size, teacher.config.vocab_size)
+    if len(tok) > common:
+        raise StageError(f"distill: the tokenizer has {len(tok)} tokens but the student's or teacher's LM head "
+                         f"only {common} rows")
+    for k in ("eos_token_id", "stop_strings", "pad_token_id"):  # the teacher's prompt format ends turns
+        setattr(student.generation_config, k, getattr(teacher.generation_config, k))
+    student = modeling.make_trainable(student, params.model.lora, params.model.gradient_checkpointing)
+    return student.to(device)
+
+
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Distill. ``inputs``: demos, train, teacher. ``out``: student_sft, student, checkpoints, report_dir, metrics."""
     cfg, rt = params.distill, params.runtime
@@ -68,17 +97,14 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     teacher = modeling.load_model(str(inputs["teacher"]), params.model.dtype, device)
     for p in teacher.parameters():
         p.requires_grad_(False)
-    student = modeling.build_tiny_model(cfg.student, tok, params.seed + 1).to(device)
-    if student.config.vocab_size != teacher.config.vocab_size:
-        raise StageError(f"student vocab {student.config.vocab_size} != teacher vocab {teacher.config.vocab_size}: "
-                         "distillation needs the teacher's tokenizer")
+    student = _student(params, tok, teacher, device)
     log.info("teacher %d params, student %d params", modeling.num_params(teacher), modeling.num_params(student))
 
     # 0. the student's cold start: the teacher's own SFT recipe
     demos = read_problems(inputs["demos"])
     torch.set_num_threads(rt.train_threads)
-    fp0 = training.fingerprint("student-sft", params.sft, cfg.student, params.seed,
-                               training.file_digest(inputs["demos"]))
+    fp0 = training.fingerprint("student-sft", params.sft, cfg.student, cfg.student_revision, params.model.lora,
+                               params.seed, training.file_digest(inputs["demos"]))
     amp = functools.partial(modeling.autocast, params.model.dtype, device)  # mixed precision (no-op in fp32)
     with amp():
         res = training.sft_train(student, tok, demos, params.sft, params.seed, out["checkpoints"] / "sft", fp0,
@@ -92,7 +118,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     prompt_ids = dict(zip([p["id"] for p in prompts], chat_prompt_ids(tok, [p["prompt"] for p in prompts]),
                           strict=True))
     phases = ["warmup"] * cfg.warmup.steps + ["on_policy"] * cfg.on_policy.steps + ["grpo"] * cfg.grpo_steps
-    opt = torch.optim.AdamW(student.parameters(), lr=cfg.warmup.lr, betas=(0.9, 0.99))
+    opt = torch.optim.AdamW(modeling.trainable_params(student), lr=cfg.warmup.lr, betas=(0.9, 0.99))
     fp = training.fingerprint(cfg, params.rl, params.reward, params.seed, fp0,
                               modeling.checkpoint_digest(inputs["teacher"]), sorted(prompt_ids))
     cursor = grpo.PromptCursor(len(prompts), params.seed + 2)

@@ -73,18 +73,21 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                          f"{cfg.select.max_pass_rate}] (rl.select); see the reward audit")
     log.info("%d prompts selected by pass rate", len(prompts))
 
-    model = modeling.load_model(str(inputs["policy"]), params.model.dtype, device, trainable=True)
+    model = modeling.load_policy(str(inputs["policy"]), params.model, device)
     tok = modeling.load_tokenizer(str(inputs["policy"]))
-    use_ref = cfg.kl_coef > 0 or cfg.kl_reward_coef > 0
-    ref = modeling.load_model(str(inputs["policy"]), params.model.dtype, device) if use_ref else None
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.99))
+    ref = None
+    if cfg.kl_coef > 0 or cfg.kl_reward_coef > 0:  # under LoRA the policy with its adapter off: no second copy
+        ref = model if modeling.is_lora(model) else modeling.load_model(str(inputs["policy"]), params.model.dtype,
+                                                                        device)
+    opt = torch.optim.AdamW(modeling.trainable_params(model), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                            betas=(0.9, 0.99))
     backend = BACKENDS[params.rollout.backend](model, tok, cfg.generate_batch_size)
     policy0 = modeling.checkpoint_digest(inputs["policy"])
     prompt_ids = dict(zip([p["id"] for p in prompts], chat_prompt_ids(tok, [p["prompt"] for p in prompts]),
                           strict=True))
 
     ckpt_dir, shard_tmp = out["checkpoints"], out["checkpoints"] / "shards"
-    fp = training.fingerprint(cfg, params.reward, params.rollout.backend, params.seed, policy0,
+    fp = training.fingerprint(cfg, params.reward, params.rollout.backend, params.model.lora, params.seed, policy0,
                               sorted(prompt_ids))
     cursor = grpo.PromptCursor(len(prompts), params.seed)
     start, log_rows, cursor.pos = training.restore_loop_state(ckpt_dir, fp, model, opt)

@@ -4,7 +4,8 @@ Inputs: ``paths.curated_dir/train.parquet``; the policy ``paths.sft_model``.
 Outputs: ``paths.rollout_dir/rollouts.parquet`` (``schema.ROLLOUT_SCHEMA``: prompt id, sample index,
 completion, token ids, per-token sampler log-probs, finish reason, the policy's weight digest, sampling
 params and seed), ``metrics/rollout.json`` (samples/s, lengths).
-The prompts are the first ``rollout.num_prompts`` of a seeded shuffle of the training split. The same
+The prompts are the first ``rollout.num_prompts`` of a seeded shuffle of the training split (null: all of it).
+These pass rates are what ``rl.select`` picks RL's prompts by, so RL's pool is the scored prompts. The same
 ``sample_rows`` function produces every rollout of the ``rl`` loop.
 
 Run: ``dvc repro rollout`` or ``python -m stages.rollout [--params params.yaml]``.
@@ -35,7 +36,9 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     torch.set_num_threads(params.runtime.generate_threads)
     problems = read_problems(inputs["train"])
     random.Random(params.seed).shuffle(problems)
-    problems = problems[: cfg.num_prompts]
+    n_train, problems = len(problems), problems[: cfg.num_prompts]
+    log.info("scoring %d of %d training prompts (rollout.num_prompts): RL selects from these", len(problems),
+             n_train)
     device = modeling.resolve_device(params.runtime.device)
     model = modeling.load_model(str(inputs["policy"]), params.model.dtype, device)
     tok = modeling.load_tokenizer(str(inputs["policy"]))
@@ -47,7 +50,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                                 progress=params.runtime.progress)
     write_parquet(out["rollouts"], rows, ROLLOUT_SCHEMA)
     lengths = [len(r["token_ids"]) for r in rows]
-    metrics = {"prompts": len(problems), "samples": len(rows), "seconds": round(seconds, 2),
+    metrics = {"prompts": len(problems), "train_prompts": n_train, "samples": len(rows), "seconds": round(seconds, 2),
                "samples_per_s": round(len(rows) / seconds, 1),
                "tokens_per_s": round(sum(lengths) / seconds, 1), "mean_len": round(float(np.mean(lengths)), 2),
                "truncated_frac": round(float(np.mean([r["finish_reason"] == "length" for r in rows])), 4)}

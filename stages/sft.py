@@ -42,6 +42,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     model, tok = modeling.init_base(params.model, params.seed)
     with atomic_path(out["base_model"]) as tmp:
         modeling.save_checkpoint(model, tok, tmp)
+    model = modeling.make_trainable(model, params.model.lora, params.model.gradient_checkpointing)
     model.to(device).train()
 
     fp = training.fingerprint(params.sft, params.model, params.seed, training.file_digest(inputs["demos"]))

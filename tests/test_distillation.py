@@ -64,8 +64,8 @@ def test_distill_losses_score_the_sampling_temperature():
     teacher = build_tiny_model(CFG, tok, 1).eval()
     t = grpo.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"))
     with torch.no_grad():
-        s_lp = torch.log_softmax(distillation._logits(student, t, 0.7), -1)
-        t_lp = torch.log_softmax(distillation._logits(teacher, t, 0.7), -1)
+        s_lp, t_lp = (torch.log_softmax(m(input_ids=t["ids"], attention_mask=t["attn"]).logits[:, :-1] / 0.7, -1)
+                      for m in (student, teacher))  # the full-logits reference
     fkl = float((torch.sum(t_lp.exp() * (t_lp - s_lp), -1) * t["mask"]).sum() / t["mask"].sum())
     m = distillation.divergence_update(student, teacher, torch.optim.SGD(student.parameters(), lr=0.0), seqs,
                                        "forward_kl", 0.5, tok.pad_token_id, 8, temperature=0.7)

@@ -123,41 +123,12 @@ def _dvc(repo: Path, *args: str) -> str:
     return r.stdout + r.stderr
 
 
-def test_dvc_repro_end_to_end(tmp_path):
-    repo = tmp_path / "repo"
-    raw = tiny_raw(None)
-    raw["tracking"]["enabled"] = True
-    copy_repo(repo, raw)
-
-    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "repro"], cwd=repo, env=ENV, capture_output=True,
-                       text=True)  # dvc repro under one MLflow parent run
-    assert r.returncode == 0, r.stderr[-3000:]
-    out = r.stdout + r.stderr
-    for stage in ("curate", "sft", "rollout", "reward", "rl", "distill", "evaluate"):
-        assert f"Running stage '{stage}'" in out
-    _check_tracking_and_lineage(repo)
-    res = json.loads((repo / "metrics" / "evaluate.json").read_text())
-    assert set(res["eval"]) == {"base", "sft", "rl", "student_sft", "student"}
-    assert json.loads((repo / "metrics" / "rl.json").read_text())["shards"] == raw["rl"]["steps"]
-    assert (repo / "dvc.lock").exists()
-
-    assert "Data and pipelines are up to date" in _dvc(repo, "repro")  # a second repro is a no-op
-
-    raw["evaluate"]["bootstrap"] = 60  # an evaluate-only param: only evaluate re-runs
-    (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    out = _dvc(repo, "repro")
-    assert "Running stage 'evaluate'" in out
-    assert all(f"Running stage '{s}'" not in out for s in ("curate", "sft", "rollout", "reward", "rl", "distill"))
-    metrics = _dvc(repo, "metrics", "show")
-    assert "evaluate.json" in metrics and "curate.json" in metrics
-
-
 def _lineage(repo: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "posttrain.cli", "lineage", *args], cwd=repo, env=ENV,
                           capture_output=True, text=True)
 
 
-def _check_tracking_and_lineage(repo: Path) -> None:
+def _check_tracking_and_lineage(repo: Path, rl_steps: int) -> None:
     """Seven stage runs nested under one parent in the sqlite store; the student's lineage is the DAG;
     --verify passes, then fails naming the one flipped byte of the RL checkpoint."""
     from posttrain.tracking import _client
@@ -168,7 +139,7 @@ def _check_tracking_and_lineage(repo: Path) -> None:
     assert len(parents) == 1
     children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
     assert set(children) == {"curate", "sft", "rollout", "reward", "rl", "distill", "evaluate"}
-    assert len(client.get_metric_history(children["rl"].info.run_id, "reward_mean")) == 4  # per-step, all steps
+    assert len(client.get_metric_history(children["rl"].info.run_id, "reward_mean")) == rl_steps  # every step
     assert client.get_model_version_by_alias("posttrain-student", "candidate").tags["parent_version"] == \
         "posttrain-student_sft/1"
 
@@ -211,3 +182,86 @@ def test_distill_sigkill_then_rerun_resumes_to_the_same_student(tmp_path):
     w = {n: load_file(tmp_path / n / "models" / "student" / "model.safetensors") for n in runs}
     for k in w["straight"]:
         torch.testing.assert_close(w["killed"][k], w["straight"][k], rtol=1e-5, atol=1e-6)
+
+
+def test_real_model_dag_on_gsm8k_with_lora(tmp_path):
+    """The real-run profile (profiles/real-gsm8k.yaml) shrunk to minutes: the 7-stage DAG under `dvc repro` on a
+    Qwen2-architecture model + byte-level BPE tokenizer built offline (tests/realmodel.py), GSM8K rows scored by
+    math-verify, eval on GSM8K-test and MATH-500 subsets, decontamination against the shared benchmarks, LoRA
+    on (bf16 base, fp32 adapters), a KL reference by adapter-off, and a pretrained-style student of the same
+    tokenizer. Random weights learn nothing; the path is what is checked."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.realmodel import save_folder
+
+    base = save_folder(tmp_path / "qwen2-base", hidden=32, layers=2, vocab_size=400)
+    student = save_folder(tmp_path / "qwen2-student", hidden=16, layers=1, vocab_size=400, seed=1)
+    raw = yaml.safe_load((REPO / "profiles" / "real-gsm8k.yaml").read_text())
+    bench = REPO.parent / "shared" / "benchmarks"
+
+    def src(name, fmt, limit):
+        return {"kind": "file", "name": name, "path": str(bench / f"{name}.jsonl"), "format": fmt, "limit": limit}
+
+    raw["model"].update({"base": str(base), "lora": {"r": 4, "alpha": 8, "target_modules": "all-linear"}})
+    raw["curate"].update({"sources": [src("gsm8k_train", "gsm8k", 300)], "sft_size": 100})
+    raw["curate"]["eval"] = {"source": src("gsm8k_test", "gsm8k", 40), "rows": 16}
+    raw["curate"]["decontam"]["benchmarks"] = [src("math500", "math", None), src("aime24", "math", None),
+                                               src("amc2023", "math", None)]
+    raw["sft"].update({"phases": [{"steps": 3, "cot_frac": 1.0}], "batch_size": 8, "micro_batch_size": 4,
+                       "warmup_steps": 1, "checkpoint_every": 2, "log_every": 1})
+    raw["rollout"].update({"group_size": 2, "batch_size": 256})  # num_prompts: null, as profiled: every prompt
+    raw["reward"]["rewards"].append({"name": "overlong", "weight": 1.0, "kwargs": {"buffer": 16}})
+    raw["rl"].update({"steps": 2, "prompts_per_step": 4, "group_size": 4, "micro_batch_size": 8, "kl_coef": 0.05,
+                      "dynamic_sampling": "off", "select": {"min_pass_rate": 0.0, "max_pass_rate": 1.0}})
+    raw["distill"].update({"student": str(student), "max_new_tokens": 16, "micro_batch_size": 8, "grpo_steps": 0})
+    for phase in ("warmup", "on_policy"):
+        raw["distill"][phase].update({"steps": 1, "prompts_per_step": 2, "samples_per_prompt": 2})
+    raw["evaluate"].update({"num_samples": 2, "sample_prompts": 4, "ks": [1, 2], "bootstrap": 20, "batch_size": 64,
+                            "benchmarks": [src("math500", "math", 8)]})
+    for sec in (raw["rollout"], raw["rl"], raw["evaluate"]):
+        sec["sampling"]["max_new_tokens"] = 16
+    raw["tracking"]["enabled"] = True
+    raw["runtime"]["progress"] = False
+    repo = tmp_path / "repo"
+    copy_repo(repo, raw)
+
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "repro"], cwd=repo, env=ENV, capture_output=True,
+                       text=True)  # dvc repro under one MLflow parent run
+    assert r.returncode == 0, r.stderr[-4000:]
+    for stage in ("curate", "sft", "rollout", "reward", "rl", "distill", "evaluate"):
+        assert f"Running stage '{stage}'" in r.stdout + r.stderr
+    metrics = {s: json.loads((repo / "metrics" / f"{s}.json").read_text())
+               for s in ("curate", "sft", "rollout", "reward", "rl", "distill", "evaluate")}
+    cur = metrics["curate"]  # counts reconcile: every row read is kept, quarantined, a duplicate or contaminated
+    assert cur["in"] == 300 and cur["kept"] + cur["quarantined"] + cur["duplicates"] + cur["contaminated"] == cur["in"]
+    assert cur["kept"] == cur["train"] + cur["sft"]
+    assert {"math500", "aime24", "amc2023", "eval_split"} >= set(cur["contaminated_by_benchmark"])
+    train = pd_rows(repo / "data" / "curated" / "train.parquet")
+    assert metrics["rollout"]["prompts"] == metrics["rollout"]["train_prompts"] == len(train) == cur["train"]
+    scored = pd_rows(repo / "data" / "reward" / "scored.parquet")  # num_prompts null: every prompt scored
+    assert len(scored) == metrics["rollout"]["samples"] == 2 * len(train)
+    assert all(r["task"] == "math" and json.loads(r["rewards"])["correct"] is not None for r in scored[:50])
+    for name in ("sft", "rl", "student_sft", "student"):  # LoRA: merged folders, adapters beside them
+        folder = repo / "models" / name
+        assert (folder / "adapter" / "adapter_config.json").is_file(), name
+        m = AutoModelForCausalLM.from_pretrained(folder)
+        assert not any("lora" in k for k in m.state_dict()), name
+        assert sorted(m.generation_config.eos_token_id) == [0, 2], name  # <|endoftext|> and <|im_end|>
+    assert set(metrics["evaluate"]["eval"]) == {"base", "sft", "rl", "student_sft", "student"}
+    assert "math500" in json.dumps(metrics["evaluate"])
+    assert metrics["rl"]["shards"] == raw["rl"]["steps"]
+    _check_tracking_and_lineage(repo, raw["rl"]["steps"])  # MLflow runs + registry; lineage tree, --verify
+
+    assert "Data and pipelines are up to date" in _dvc(repo, "repro")  # a second repro is a no-op
+    raw["evaluate"]["bootstrap"] = 30  # an evaluate-only param: only evaluate re-runs
+    (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    out = _dvc(repo, "repro")
+    assert "Running stage 'evaluate'" in out
+    assert all(f"Running stage '{s}'" not in out for s in ("curate", "sft", "rollout", "reward", "rl", "distill"))
+    assert "evaluate.json" in _dvc(repo, "metrics", "show")
+
+
+def pd_rows(path: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()

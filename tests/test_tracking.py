@@ -208,3 +208,15 @@ def test_a_failing_outbox_never_hides_the_stage_error(tmp_path, monkeypatch):
     with pytest.raises(StageError, match="the stage's own error"):
         with tracking.stage_run("rl", params, tmp_path):
             raise StageError("the stage's own error")
+
+
+def test_lineage_pins_name_hub_inputs_and_their_revisions():
+    from posttrain.lineage import pins
+
+    params = {"model": {"base": "Qwen/Qwen2.5-1.5B", "revision": None, "dtype": "bfloat16"},
+              "curate": {"sources": [{"kind": "hub", "hub_id": "openai/gsm8k", "revision": "e53f048"},
+                                     {"kind": "file", "path": "data.jsonl"}]},
+              "distill": {"student": {"hidden_size": 64}}}
+    assert pins(params) == {"model.base": "Qwen/Qwen2.5-1.5B", "model.revision": None,  # unpinned: shown as such
+                            "curate.sources.0.hub_id": "openai/gsm8k", "curate.sources.0.revision": "e53f048"}
+    assert pins({"model": {"base": "tiny", "revision": None}}) == {}  # built, not fetched

@@ -4,7 +4,9 @@ prompts x samples.
 Prompts are left-padded and prefilled once: one prefill serves a prompt's n samples (its KV cache is
 repeated n times). Then one token per step for every live row. A row that emits EOS leaves the batch at
 once (its KV-cache rows are dropped with ``Cache.batch_select_indices``), so late steps only pay for the
-sequences still running. Sampling applies temperature, then top-p, and records the
+sequences still running. A row stops at any of the model's stop token ids (every EOS id of its
+generation_config, e.g. Qwen's <|im_end|> and <|endoftext|>) or when its decoded tail contains one of
+generation_config.stop_strings (the text is cut before it). Sampling applies temperature, then top-p, and records the
 log-prob of each sampled token under that processed distribution (the sampler's log-prob). Each chunk is
 seeded from ``sampling.seed`` and its index with its own ``torch.Generator``: the same call gives the same
 completions. Works on CPU and GPU (the model's device).
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from posttrain.modeling import stop_ids
 from posttrain.rollout import Completion, SamplingParams
 
 
@@ -51,7 +54,9 @@ class HFBackend:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_size: int = 256):
         self.model, self.tok, self.batch_size = model, tokenizer, batch_size
         self.pad_id = tokenizer.pad_token_id
-        self.eos_id = tokenizer.eos_token_id
+        self.stop_ids = stop_ids(model, tokenizer)  # every EOS id of generation_config + the tokenizer's
+        self.stop_strings = list(model.generation_config.stop_strings or [])
+        self.stop_window = 4 * max((len(x) for x in self.stop_strings), default=0) + 1  # tokens: >= 1 byte each
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
@@ -75,7 +80,7 @@ class HFBackend:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                            use_cache=True).logits[:, -1]
+                            use_cache=True, logits_to_keep=1).logits[:, -1]  # the head at the last position only
         if n > 1:  # the n samples of a prompt share its prefill
             cache.batch_repeat_interleave(n)
             logits, mask, pos = (x.repeat_interleave(n, dim=0) for x in (logits, mask, pos))
@@ -86,10 +91,15 @@ class HFBackend:
         logps = torch.zeros((b, s.max_new_tokens), device=device)
         lengths = torch.full((b,), s.max_new_tokens, dtype=torch.long, device=device)
         stopped = torch.zeros(b, dtype=torch.bool, device=device)
+        stop = torch.tensor(self.stop_ids, device=device)
         for t in range(s.max_new_tokens):
             tok, lp = sample_next(logits, s, gen)
             tokens[live, t], logps[live, t] = tok, lp
-            done = tok == self.eos_id
+            done = torch.isin(tok, stop)
+            if self.stop_strings:  # decode each live row's tail: a stop string just completed?
+                tails = tokens[live, max(0, t + 1 - self.stop_window) : t + 1].tolist()
+                done |= torch.tensor([any(x in self.tok.decode(r) for x in self.stop_strings) for r in tails],
+                                     device=device)
             if done.any():
                 lengths[live[done]], stopped[live[done]] = t + 1, True
                 keep = (~done).nonzero().squeeze(1)
@@ -107,6 +117,12 @@ class HFBackend:
         res = []
         for i in range(b):
             toks = tokens[i, : lengths[i]].tolist()
-            res.append(Completion(self.tok.decode(toks, skip_special_tokens=True), toks,
-                                  logps[i, : lengths[i]].tolist(), "stop" if stopped[i] else "length"))
+            res.append(Completion(self._text(toks), toks, logps[i, : lengths[i]].tolist(),
+                                  "stop" if stopped[i] else "length"))
         return res
+
+    def _text(self, toks: list[int]) -> str:
+        """The completion's text, special tokens skipped and cut before the first stop string (as vLLM does)."""
+        text = self.tok.decode(toks, skip_special_tokens=True)
+        cuts = [text.find(x) for x in self.stop_strings if x in text]
+        return text[: min(cuts)] if cuts else text
