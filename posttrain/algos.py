@@ -74,8 +74,31 @@ def grpo_batch_std(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return centered / (_masked_std(r, m) + EPS)
 
 
+# "The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning" (Zhu et al. 2025): the RLVR
+# gradient split into positive- and negative-sample reinforcement, no baseline. Rewards are read as
+# correctness in [0, 1] (1 correct, 0 wrong; values between interpolate linearly).
+W_REINFORCE_LAMBDA = 0.1  # the paper's recommended weight of the positive samples
+
+
+def psr(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """PSR only: +1 for a correct sample, 0 for a wrong one (reinforce successes only). r, valid: [N, G]."""
+    return r * valid.float()
+
+
+def nsr(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """NSR only: -1 for a wrong sample, 0 for a correct one (push down failures; the freed probability mass
+    goes where the model's prior puts it)."""
+    return (r - 1) * valid.float()
+
+
+def w_reinforce(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """W-REINFORCE: rewards {+lambda, -1} = lambda * PSR + NSR, lambda = ``W_REINFORCE_LAMBDA`` (0.1)."""
+    return (W_REINFORCE_LAMBDA * r + (r - 1)) * valid.float()
+
+
 ADVANTAGES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp, "grpo_batch_std": grpo_batch_std,
+    "psr": psr, "nsr": nsr, "w_reinforce": w_reinforce,
 }
 
 

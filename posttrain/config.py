@@ -405,7 +405,10 @@ class Reward(_Model):
 # ------------------------------------------------------------------------------------------------- rl
 # Estimators whose papers place the KL or the baseline differently from GRPO (the combinations are refused).
 KL_IN_REWARD = {"reinforce_pp": "Hu 2025, REINFORCE++", "rloo": "Ahmadian et al. 2024, RLOO"}
-BATCH_BASELINE = {"reinforce_pp": "Hu 2025, REINFORCE++: global batch mean and std"}
+BATCH_BASELINE = {"reinforce_pp": "Hu 2025, REINFORCE++: a global batch mean and std",
+                  "psr": "Zhu et al. 2025: no baseline, every correct sample reinforced",
+                  "nsr": "Zhu et al. 2025: no baseline, every wrong sample pushed down",
+                  "w_reinforce": "Zhu et al. 2025: no baseline, rewards {+0.1, -1}"}
 
 
 class RlSelect(_Model):
@@ -487,7 +490,7 @@ class Rl(_Model):
     def _baseline(cls, v: str, info: ValidationInfo) -> str:
         adv = info.data.get("advantage")
         if v != "off" and adv in BATCH_BASELINE:
-            raise ValueError(f"{adv} uses a batch baseline ({BATCH_BASELINE[adv]}): a group whose rewards are all "
+            raise ValueError(f"{adv} has no per-group baseline ({BATCH_BASELINE[adv]}): a group whose rewards are all "
                              "equal still carries signal, so skipping it changes the estimator; set "
                              "rl.dynamic_sampling: off")
         return v

@@ -210,3 +210,25 @@ def test_identical_student_and_teacher_give_zero_loss_and_gradient(name):
     loss.backward()
     assert abs(loss.item()) < 1e-6
     assert s.grad.abs().max().item() < 1e-6
+
+
+def test_positive_negative_sample_reinforcement_by_hand():
+    """Zhu et al. 2025: rewards [1, 0, 1, 0(unscorable)] of one group.
+    PSR:  [+1, 0, +1, 0]; NSR: [0, -1, 0, 0]; W-REINFORCE (lambda 0.1): [+0.1, -1, +0.1, 0]. No baseline: an
+    all-correct group keeps its PSR signal (GRPO would give it 0)."""
+    r = torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    valid = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    assert algos.ADVANTAGES["psr"](r, valid).tolist() == [[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]]
+    assert algos.ADVANTAGES["nsr"](r, valid).tolist() == [[0.0, -1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+    w = algos.ADVANTAGES["w_reinforce"](r, valid)
+    assert torch.allclose(w, torch.tensor([[0.1, -1.0, 0.1, 0.0], [0.1, 0.1, 0.1, 0.1]]))
+    assert algos.ADVANTAGES["grpo"](r, valid)[1].abs().sum() == 0
+
+
+@pytest.mark.parametrize("adv", ["psr", "nsr", "w_reinforce"])
+def test_no_baseline_estimators_refuse_dynamic_sampling(adv):
+    from posttrain.config import Rl
+
+    with pytest.raises(ValueError, match="no per-group baseline"):
+        Rl(advantage=adv, dynamic_sampling="skip")
+    Rl(advantage=adv, dynamic_sampling="off")
