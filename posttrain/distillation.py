@@ -85,7 +85,7 @@ def nll_update(student: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Seque
         logp, ent = logprobs.token_logp_entropy(student, t, temperature, entropy="detached")
         loss = algos.aggregate(-logp, t["mask"], "token-mean", len(seqs), n_tok, 1)
         loss.backward()
-        loss_sum += float(loss)
+        loss_sum += float(loss.detach())
         ent_sum += float((ent.detach() * t["mask"]).sum())
     grad_norm = float(torch.nn.utils.clip_grad_norm_(student.parameters(), max_grad_norm))
     opt.step()

@@ -157,8 +157,11 @@ def load_policy(name: str, cfg: ModelCfg, device: torch.device) -> PreTrainedMod
 def make_trainable(model: PreTrainedModel, lora: LoraCfg | None, gradient_checkpointing: bool) -> PreTrainedModel:
     """Gradient checkpointing (non-reentrant, so a frozen base needs no input-grad hook) and, with ``lora``,
     ``peft`` LoRA adapters (the base frozen; adapters in fp32 even on a bf16 base: peft's autocast_adapter_dtype)."""
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if gradient_checkpointing:  # transformers >= 5.2x names it activation checkpointing
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora is None:
         return model
     import peft
