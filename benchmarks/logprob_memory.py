@@ -33,21 +33,14 @@ sys.path.insert(0, str(ROOT))
 
 from posttrain import distillation, grpo, logprobs, modeling  # noqa: E402
 from posttrain.config import LoraCfg, Rl  # noqa: E402
-from tests.realmodel import QWEN25_05B, qwen2  # noqa: E402
+from tests.realmodel import QWEN25_05B, full_logp_entropy, qwen2  # noqa: E402
 
 VOCAB = 151_936
 
 
 def full_token_logp_entropy(model, t, temperature=1.0, entropy="grad", chunk=0):
-    """The replaced path: the whole [B, T, V] logits."""
-    if "gather" in t:
-        out = model(input_ids=t["ids"], position_ids=t["pos"], use_cache=False)
-    else:
-        out = model(input_ids=t["ids"], attention_mask=t["attn"], use_cache=False)
-    logp_all = torch.log_softmax(out.logits[:, :-1].float() / temperature, dim=-1)
-    logp = logp_all.gather(-1, t["ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, ent
+    """The replaced path (``tests.realmodel.full_logp_entropy``) with grpo's signature, to patch in."""
+    return full_logp_entropy(model, t, temperature)
 
 
 def full_divergence_update(student, teacher, opt, seqs, divergence, beta, pad_id, micro, max_grad_norm=1.0,

@@ -72,6 +72,21 @@ def qwen2(tok: PreTrainedTokenizerFast | None, hidden: int = 64, layers: int = 2
     return model
 
 
+def full_logp_entropy(model, t, temperature):
+    """The old path: the whole [B, T, V] logits, log-softmax over all of it. (Packed rows need use_cache=False:
+    with a cache transformers does not derive the block-diagonal mask from the position ids.)"""
+    if "gather" in t:
+        logits = model(input_ids=t["ids"], position_ids=t["pos"], use_cache=False).logits
+    else:
+        logits = model(input_ids=t["ids"], attention_mask=t["attn"], use_cache=False).logits
+    logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, -1)
+    lp = logp_all.gather(-1, t["ids"][:, 1:, None]).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    if "gather" in t:
+        lp, ent = lp.flatten()[t["gather"]], ent.flatten()[t["gather"]]
+    return lp * t["mask"], ent * t["mask"]
+
+
 # Qwen2.5-0.5B's shape (config.json of the hub model): 494M parameters, the real vocabulary
 QWEN25_05B = {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864, "tie": True,
               "model_vocab": 151_936}

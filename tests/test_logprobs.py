@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from posttrain import distillation, grpo, logprobs, training
-from tests.realmodel import bpe_tokenizer, qwen2
+from tests.realmodel import bpe_tokenizer, full_logp_entropy, qwen2
 
 V = 500  # a vocabulary larger than the tokenizer's (as real checkpoints pad theirs)
 
@@ -22,21 +22,6 @@ def _seqs(tok, n=5, seed=0):
         c = torch.randint(0, len(tok), (3 + 2 * i,), generator=g).tolist()
         out.append(grpo.Seq(p, c, [0.0] * len(c), 1.0 - 0.4 * i))
     return out
-
-
-def full_logp_entropy(model, t, temperature):
-    """The old path: the whole [B, T, V] logits, log-softmax over all of it. (Packed rows need use_cache=False:
-    with a cache transformers does not derive the block-diagonal mask from the position ids.)"""
-    if "gather" in t:
-        logits = model(input_ids=t["ids"], position_ids=t["pos"], use_cache=False).logits
-    else:
-        logits = model(input_ids=t["ids"], attention_mask=t["attn"]).logits
-    logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, -1)
-    lp = logp_all.gather(-1, t["ids"][:, 1:, None]).squeeze(-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1)
-    if "gather" in t:
-        lp, ent = lp.flatten()[t["gather"]], ent.flatten()[t["gather"]]
-    return lp * t["mask"], ent * t["mask"]
 
 
 @pytest.mark.parametrize("pack", [False, True])
