@@ -42,13 +42,20 @@ def unlock(repo: Path = typer.Option(Path("."), help="DVC repository root")) -> 
 
 @app.command()
 def deploy(repo: Path = typer.Option(Path("."), help="repository whose flows the workers run"),
-           cron: str = typer.Option("0 3 * * *", help="schedule of the nightly-evaluate deployment")) -> None:
+           cron: str = typer.Option("0 3 * * *", help="schedule of the nightly-evaluate deployment"),
+           pools: str = typer.Option("cpu,gpu", help="whose deployments to make here: cpu (the pipeline's), gpu "
+                                     "(the stage one, from the gpu machine's checkout) or both")) -> None:
     """Create the Prefect deployments (pipeline, nightly evaluate, gpu stage) on the server at PREFECT_API_URL."""
     _params(repo / "params.yaml")
+    chosen = tuple(p.strip() for p in pools.split(","))
+    if not chosen or set(chosen) - {"cpu", "gpu"}:
+        typer.echo(f"posttrain: --pools: cpu, gpu or cpu,gpu, got {pools!r}", err=True)
+        raise typer.Exit(2)
     from flows.deploy import deploy as _deploy
 
-    for name, i in zip(["posttrain-pipeline/default", "posttrain-pipeline/nightly-evaluate", "posttrain-stage/gpu"],
-                       _deploy(repo, cron), strict=True):
+    names = (["posttrain-pipeline/default", "posttrain-pipeline/nightly-evaluate"] if "cpu" in chosen else []) + (
+        ["posttrain-stage/gpu"] if "gpu" in chosen else [])
+    for name, i in zip(names, _deploy(repo, cron, chosen), strict=True):
         typer.echo(f"{name}: {i}")
 
 

@@ -185,12 +185,43 @@ class ModelCfg(_Model):
 
 
 # -------------------------------------------------------------------------------------------- runtime
+class Distributed(_Model):
+    """Several training processes (``posttrain.distributed``): sft, rl and distill relaunch themselves under
+    ``torchrun`` when ``nproc_per_node * nnodes`` > 1. Global batch = per-rank micro-batches x ranks x
+    accumulation: ``sft.batch_size``, ``rl.prompts_per_step`` x ``group_size`` and the distill batches stay the
+    *global* batch, split over ranks, so a run's result does not depend on the world size beyond fp32 reduction
+    order (sft, and an rl/distill update from the same samples) and sampling (rl/distill ranks generate their
+    share of prompts with their own seeds: reproducible for a given world size)."""
+
+    nproc_per_node: int = Field(1, ge=1, description="processes per machine (one per GPU)")
+    nnodes: int = Field(1, ge=1, description="machines; above 1 every machine runs the same stage command and "
+                        "they meet at rdzv_endpoint")
+    strategy: Literal["ddp", "fsdp2"] = Field("ddp", description="ddp: replicated model, all-reduced gradients; "
+                                              "fsdp2: fully_shard per decoder layer (parameters, gradients, "
+                                              "optimizer state sharded)")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto = nccl on CUDA, else gloo")
+    rdzv_endpoint: str | None = Field(None, description="host:port of node 0, needed when nnodes > 1")
+    timeout_s: float = Field(600, gt=0, description="a collective waiting longer fails the stage (a dead rank "
+                             "cannot hang the others past this)")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @model_validator(mode="after")
+    def _nodes(self) -> Distributed:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("nnodes > 1 needs rdzv_endpoint (host:port of node 0)")
+        return self
+
+
 class Runtime(_Model):
     train_threads: int = Field(2, ge=1, description="torch threads for training steps (2 is fastest here)")
     generate_threads: int = Field(2, ge=1, description="torch threads for generation (2 is fastest here from "
                                   "batch 64 up: benchmarks/rollout.py)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
     progress: bool = Field(True, description="show tqdm progress bars on long loops")
+    distributed: Distributed = Field(default_factory=Distributed)
 
 
 # --------------------------------------------------------------------------------------------- curate
@@ -646,6 +677,15 @@ class Params(_Model):
         if (synthetic or self.curate.eval.source is None) and self.task.kind != "arith":
             raise ValueError("curate: the synthetic generator (a synthetic source, or eval.source unset) "
                              "needs task.kind == 'arith'")
+        d = self.runtime.distributed
+        if d.world_size > 1:
+            if d.strategy == "fsdp2" and self.model.lora is not None:
+                raise ValueError("runtime.distributed.strategy: fsdp2 with model.lora is not supported; use ddp "
+                                 "(LoRA's frozen base needs no sharding of gradients or optimizer state)")
+            if self.sft.batch_size % (d.world_size * self.sft.micro_batch_size):
+                raise ValueError(f"sft.batch_size: {self.sft.batch_size} must be a multiple of world size "
+                                 f"{d.world_size} (runtime.distributed) x sft.micro_batch_size "
+                                 f"{self.sft.micro_batch_size}")
         return self
 
 
@@ -681,7 +721,10 @@ def parse_params(raw: dict[str, Any], origin: str = "params") -> Params:
         errs = e.errors()
         first = errs[0]
         more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
-        raise ConfigError(f"{origin}: {_loc(first['loc'])}: {_describe(first)}{more}") from None
+        where, what = _loc(first["loc"]), _describe(first)
+        if where == "<root>":  # a check across sections: its message starts with the key it names
+            raise ConfigError(f"{origin}: {what.removeprefix('Value error, ')}{more}") from None
+        raise ConfigError(f"{origin}: {where}: {what}{more}") from None
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:

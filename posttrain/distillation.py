@@ -9,6 +9,9 @@ one optimizer step over them, micro-batched with full-batch token-mean normalisa
   frozen (no grad).
 - ``nll_update``: plain SFT on the sequences (hard targets: the warmup's "SFT on teacher samples").
 
+Under torchrun ``student`` is the training handle (``distributed.Dist.wrap``): each rank runs its share of
+the sequences, normalised by the global token count, every rank the same number of micro-batches.
+
 Papers: Hinton et al. 2015 (KD, forward KL); Agarwal et al. 2024 (GKD: on-policy, generalized JSD);
 "Beyond GRPO and On-Policy Distillation: a sparse-to-dense reward principle" (forward-KL warmup, then
 on-policy distillation).
@@ -20,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from posttrain import algos, logprobs
+from posttrain import algos, distributed, logprobs
 from posttrain.grpo import Seq, batch_tensors
 
 
@@ -36,37 +39,51 @@ def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: t
     backward. Where the two heads have a different number of rows (checkpoints pad the vocabulary to
     different multiples) the distributions are over the rows both have; the stage checks every token is among them.
     """
+    d = distributed.current()
     device = next(student.parameters()).device
     fn = algos.DIVERGENCES[divergence]
-    _, s_head = logprobs.decoder_and_head(student)
     _, t_head = logprobs.decoder_and_head(teacher)
-    n_vocab = min(s_head.out_features, t_head.out_features)  # same tokenizer; heads padded to different sizes
 
-    def stats(sh: torch.Tensor, th: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        s_logp = torch.log_softmax(s_head(sh)[:, :n_vocab].float() / temperature, -1)  # [c, V]
-        with torch.no_grad():
-            t_logp = torch.log_softmax(t_head(th)[:, :n_vocab].float() / temperature, -1)
-        div = fn(s_logp, t_logp, beta)  # [c]
-        with torch.no_grad():
-            return (div, algos.forward_kl(s_logp, t_logp), algos.reverse_kl(s_logp, t_logp),
-                    -(s_logp.exp() * s_logp).sum(-1))
+    def student_side(model: torch.nn.Module, t: dict[str, torch.Tensor], th: torch.Tensor
+                     ) -> tuple[torch.Tensor, ...]:
+        """The student's forward (through the DDP/FSDP2 wrapper when distributed) and the per-chunk stats."""
+        _, s_head = logprobs.decoder_and_head(model)
+        n_vocab = min(s_head.out_features, t_head.out_features)  # same tokenizer; heads padded differently
 
-    n_tok = sum(len(s.completion_ids) for s in seqs)
+        def stats(sh: torch.Tensor, th: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            s_logp = torch.log_softmax(s_head(sh)[:, :n_vocab].float() / temperature, -1)  # [c, V]
+            with torch.no_grad():
+                t_logp = torch.log_softmax(t_head(th)[:, :n_vocab].float() / temperature, -1)
+            div = fn(s_logp, t_logp, beta)  # [c]
+            with torch.no_grad():
+                return (div, algos.forward_kl(s_logp, t_logp), algos.reverse_kl(s_logp, t_logp),
+                        -(s_logp.exp() * s_logp).sum(-1))
+
+        sh, _, _ = logprobs.hidden_at_targets(model, t)  # [N, H_student]
+        return logprobs.per_chunk(stats, sh, th)
+
+    n_tok = sum(len(s.completion_ids) for s in seqs)  # global: every rank holds every sequence
     sums = {"loss": 0.0, "forward_kl": 0.0, "reverse_kl": 0.0, "entropy": 0.0}
     opt.zero_grad(set_to_none=True)
-    for start in range(0, len(seqs), micro_batch_size):
-        t = batch_tensors(seqs[start : start + micro_batch_size], pad_id, device)
+    mine = d.shard(seqs)
+    chunks = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+    n_micro = d.micro_count(len(chunks))
+    for k in range(n_micro):
+        real = k < len(chunks)  # else a zero-weight repeat so that every rank's collectives line up
+        t = batch_tensors(chunks[k] if real else (chunks or [list(seqs[:1])])[0], pad_id, device)
         with torch.no_grad():
             th, _, _ = logprobs.hidden_at_targets(teacher, t)  # [N, H_teacher]
-        sh, _, _ = logprobs.hidden_at_targets(student, t)  # [N, H_student]
-        div, fkl, rkl, ent = logprobs.per_chunk(stats, sh, th)
-        loss = div.sum() / max(n_tok, 1)  # token-mean over the whole batch (exact under micro-batching)
-        loss.backward()
-        sums["loss"] += float(loss.detach())
-        for k, v in (("forward_kl", fkl), ("reverse_kl", rkl), ("entropy", ent)):
-            sums[k] += float(v.sum())
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(student.parameters(), max_grad_norm))
+        with d.grad_sync(student, k == n_micro - 1):
+            div, fkl, rkl, ent = distributed.forward(student, student_side, t, th)
+            loss = div.sum() * float(real) / max(n_tok, 1)  # token-mean over the whole batch
+            (loss * d.loss_scale).backward()
+        if real:
+            sums["loss"] += float(loss.detach())
+            for key, v in (("forward_kl", fkl), ("reverse_kl", rkl), ("entropy", ent)):
+                sums[key] += float(v.sum())
+    grad_norm = d.clip_grad_norm(student, max_grad_norm)
     opt.step()
+    sums = dict(zip(sums, d.sum(*sums.values()), strict=True))
     tok = max(n_tok, 1)
     return {"loss": sums["loss"], "forward_kl": sums["forward_kl"] / tok, "reverse_kl": sums["reverse_kl"] / tok,
             "entropy": sums["entropy"] / tok, "grad_norm": grad_norm, "response_len": n_tok / max(len(seqs), 1)}
@@ -76,19 +93,26 @@ def nll_update(student: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Seque
                micro_batch_size: int, max_grad_norm: float = 1.0, temperature: float = 1.0) -> dict[str, float]:
     """One SFT step on the sequences' completions (token-mean NLL of softmax(logits / ``temperature``), the
     distribution the student will sample from). Returns loss, entropy, length."""
+    d = distributed.current()
     device = next(student.parameters()).device
     n_tok = sum(len(s.completion_ids) for s in seqs)
     loss_sum, ent_sum = 0.0, 0.0
     opt.zero_grad(set_to_none=True)
-    for start in range(0, len(seqs), micro_batch_size):
-        t = batch_tensors(seqs[start : start + micro_batch_size], pad_id, device)
-        logp, ent = logprobs.token_logp_entropy(student, t, temperature, entropy="detached")
-        loss = algos.aggregate(-logp, t["mask"], "token-mean", len(seqs), n_tok, 1)
-        loss.backward()
+    mine = d.shard(seqs)
+    chunks = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+    n_micro = d.micro_count(len(chunks))
+    for k in range(n_micro):
+        real = k < len(chunks)
+        t = batch_tensors(chunks[k] if real else (chunks or [list(seqs[:1])])[0], pad_id, device)
+        m = t["mask"] if real else torch.zeros_like(t["mask"])
+        with d.grad_sync(student, k == n_micro - 1):
+            logp, ent = distributed.forward(student, logprobs.token_logp_entropy, t, temperature, "detached")
+            loss = algos.aggregate(-logp, m, "token-mean", len(seqs), n_tok, 1)
+            (loss * d.loss_scale).backward()
         loss_sum += float(loss.detach())
-        ent_sum += float((ent.detach() * t["mask"]).sum())
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(student.parameters(), max_grad_norm))
+        ent_sum += float((ent.detach() * m).sum())
+    grad_norm = d.clip_grad_norm(student, max_grad_norm)
     opt.step()
+    loss_sum, ent_sum = d.sum(loss_sum, ent_sum)
     return {"loss": loss_sum, "entropy": ent_sum / max(n_tok, 1), "grad_norm": grad_norm,
             "response_len": n_tok / max(len(seqs), 1)}
-

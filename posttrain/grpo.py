@@ -11,6 +11,11 @@ Everything a step needs besides rollout (``posttrain.rollout.sample_rows``) and 
   gradient accumulation via ``algos.aggregate``), PPO-style ratios against old log-probs (recomputed by the
   trainer when the update is not exactly on-policy), optional KL to a frozen reference and entropy bonus.
   Returns the step's metrics (clip fraction, KL, entropy, sampler-vs-trainer log-prob gap, ...).
+
+Under torchrun (``posttrain.distributed``) every rank samples and scores its contiguous share of each round's
+prompts (whole groups on one rank) and the rows are gathered, so every rank holds the whole step (dynamic
+sampling and group advantages are computed on all of it, identically); the update's minibatches are global and
+each rank runs its share of every minibatch, normalised by the global counts, gradients all-reduced.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from posttrain import algos
+from posttrain import algos, distributed
 from posttrain.config import Rl
 from posttrain.logprobs import token_logp_entropy
 from posttrain.modeling import adapter_off
@@ -69,8 +74,9 @@ def collect_step(backend: RolloutBackend, tokenizer: Any, prompts: Sequence[dict
 
     ``off`` keeps every group; ``skip`` drops zero-variance groups (no signal under a group baseline);
     ``refill`` samples further prompts until ``prompts_per_step`` groups with signal are found or
-    ``max_refill_rounds`` extra rounds are spent. Round ``k`` is seeded ``seed + 17 * k``.
+    ``max_refill_rounds`` extra rounds are spent. Round ``k`` is seeded ``seed + 17 * k`` (+ 1,000,033 x rank).
     """
+    d = distributed.current()
     g, b, sp = cfg.group_size, cfg.prompts_per_step, cfg.sampling
     groups: list[list[dict[str, Any]]] = []
     sampled: list[list[dict[str, Any]]] = []
@@ -78,12 +84,13 @@ def collect_step(backend: RolloutBackend, tokenizer: Any, prompts: Sequence[dict
     rounds = 0
     while True:
         batch = [prompts[i] for i in cursor.take(b - len(groups))]
-        rows, secs = sample_rows(backend, tokenizer, batch, g,
-                                 SamplingParams(sp.temperature, sp.top_p, sp.max_new_tokens, seed + 17 * rounds),
+        rows, secs = sample_rows(backend, tokenizer, d.shard(batch), g,
+                                 SamplingParams(sp.temperature, sp.top_p, sp.max_new_tokens,
+                                                seed + 17 * rounds + 1_000_033 * d.rank),
                                  policy=policy, chunk_prompts=max(1, cfg.generate_batch_size // g))
         gen_s += secs
         t = time.time()
-        rows = score_rows(rows, reward_specs)
+        rows = d.gather_shards(score_rows(rows, reward_specs))
         reward_s += time.time() - t
         zv = zero_variance(*reward_matrix(rows, g)).tolist()
         if rounds == 0:
@@ -201,14 +208,20 @@ def batch_tensors(seqs: Sequence[Seq], pad_id: int, device: torch.device, pack: 
 @torch.no_grad()
 def _fill(model: torch.nn.Module, seqs: Sequence[Seq], attr: str, pad_id: int, micro: int, pack: bool,
           temperature: float) -> None:
-    """Set ``seq.<attr>`` to ``model``'s log-probs of each completion token (no grad)."""
+    """Set ``seq.<attr>`` to ``model``'s log-probs of each completion token (no grad). ``model`` is a plain
+    (unwrapped) model; under torchrun each rank scores its share and the values are gathered."""
     device = next(model.parameters()).device
-    for start in range(0, len(seqs), micro):
-        chunk = seqs[start : start + micro]
+    d = distributed.current()
+    mine = d.shard(seqs)
+    for start in range(0, len(mine), micro):
+        chunk = mine[start : start + micro]
         lp, _ = token_logp_entropy(model, batch_tensors(chunk, pad_id, device, pack), temperature, entropy="off")
         for j, s in enumerate(chunk):
             p = len(s.prompt_ids)
             setattr(s, attr, lp[j, p - 1 : p - 1 + len(s.completion_ids)].tolist())
+    if d.active:
+        for s, v in zip(seqs, d.gather_shards([getattr(s, attr) for s in mine]), strict=True):
+            setattr(s, attr, v)
 
 
 def kl_shaped_rewards(rewards: Sequence[float], sampler_logp: Sequence[Sequence[float]],
@@ -227,7 +240,11 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     Every forward scores logits / ``cfg.sampling.temperature``. ``ref_model`` is used for the KL loss
     (``cfg.kl_coef`` > 0); reference log-probs already on the sequences are not recomputed. A LoRA (peft)
     ``ref_model`` scores with its adapter disabled: passing the LoRA policy itself makes its frozen base the
-    reference."""
+    reference.
+
+    ``model`` is the training handle (``distributed.Dist.wrap``; the model itself in one process): every rank
+    runs the same number of micro-batches per minibatch (zero-weight repeats where it has fewer)."""
+    d = distributed.current()
     device = next(model.parameters()).device
     temp = cfg.sampling.temperature
     loss_fn = algos.POLICY_LOSSES[cfg.policy_loss]
@@ -237,7 +254,7 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     norm_len = cfg.sampling.max_new_tokens
     on_policy = cfg.epochs * cfg.minibatches == 1  # then old log-probs come from the update's own forward
     if not on_policy:
-        _fill(model, seqs, "old_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp)
+        _fill(d.plain(model), seqs, "old_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp)
     if use_kl and any(s.ref_logp is None for s in seqs):
         with adapter_off(ref_model):
             _fill(ref_model, seqs, "ref_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp)
@@ -255,32 +272,42 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
             if not cfg.pack:  # similar lengths share a micro-batch (less padding); exact: aggregate() is order-free
                 mb_seqs.sort(key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
             opt.zero_grad(set_to_none=True)
-            for start in range(0, len(mb_seqs), cfg.micro_batch_size):
-                t = batch_tensors(mb_seqs[start : start + cfg.micro_batch_size], pad_id, device, cfg.pack)
-                m = t["mask"]
-                logp, ent = token_logp_entropy(model, t, temp, "grad" if cfg.entropy_coef else "detached")
-                old_logp = logp.detach() if on_policy else t["old_logp"]
-                loss_tok, clipped = loss_fn(logp, old_logp, t["adv"], loss_cfg)  # [b, T-1]
-                if use_kl:
-                    kl = kl_fn(logp, t["ref_logp"])
-                    loss_tok = loss_tok + cfg.kl_coef * kl
-                    sums["kl"] += float((kl.detach() * m).sum())
-                if cfg.entropy_coef:
-                    loss_tok = loss_tok - cfg.entropy_coef * ent
-                loss = algos.aggregate(loss_tok, m, cfg.loss_agg, len(mb_seqs), n_tok, norm_len)
-                loss.backward()
-                sums["loss"] += float(loss.detach())
-                sums["clipfrac"] += float((clipped.float() * m).sum())
-                sums["entropy"] += float((ent.detach() * m).sum())
-                log_ratio = (logp.detach() - old_logp).clamp(-algos.LOG_RATIO_CLAMP, algos.LOG_RATIO_CLAMP)
-                ratio_max = max(ratio_max, float((torch.exp(log_ratio) * m).max()))
-                tokens += float(m.sum())
-                if epoch == 0:  # sampler vs trainer log-prob of the same tokens, before any update
-                    sums["gap"] += float(((old_logp - t["sampler_logp"]).abs() * m).sum())
-                    gap_tokens += float(m.sum())
-            sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+            mine = d.shard(mb_seqs)
+            chunks = [mine[i : i + cfg.micro_batch_size] for i in range(0, len(mine), cfg.micro_batch_size)]
+            n_micro = d.micro_count(len(chunks))
+            for k in range(n_micro):
+                real = k < len(chunks)  # else a zero-weight repeat, so that every rank's collectives line up
+                t = batch_tensors(chunks[k] if real else (chunks or [mb_seqs[:1]])[0], pad_id, device, cfg.pack)
+                m = t["mask"] if real else torch.zeros_like(t["mask"])
+                with d.grad_sync(model, k == n_micro - 1):
+                    logp, ent = distributed.forward(model, token_logp_entropy, t, temp,
+                                                    "grad" if cfg.entropy_coef else "detached")
+                    old_logp = logp.detach() if on_policy else t["old_logp"]
+                    loss_tok, clipped = loss_fn(logp, old_logp, t["adv"], loss_cfg)  # [b, T-1]
+                    if use_kl:
+                        kl = kl_fn(logp, t["ref_logp"])
+                        loss_tok = loss_tok + cfg.kl_coef * kl
+                        sums["kl"] += float((kl.detach() * m).sum())
+                    if cfg.entropy_coef:
+                        loss_tok = loss_tok - cfg.entropy_coef * ent
+                    loss = algos.aggregate(loss_tok, m, cfg.loss_agg, len(mb_seqs), n_tok, norm_len)
+                    (loss * d.loss_scale).backward()
+                    sums["loss"] += float(loss.detach())
+                    sums["clipfrac"] += float((clipped.float() * m).sum())
+                    sums["entropy"] += float((ent.detach() * m).sum())
+                    log_ratio = (logp.detach() - old_logp).clamp(-algos.LOG_RATIO_CLAMP, algos.LOG_RATIO_CLAMP)
+                    ratio_max = max(ratio_max, float((torch.exp(log_ratio) * m).max()))
+                    tokens += float(m.sum())
+                    if epoch == 0:  # sampler vs trainer log-prob of the same tokens, before any update
+                        sums["gap"] += float(((old_logp - t["sampler_logp"]).abs() * m).sum())
+                        gap_tokens += float(m.sum())
+            sums["grad_norm"] += d.clip_grad_norm(model, cfg.max_grad_norm)
             opt.step()
             n_opt += 1
+    keys = ("loss", "clipfrac", "kl", "entropy", "gap")  # every rank's share -> the batch's totals
+    *totals, tokens, gap_tokens = d.sum(*(sums[k] for k in keys), tokens, gap_tokens)
+    sums |= dict(zip(keys, totals, strict=True))
+    ratio_max = d.max(ratio_max)
     tokens, n = max(tokens, 1.0), max(n_opt, 1)
     return {"loss": sums["loss"] / n, "clipfrac": sums["clipfrac"] / tokens, "kl": sums["kl"] / tokens,
             "entropy": sums["entropy"] / tokens, "ratio_max": ratio_max, "grad_norm": sums["grad_norm"] / n,

@@ -56,18 +56,72 @@ def expected_failure(stage: str, e: BaseException) -> str | None:
     return None
 
 
-def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[str] | None = None) -> None:
-    """Parse ``--params``, validate, run ``body``; one-line errors: config -> exit 2, stage -> exit 1."""
+def torchrun_argv(name: str, params: Params, argv: list[str]) -> list[str]:
+    """The command that runs ``python -m stages.<name> <argv>`` as ``runtime.distributed`` asks: one torchrun
+    on this machine with ``nproc_per_node`` workers; with ``nnodes`` > 1 every machine runs the same command
+    and torchrun's c10d rendezvous at ``rdzv_endpoint`` assigns node ranks."""
+    d = params.runtime.distributed
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={d.nproc_per_node}"]
+    if d.nnodes == 1:
+        cmd += ["--standalone"]
+    else:
+        cmd += [f"--nnodes={d.nnodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint={d.rdzv_endpoint}",
+                f"--rdzv_id=posttrain-{name}"]
+    return cmd + ["-m", f"stages.{name}", *argv]
+
+
+def _torchrun(name: str, cmd: list[str]) -> int:
+    """Run ``cmd`` (``torchrun_argv``) with torch's own launcher in this process; a failed rank is one line
+    (its own message is above it), not the launcher's traceback. The launcher stops the other ranks."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    print(f"posttrain {name}: torchrun {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
+    try:
+        run(parse_args(cmd[3:]))
+    except ChildFailedError as e:
+        ranks = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items()))
+        print(f"posttrain {name}: {ranks} failed; the other ranks were stopped", file=sys.stderr)
+        return 1
+    return 0
+
+
+def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[str] | None = None,
+               distributed: bool = False) -> None:
+    """Parse ``--params``, validate, run ``body``; one-line errors: config -> exit 2, stage -> exit 1.
+
+    ``distributed``: the stage can run on several processes. When ``runtime.distributed`` asks for more than
+    one and this process is not a torchrun worker, it replaces itself with ``torchrun`` running the same
+    command (so ``dvc.yaml`` and the Prefect workers run one command whatever the world size); inside a
+    worker it joins the process group, and only rank 0 logs at INFO, shows progress and records the MLflow
+    run (the other ranks write nothing)."""
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog=f"python -m stages.{name}")
     ap.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(message)s", datefmt="%H:%M:%S")
     try:
         params = load_params(args.params)
     except ConfigError as e:
         print(f"posttrain: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
+    from posttrain import distributed as dist
+
+    d = params.runtime.distributed
+    if distributed and d.world_size > 1 and not dist.launched():
+        sys.exit(_torchrun(name, torchrun_argv(name, params, argv)))
+    rank = int(os.environ.get("RANK", "0")) if distributed else 0
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s {name}{f'[{rank}]' if rank else ''} %(message)s", datefmt="%H:%M:%S")
+    if distributed and dist.launched():
+        import torch  # noqa: F401 -- setup() sets its threads
+
+        dist.init(d.backend, d.strategy, d.timeout_s)
+        if rank:
+            params = params.model_copy(update={"runtime": params.runtime.model_copy(update={"progress": False})})
+            params = params.model_copy(update={"tracking": params.tracking.model_copy(update={"enabled": False})})
     setup(params)
+    if rank:
+        seed_everything(params.seed + 7919 * rank)  # dropout and other torch randomness differ per rank
     t0 = time.time()
     from posttrain.tracking import stage_run
 
@@ -84,3 +138,5 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
         print(f"posttrain {name}: {line}", file=sys.stderr)
         sys.exit(1)
     logging.getLogger(name).info("done in %.1fs", time.time() - t0)
+    if distributed:
+        dist.shutdown()

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
-from posttrain import logprobs
+from posttrain import distributed, logprobs
 from posttrain.config import NOT_RESULT
 from posttrain.schema import atomic_path
 from posttrain.tasks import get_task
@@ -119,9 +119,12 @@ def set_rng_state(s: dict[str, Any]) -> None:
 
 
 def save_resumable(ckpt_dir: Path, step: int, state: dict[str, Any], keep: int = 2) -> Path:
-    """Write ``step_<N>.pt`` atomically, then prune all but the newest ``keep``."""
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    """Write ``step_<N>.pt`` atomically, then prune all but the newest ``keep`` (rank 0 only: the others
+    return the path it writes)."""
     path = ckpt_dir / f"step_{step:07d}.pt"
+    if not distributed.current().main:
+        return path
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         torch.save(state, tmp)
     for old in sorted(ckpt_dir.glob("step_*.pt"))[:-keep]:
@@ -132,7 +135,19 @@ def save_resumable(ckpt_dir: Path, step: int, state: dict[str, Any], keep: int =
 def load_resumable(ckpt_dir: Path, fp: str) -> dict[str, Any] | None:
     """The newest checkpoint whose fingerprint is ``fp``. Checkpoints of another configuration are never
     resumed from, and never deleted either: the folder is moved aside to ``<name>.stale-<their fp>-<time>``
-    (logged), so a changed setting cannot wipe hours of training."""
+    (logged), so a changed setting cannot wipe hours of training. Under torchrun rank 0 looks first (and moves
+    aside); the other ranks then read what it left (the folder must be on storage every rank sees)."""
+    d = distributed.current()
+    if not d.main:
+        d.barrier()
+    try:
+        return _load_resumable(ckpt_dir, fp)
+    finally:
+        if d.main:
+            d.barrier()
+
+
+def _load_resumable(ckpt_dir: Path, fp: str) -> dict[str, Any] | None:
     if not ckpt_dir.is_dir():
         return None
     for path in sorted(ckpt_dir.glob("step_*.pt"), reverse=True):
@@ -177,8 +192,12 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
     full solution and the rest with the bare answer (the mixed-format cold start). Batches are a pure
     function of (seed, step); every ``checkpoint_every`` steps a resumable checkpoint with fingerprint
     ``fp`` goes to ``ckpt_dir``, and a call that finds one resumes from it.
+    Under torchrun ``model`` is the ``distributed.Dist.wrap`` handle: each rank takes its contiguous share of
+    every step's batch (the same global batch as one process), losses are normalised by the global token count
+    and gradients all-reduced, so the weights equal a one-process run's up to reduction order.
     Returns ``{"log": rows (SFT_LOG_FIELDS), "start": resumed step, "seconds": ..., "tokens": ...}``.
     """
+    d = distributed.current()
     device = next(model.parameters()).device
     model.train()
     # both renderings of each demo: full solution (cot) and bare answer (direct)
@@ -191,30 +210,32 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
     start, log_rows = 0, []
     state = load_resumable(ckpt_dir, fp)
     if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+        d.load_state(model, opt, state["model"], state["optimizer"])
         sched.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
+        set_rank_rng(state["rng"])
         start, log_rows = state["step"], state["log"]
         log.info("resuming %s from %s step %d", desc, ckpt_dir, start)
 
     phase_of = [(i, p) for i, p in enumerate(cfg.phases) for _ in range(p.steps)]  # step -> (phase, spec)
-    n_micro = cfg.batch_size // cfg.micro_batch_size
+    n_micro = cfg.batch_size // d.world // cfg.micro_batch_size  # config: batch = world x micro x accumulation
     t0, tokens = time.time(), 0
     bar = tqdm(range(start, total), initial=start, total=total, desc=desc, disable=not progress)
     for step in bar:
         phase, spec = phase_of[step]
         idx, use_cot = step_batch(seed, step, len(demos), cfg.batch_size, spec.cot_frac)
         examples = [enc["cot" if c else "direct"][i] for i, c in zip(idx, use_cot, strict=True)]
-        n_tok = sum(sum(1 for y in ex[1][1:] if y != IGNORE) for ex in examples)  # next-token targets
+        n_tok = sum(sum(1 for y in ex[1][1:] if y != IGNORE) for ex in examples)  # next-token targets (global)
+        mine = d.shard(examples)
         opt.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for m in range(n_micro):
-            mb = collate(examples[m * cfg.micro_batch_size : (m + 1) * cfg.micro_batch_size], tok.pad_token_id)
-            s, _ = sum_token_nll(model, {k: v.to(device) for k, v in mb.items()})
-            (s / max(n_tok, 1)).backward()
+            mb = collate(mine[m * cfg.micro_batch_size : (m + 1) * cfg.micro_batch_size], tok.pad_token_id)
+            with d.grad_sync(model, m == n_micro - 1):
+                s, _ = distributed.forward(model, sum_token_nll, {k: v.to(device) for k, v in mb.items()})
+                (s * d.loss_scale / max(n_tok, 1)).backward()
             loss_sum += s.item()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+        (loss_sum,) = d.sum(loss_sum)
+        grad_norm = d.clip_grad_norm(model, cfg.max_grad_norm)
         opt.step()
         sched.step()
         loss = loss_sum / max(n_tok, 1)
@@ -225,18 +246,41 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
                              "grad_norm": round(grad_norm, 4), "cot_frac": spec.cot_frac})
             bar.set_postfix(loss=f"{loss:.4f}", phase=phase)
         if done % cfg.checkpoint_every == 0 and done < total:
+            msd, osd = d.state(model, opt)
             save_resumable(ckpt_dir, done, {
-                "fingerprint": fp, "step": done, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(), "rng": rng_state(), "log": log_rows})
+                "fingerprint": fp, "step": done, "model": msd, "optimizer": osd,
+                "scheduler": sched.state_dict(), "rng": rank_rngs(), "log": log_rows})
     model.eval()
     return {"log": log_rows, "start": start, "seconds": time.time() - t0, "tokens": tokens}
 
 
+def rank_rngs() -> list[dict[str, Any]]:
+    """Every rank's RNG states, in rank order (a collective under torchrun)."""
+    return distributed.current().gather_shards([rng_state()])
+
+
+def set_rank_rng(saved: dict[str, Any] | list[dict[str, Any]]) -> None:
+    """Restore this rank's RNG states from ``rank_rngs()``. Saved at another world size: rank 0 takes rank 0's
+    and the others keep their fresh per-rank seeds (data order is (seed, step)-pure either way; only
+    dropout-like randomness differs from an uninterrupted run)."""
+    d = distributed.current()
+    states = [saved] if isinstance(saved, dict) else saved
+    if len(states) == d.world:
+        set_rng_state(states[d.rank])
+    else:
+        if d.rank == 0:
+            set_rng_state(states[0])
+        log.warning("checkpoint saved at world size %d, resuming at %d: per-rank RNG states start fresh",
+                    len(states), d.world)
+
+
 def save_loop_state(ckpt_dir: Path, step: int, fp: str, cursor_pos: int, model: torch.nn.Module,
                     opt: torch.optim.Optimizer, log_rows: list[dict[str, Any]]) -> None:
-    """Resumable checkpoint of an online loop (rl, distill): model, optimizer, RNG, step, prompt cursor, log."""
-    save_resumable(ckpt_dir, step, {"fingerprint": fp, "step": step, "cursor": cursor_pos, "model": model.state_dict(),
-                                    "optimizer": opt.state_dict(), "rng": rng_state(), "log": log_rows})
+    """Resumable checkpoint of an online loop (rl, distill): model, optimizer, RNG, step, prompt cursor, log.
+    Full (unsharded) states, written by rank 0; every rank calls it (gathering is a collective)."""
+    msd, osd = distributed.current().state(model, opt)
+    save_resumable(ckpt_dir, step, {"fingerprint": fp, "step": step, "cursor": cursor_pos, "model": msd,
+                                    "optimizer": osd, "rng": rank_rngs(), "log": log_rows})
 
 
 def restore_loop_state(ckpt_dir: Path, fp: str, model: torch.nn.Module, opt: torch.optim.Optimizer
@@ -246,8 +290,7 @@ def restore_loop_state(ckpt_dir: Path, fp: str, model: torch.nn.Module, opt: tor
     state = load_resumable(ckpt_dir, fp)
     if state is None:
         return 0, [], 0
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    set_rng_state(state["rng"])
+    distributed.current().load_state(model, opt, state["model"], state["optimizer"])
+    set_rank_rng(state["rng"])
     log.info("resuming from %s step %d", ckpt_dir, state["step"])
     return state["step"], state["log"], state["cursor"]

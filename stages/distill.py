@@ -18,6 +18,10 @@ C. Optional student GRPO (``distill.grpo_steps``) with the ``rl`` section's algo
    ``grpo.collect_step`` / ``grpo.policy_update`` as the rl stage.
 With warmup and on-policy steps at 0 and ``grpo_steps`` > 0 this stage is "direct GRPO on the student".
 
+Several processes (``runtime.distributed``): the same command relaunches under torchrun; the student is the
+wrapped model (DDP or FSDP2), the teacher a full frozen copy per rank; each rank samples its share of every
+step's prompts and trains on its share of the sequences; rank 0 writes the outputs.
+
 Run: ``dvc repro distill`` or ``python -m stages.distill [--params params.yaml]``.
 """
 
@@ -34,7 +38,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from posttrain import distillation, grpo, modeling, plots, training
+from posttrain import distillation, distributed, grpo, modeling, plots, training
 from posttrain.config import Params
 from posttrain.errors import StageError
 from posttrain.rewards import is_correct, score_rows
@@ -88,7 +92,7 @@ def _student(params: Params, tok: Any, teacher: Any, device: torch.device) -> An
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Distill. ``inputs``: demos, train, teacher. ``out``: student_sft, student, checkpoints, report_dir, metrics."""
-    cfg, rt = params.distill, params.runtime
+    cfg, rt, d = params.distill, params.runtime, distributed.current()
     if cfg.grpo_steps and (params.rl.kl_coef > 0 or params.rl.kl_reward_coef > 0):
         raise StageError("distill.grpo_steps > 0 with rl.kl_coef or rl.kl_reward_coef > 0: phase C has no KL "
                          "reference yet; set both to 0 or distill.grpo_steps: 0")
@@ -99,6 +103,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         p.requires_grad_(False)
     student = _student(params, tok, teacher, device)
     log.info("teacher %d params, student %d params", modeling.num_params(teacher), modeling.num_params(student))
+    student_params = modeling.num_params(student)
+    student = d.wrap(student)  # the training handle (the model itself in one process)
 
     # 0. the student's cold start: the teacher's own SFT recipe
     demos = read_problems(inputs["demos"])
@@ -109,8 +115,10 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     with amp():
         res = training.sft_train(student, tok, demos, params.sft, params.seed, out["checkpoints"] / "sft", fp0,
                                  progress=rt.progress, desc="student sft")
-    with atomic_path(out["student_sft"]) as tmp:
-        modeling.save_checkpoint(student, tok, tmp)
+    cold = d.plain(student)
+    if d.main:
+        with atomic_path(out["student_sft"]) as tmp:
+            modeling.save_checkpoint(cold, tok, tmp)
     sft_seconds = res["seconds"]
 
     # A, B, C: one global step counter, one optimizer (lr set per phase), resumable
@@ -123,7 +131,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                               modeling.checkpoint_digest(inputs["teacher"]), sorted(prompt_ids))
     cursor = grpo.PromptCursor(len(prompts), params.seed + 2)
     start, log_rows, cursor.pos = training.restore_loop_state(out["checkpoints"], fp, student, opt)
-    s_backend = BACKENDS[params.rollout.backend](student, tok, params.rl.generate_batch_size)
+    s_backend = BACKENDS[params.rollout.backend](d.plain(student), tok, params.rl.generate_batch_size)
     t_backend = BACKENDS[params.rollout.backend](teacher, tok, params.rl.generate_batch_size)
     specs = params.reward.rewards
     t_run = time.time()
@@ -133,6 +141,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         seed = params.seed * 1_000_003 + 7 * step + 3
         torch.set_num_threads(rt.generate_threads)
         student.eval()
+        d.plain(student)  # FSDP2: the generation copy takes this step's weights (else: the model itself)
         row: dict[str, Any] = {"step": step + 1, "phase": phase}
         if phase == "grpo":
             for g in opt.param_groups:
@@ -156,15 +165,15 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
             for g in opt.param_groups:
                 g["lr"] = pc.lr
             batch = [prompts[i] for i in cursor.take(pc.prompts_per_step)]
-            sp = SamplingParams(cfg.temperature, 1.0, cfg.max_new_tokens, seed)
+            sp = SamplingParams(cfg.temperature, 1.0, cfg.max_new_tokens, seed + 1_000_033 * d.rank)
             n_student = 0 if phase == "warmup" else round(cfg.on_policy.student_frac * len(batch))
             rows = []
-            with amp():
-                if n_student:
-                    rows += sample_rows(s_backend, tok, batch[:n_student], pc.samples_per_prompt, sp, "student")[0]
-                if n_student < len(batch):
-                    rows += sample_rows(t_backend, tok, batch[n_student:], pc.samples_per_prompt, sp, "teacher")[0]
-            rows = score_rows(rows, specs)
+            with amp():  # each rank samples its share of each part; every rank then holds all the rows
+                for backend, part, who in ((s_backend, batch[:n_student], "student"),
+                                           (t_backend, batch[n_student:], "teacher")):
+                    if part:
+                        mine = sample_rows(backend, tok, d.shard(part), pc.samples_per_prompt, sp, who)[0]
+                        rows += d.gather_shards(score_rows(mine, specs))
             if phase == "warmup" and cfg.warmup.filter_correct:
                 rows = [r for r in rows if is_correct(r["rewards"])]
             row["sample_pass_rate"] = _pass_rate(rows)
@@ -191,8 +200,11 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     elapsed = time.time() - t_run
 
     student.eval()
+    final = d.plain(student)
+    if not d.main:
+        return {"steps": len(phases), "rank": d.rank}
     with atomic_path(out["student"]) as tmp:
-        modeling.save_checkpoint(student, tok, tmp)
+        modeling.save_checkpoint(final, tok, tmp)
     write_csv(out["report_dir"] / "train_log.csv", log_rows, LOG_FIELDS)
     if log_rows:
         plots.training_curves(log_rows, "step", ["reverse_kl", "forward_kl", "entropy", "sample_pass_rate"],
@@ -202,7 +214,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         out["report_dir"].mkdir(parents=True, exist_ok=True)
         plots.training_curves([{"step": 0, "loss": 0.0}], "step", ["loss"], "distill (no steps)",
                               out["report_dir"] / "curves.png")
-    metrics = {"teacher_params": modeling.num_params(teacher), "student_params": modeling.num_params(student),
+    metrics = {"teacher_params": modeling.num_params(teacher), "student_params": student_params,
                "student_sft_seconds": round(sft_seconds, 1), "steps": len(phases), "resumed_from_step": start,
                "phase_steps": {"warmup": cfg.warmup.steps, "on_policy": cfg.on_policy.steps, "grpo": cfg.grpo_steps},
                "seconds": round(elapsed, 1),
@@ -224,7 +236,7 @@ def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
 
 
 def main() -> None:
-    stage_main("distill", lambda p: run(p, *paths(p)))
+    stage_main("distill", lambda p: run(p, *paths(p)), distributed=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ Every ``checkpoint_every`` steps a resumable checkpoint (model, optimizer, RNG, 
 goes to ``paths.rl_checkpoints`` together with the shards so far (not DVC outs, so a re-run after a crash
 finds them and continues without repeating or skipping a step).
 
+Several processes (``runtime.distributed``): the same command relaunches under torchrun; each rank generates
+and scores its share of every step's prompts (whole groups), every rank sees the whole step, each trains on its
+share of every minibatch, gradients all-reduced (``posttrain.grpo``); rank 0 writes shards and outputs.
+
 Run: ``dvc repro rl`` or ``python -m stages.rl [--params params.yaml]``.
 """
 
@@ -31,7 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from posttrain import grpo, modeling, plots, training
+from posttrain import distributed, grpo, modeling, plots, training
 from posttrain.config import Params
 from posttrain.errors import StageError
 from posttrain.rewards import is_correct
@@ -64,7 +68,7 @@ def select_prompts(problems: list[dict[str, Any]], rates: list[dict[str, Any]], 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Train. ``inputs``: train, pass_rates, policy. ``out``: model, rl_dir, checkpoints, report_dir, metrics."""
     cfg, g, b = params.rl, params.rl.group_size, params.rl.prompts_per_step
-    rt = params.runtime
+    rt, d = params.runtime, distributed.current()
     device = modeling.resolve_device(rt.device)
     prompts = select_prompts(read_problems(inputs["train"]), read_parquet(inputs["pass_rates"]),
                              cfg.select.min_pass_rate, cfg.select.max_pass_rate)
@@ -79,9 +83,10 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     if cfg.kl_coef > 0 or cfg.kl_reward_coef > 0:  # under LoRA the policy with its adapter off: no second copy
         ref = model if modeling.is_lora(model) else modeling.load_model(str(inputs["policy"]), params.model.dtype,
                                                                         device)
+    model = d.wrap(model)  # the training handle (the model itself in one process)
     opt = torch.optim.AdamW(modeling.trainable_params(model), lr=cfg.lr, weight_decay=cfg.weight_decay,
                             betas=(0.9, 0.99))
-    backend = BACKENDS[params.rollout.backend](model, tok, cfg.generate_batch_size)
+    backend = BACKENDS[params.rollout.backend](d.plain(model), tok, cfg.generate_batch_size)
     policy0 = modeling.checkpoint_digest(inputs["policy"])
     prompt_ids = dict(zip([p["id"] for p in prompts], chat_prompt_ids(tok, [p["prompt"] for p in prompts]),
                           strict=True))
@@ -91,7 +96,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                               sorted(prompt_ids))
     cursor = grpo.PromptCursor(len(prompts), params.seed)
     start, log_rows, cursor.pos = training.restore_loop_state(ckpt_dir, fp, model, opt)
-    for stale in shard_tmp.glob("step_*.parquet"):  # shards of steps after the checkpoint are redone
+    for stale in shard_tmp.glob("step_*.parquet") if d.main else []:  # shards after the checkpoint are redone
         if int(stale.stem.split("_")[1]) > start:
             stale.unlink()
 
@@ -103,6 +108,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         t0 = time.time()
         torch.set_num_threads(rt.generate_threads)
         model.eval()
+        d.plain(model)  # FSDP2: the generation copy takes this step's weights (DDP, one process: the model itself)
         seed = params.seed * 1_000_003 + step * 1009
         with amp():
             sb = grpo.collect_step(backend, tok, prompts, cursor, cfg, params.reward.rewards, seed,
@@ -129,9 +135,10 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
 
         all_rows = [row for grp in sb.sampled for row in grp]
         used_ids = {(row["prompt_id"], row["sample"]) for row in used if row["reward"] is not None}
-        write_parquet(shard_tmp / f"step_{step + 1:05d}.parquet", [
-            {**row, "step": step + 1, "advantage": advs.get((row["prompt_id"], row["sample"])),
-             "used": (row["prompt_id"], row["sample"]) in used_ids} for row in all_rows], SHARD_SCHEMA)
+        if d.main:
+            write_parquet(shard_tmp / f"step_{step + 1:05d}.parquet", [
+                {**row, "step": step + 1, "advantage": advs.get((row["prompt_id"], row["sample"])),
+                 "used": (row["prompt_id"], row["sample"]) in used_ids} for row in all_rows], SHARD_SCHEMA)
         first_rows = all_rows[: b * g]  # the first round: the step's on-policy sample of the prompt set
         scorable = [row for row in first_rows if row["reward"] is not None]
         correct = [is_correct(row["rewards"]) for row in scorable]
@@ -149,15 +156,20 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         bar.set_postfix(reward=log_rows[-1]["reward_mean"], zero_var=sb.zero_var_frac)
         done = step + 1
         if done in cfg.save_steps:
-            with atomic_path(ckpt_dir / "saved" / f"step_{done}") as tmp:
-                modeling.save_checkpoint(model, tok, tmp)
+            saved = d.plain(model)
+            if d.main:
+                with atomic_path(ckpt_dir / "saved" / f"step_{done}") as tmp:
+                    modeling.save_checkpoint(saved, tok, tmp)
         if done % cfg.checkpoint_every == 0 and done < cfg.steps:
             training.save_loop_state(ckpt_dir, done, fp, cursor.pos, model, opt, log_rows)
     elapsed = time.time() - t_run
 
     model.eval()
+    final = d.plain(model)
+    if not d.main:
+        return {"steps": cfg.steps, "rank": d.rank}
     with atomic_path(out["model"]) as tmp:
-        modeling.save_checkpoint(model, tok, tmp)
+        modeling.save_checkpoint(final, tok, tmp)
     with atomic_path(out["rl_dir"]) as tmp:
         tmp.mkdir()
         write_parquet(tmp / "selected_prompts.parquet", prompts, PROBLEM_SCHEMA)
@@ -176,7 +188,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         "samples_per_s": round(float(np.median([r["samples_per_s"] for r in log_rows])), 1),
         "zero_var_frac_mean": round(float(np.mean([r["zero_var_frac"] for r in log_rows])), 4),
         "gen_s": round(sum(r["gen_s"] for r in log_rows), 1),
-        "update_s": round(sum(r["update_s"] for r in log_rows), 1),
+        "update_s": round(sum(r["update_s"] for r in log_rows), 1), "world_size": d.world,
     }
     write_json(out["metrics"], result)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
@@ -195,7 +207,7 @@ def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
 
 
 def main() -> None:
-    stage_main("rl", lambda p: run(p, *paths(p)))
+    stage_main("rl", lambda p: run(p, *paths(p)), distributed=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ restored by the step alone. Every ``checkpoint_every`` steps a resumable checkpo
 ``paths.sft_checkpoints`` (not a DVC out, so DVC does not delete it before a re-run): re-running after a
 crash resumes there and ends with the same weights as an uninterrupted run.
 
+Several processes (``runtime.distributed``): the same command relaunches under torchrun; each rank trains on
+its share of every global batch (``posttrain.distributed``) and rank 0 writes the outputs.
+
 Run: ``dvc repro sft`` or ``python -m stages.sft [--params params.yaml]``.
 """
 
@@ -25,7 +28,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from posttrain import modeling, plots, training
+from posttrain import distributed, modeling, plots, training
 from posttrain.config import Params
 from posttrain.runner import stage_main
 from posttrain.schema import atomic_path, read_problems, write_csv, write_json
@@ -35,15 +38,17 @@ log = logging.getLogger("sft")
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Train. ``inputs``: demos (sft.parquet). ``out``: base_model, model, checkpoints, report_dir, metrics."""
+    d = distributed.current()
     device = modeling.resolve_device(params.runtime.device)
     demos = read_problems(inputs["demos"])
     if not demos:
         raise ValueError(f"{inputs['demos']}: no demonstrations")
-    model, tok = modeling.init_base(params.model, params.seed)
-    with atomic_path(out["base_model"]) as tmp:
-        modeling.save_checkpoint(model, tok, tmp)
+    model, tok = modeling.init_base(params.model, params.seed)  # every rank builds (or loads) the same weights
+    if d.main:
+        with atomic_path(out["base_model"]) as tmp:
+            modeling.save_checkpoint(model, tok, tmp)
     model = modeling.make_trainable(model, params.model.lora, params.model.gradient_checkpointing)
-    model.to(device).train()
+    model = d.wrap(model.to(device).train())
 
     fp = training.fingerprint(params.sft, params.model, params.seed, training.file_digest(inputs["demos"]))
     with modeling.autocast(params.model.dtype, device):  # fp32 masters; bf16 compute when model.dtype says so
@@ -53,17 +58,20 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     total = params.sft.total_steps
 
     model.eval()
-    with atomic_path(out["model"]) as tmp:
-        modeling.save_checkpoint(model, tok, tmp)
-    write_csv(out["report_dir"] / "train_log.csv", log_rows, training.SFT_LOG_FIELDS)
-    plots.training_curves(log_rows, "step", ["loss", "lr", "grad_norm"], "sft", out["report_dir"] / "curves.png")
+    final = d.plain(model)
     metrics = {
         "final_loss": log_rows[-1]["loss"],
-        "steps": total, "resumed_from_step": start, "params": modeling.num_params(model),
+        "steps": total, "resumed_from_step": start, "params": modeling.num_params(final),
         "demos": len(demos), "seconds": round(elapsed, 1),
         "seconds_per_step": round(elapsed / max(total - start, 1), 4),
-        "tokens_per_s": round(res["tokens"] / elapsed, 1) if elapsed > 0 else math.nan,
+        "tokens_per_s": round(res["tokens"] / elapsed, 1) if elapsed > 0 else math.nan, "world_size": d.world,
     }
+    if not d.main:
+        return metrics
+    with atomic_path(out["model"]) as tmp:
+        modeling.save_checkpoint(final, tok, tmp)
+    write_csv(out["report_dir"] / "train_log.csv", log_rows, training.SFT_LOG_FIELDS)
+    plots.training_curves(log_rows, "step", ["loss", "lr", "grad_norm"], "sft", out["report_dir"] / "curves.png")
     write_json(out["metrics"], metrics)
     shutil.rmtree(out["checkpoints"], ignore_errors=True)  # finished: the checkpoint is the output now
     log.info("final loss %.4f after %d steps (%.1fs)", metrics["final_loss"], total, elapsed)
@@ -79,7 +87,7 @@ def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
 
 
 def main() -> None:
-    stage_main("sft", lambda p: run(p, *paths(p)))
+    stage_main("sft", lambda p: run(p, *paths(p)), distributed=True)
 
 
 if __name__ == "__main__":

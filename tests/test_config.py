@@ -35,6 +35,12 @@ def test_repo_params_validate():
     (lambda p: p["rl"].update(advantage="reinforce_pp", dynamic_sampling="off", kl_coef=0.1),
      "rl.kl_coef: Value error, reinforce_pp puts the KL in the reward"),
     (lambda p: p["rl"].update(advantage="rloo", kl_coef=0.1), "rl.kl_coef: Value error, rloo puts the KL in the"),
+    # several processes: the global batch must split evenly; multi-node needs a rendezvous; no sharded LoRA
+    (lambda p: p["runtime"].update(distributed={"nproc_per_node": 3}),
+     "params: sft.batch_size: 64 must be a multiple of world size 3 (runtime.distributed) x sft.micro_batch_size"),
+    (lambda p: p["runtime"].update(distributed={"nnodes": 2}), "runtime.distributed: Value error, nnodes > 1 needs"),
+    (lambda p: (p["runtime"].update(distributed={"nproc_per_node": 2, "strategy": "fsdp2"}),
+                p["model"].update(lora={"r": 4})), "params: runtime.distributed.strategy: fsdp2 with model.lora"),
 ])
 def test_bad_config_names_the_key(mutate, expected):
     raw = repo_params()
@@ -73,3 +79,18 @@ def test_the_real_run_profile_is_a_valid_params_file():
     p = parse_params(yaml.safe_load((REPO / "profiles" / "real-gsm8k.yaml").read_text()))
     assert p.task.kind == "math" and p.model.lora is not None and p.rollout.num_prompts is None
     assert "<|im_end|>" in p.model.prompt.stop and "\\boxed{}" in p.model.prompt.instruction
+
+
+def test_distributed_stages_relaunch_under_torchrun_with_the_same_arguments():
+    from posttrain.runner import torchrun_argv
+
+    raw = repo_params()
+    raw["sft"]["micro_batch_size"] = 4  # 64 = 16 ranks x 4
+    raw["runtime"]["distributed"] = {"nproc_per_node": 8}
+    one = torchrun_argv("rl", parse_params(raw), ["--params", "p.yaml"])
+    assert one == [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=8", "--standalone", "-m",
+                   "stages.rl", "--params", "p.yaml"]
+    raw["runtime"]["distributed"] = {"nproc_per_node": 8, "nnodes": 2, "rdzv_endpoint": "node0:29500"}
+    two = torchrun_argv("rl", parse_params(raw), [])
+    assert two[3:] == ["--nproc_per_node=8", "--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=node0:29500",
+                       "--rdzv_id=posttrain-rl", "-m", "stages.rl"]

@@ -1,0 +1,293 @@
+"""Data-parallel and sharded training on torch.distributed: the one place that knows about ranks.
+
+The training stages (sft, rl, distill) run unchanged as one process or under ``torchrun`` (``runner.stage_main``
+relaunches itself under torchrun when ``runtime.distributed`` asks for more than one process). The strategies are
+torch's own: ``ddp`` (``DistributedDataParallel``: every rank holds the model, gradients are all-reduced) and
+``fsdp2`` (``fully_shard`` per decoder layer and at the root: parameters, gradients and optimizer state sharded,
+parameters all-gathered per layer for forward and backward). Plain torch.distributed rather than ``accelerate``:
+our loops are hand-written for exact gradient accumulation and group statistics, so what accelerate adds (its
+dataloader sharding, mixed precision, config files) we would bypass, and what we need (``no_sync``,
+``set_requires_gradient_sync``, full state dicts through ``torch.distributed.checkpoint.state_dict``) is torch's.
+
+What every loop does with a ``Dist`` (``current()``; a single-process one when not launched by torchrun):
+
+- **Work is split, sums are global.** Each rank takes its share of a step's examples or groups (``shard``) but
+  normalises its loss by the *global* token/sequence counts, and multiplies it by the world size because DDP and
+  FSDP2 average gradients over ranks: the all-reduced gradient is then exactly the one-process gradient of the
+  whole batch (up to fp32 reduction order).
+- **Training forwards go through the wrapper.** Our forwards bypass ``model.forward`` (the LM head runs only
+  where scored, ``posttrain.logprobs``), so ``wrap`` puts the model inside ``Forward``, a module whose forward
+  is ``fn(model, *args)``; DDP's and FSDP2's hooks then see every training forward (``forward(W, fn, ...)``).
+- **Collectives line up.** Every forward/backward of a wrapped model is a collective under FSDP2 (all-gathers)
+  and every synchronising backward is one under DDP, so all ranks run the same number of micro-batches:
+  ``micro_count`` is the global maximum, and a rank with fewer runs zero-weight ones on its first micro-batch.
+  Gradients synchronise on the last micro-batch only (``grad_sync``).
+- **Scoring and generation never touch the wrapped model**: they use ``plain(model)``, the unwrapped module
+  (DDP) or a full-weight copy refreshed from the shards (FSDP2; a collective, called by every rank at the same
+  point). Under FSDP2 each rank thus holds one full copy for generation, as a colocated vLLM engine would.
+- **Rank 0 alone writes** outputs, checkpoints (full, unsharded state: any world size and strategy can load
+  them), logs and the MLflow run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as tdist
+
+log = logging.getLogger("posttrain.distributed")
+T = TypeVar("T")
+STRATEGIES = ("ddp", "fsdp2")
+
+
+class Forward(torch.nn.Module):
+    """``Forward(model)(fn, *args)`` = ``fn(model, *args)``: the module DDP and FSDP2 wrap, so that any training
+    forward (``logprobs.token_logp_entropy``, ``logprobs.hidden_at_targets``) runs their forward hooks."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return fn(self.model, *args, **kwargs)
+
+
+def forward(wrapped: torch.nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(model, *args)`` through ``wrapped`` (the result of ``Dist.wrap``: the model itself when alone)."""
+    if isinstance(wrapped, Forward) or hasattr(wrapped, "no_sync"):  # fully_shard(Forward) or DDP(Forward)
+        return wrapped(fn, *args, **kwargs)
+    return fn(wrapped, *args, **kwargs)
+
+
+PREFIX = "model."  # Forward's parameter names: checkpoints store the model's own names
+
+
+@dataclass
+class Dist:
+    """This process's place in the job. ``world == 1``: every method is the single-process identity."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    strategy: str = "ddp"
+    _copies: dict[int, torch.nn.Module] = field(default_factory=dict, repr=False)  # FSDP2: full-weight copies
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    # ---------------------------------------------------------------- splitting work
+    def shard(self, items: Sequence[T]) -> list[T]:
+        """This rank's items: a contiguous block, the blocks in rank order (sizes differ by at most one)."""
+        n = len(items)
+        lo, hi = self.rank * n // self.world, (self.rank + 1) * n // self.world
+        return list(items[lo:hi])
+
+    def gather_shards(self, local: list[T]) -> list[T]:
+        """Concatenate every rank's ``shard`` results in rank order (the inverse of ``shard``), on every rank."""
+        if not self.active:
+            return list(local)
+        parts: list[Any] = [None] * self.world
+        tdist.all_gather_object(parts, local)
+        return [x for p in parts for x in p]
+
+    def micro_count(self, n_local: int) -> int:
+        """The number of micro-batches every rank runs: the largest rank's (at least one)."""
+        return max(1, int(self.max(float(n_local))))
+
+    # ---------------------------------------------------------------- reductions of python numbers
+    def sum(self, *xs: float) -> list[float]:
+        if not self.active:
+            return [float(x) for x in xs]
+        t = torch.tensor(xs, dtype=torch.float64)
+        tdist.all_reduce(t)
+        return t.tolist()
+
+    def max(self, x: float) -> float:
+        if not self.active:
+            return float(x)
+        t = torch.tensor([x], dtype=torch.float64)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        return float(t.item())
+
+    def barrier(self) -> None:
+        if self.active:
+            tdist.barrier()
+
+    # ---------------------------------------------------------------- the model
+    @property
+    def loss_scale(self) -> float:
+        """DDP and FSDP2 average gradients over ranks; scaling each rank's loss by the world size makes the
+        result the sum, i.e. the one-process gradient of the whole batch."""
+        return float(self.world)
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The training handle of ``model`` under this job's strategy (the model itself when alone): call it
+        through ``forward``, build the optimizer on its parameters after this."""
+        if not self.active:
+            return model
+        if self.strategy == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            dev = next(model.parameters()).device
+            return DistributedDataParallel(Forward(model), device_ids=[dev.index] if dev.type == "cuda" else None)
+        from torch.distributed.fsdp import fully_shard
+
+        copy_ = copy.deepcopy(model).requires_grad_(False)
+        for layer in _decoder_layers(model):
+            fully_shard(layer)
+        wrapped = fully_shard(Forward(model))
+        self._copies[id(wrapped)] = copy_
+        return wrapped
+
+    def plain(self, wrapped: torch.nn.Module) -> torch.nn.Module:
+        """The model with the current full weights, run without collectives (generation, scoring, saving).
+        DDP: the wrapped model itself. FSDP2: this rank's full copy, refreshed from the shards here (a
+        collective: every rank calls it at the same point)."""
+        if not self.active:
+            return wrapped
+        if self.strategy == "ddp":
+            return wrapped.module.model
+        full = self._copies[id(wrapped)]
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True))
+        full.load_state_dict({k.removeprefix(PREFIX): v for k, v in sd.items()})
+        return full
+
+    @contextlib.contextmanager
+    def grad_sync(self, model: torch.nn.Module, sync: bool) -> Iterator[None]:
+        """Inside: backward reduces gradients over ranks only if ``sync`` (the last micro-batch of a step)."""
+        if not self.active or sync:
+            yield
+        elif self.strategy == "ddp":
+            with model.no_sync():
+                yield
+        else:
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
+        """Clip the global gradient norm (over every rank's shards under FSDP2); returns it."""
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    # ---------------------------------------------------------------- checkpoints (full state, any world size)
+    def state(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Full model and optimizer state dicts (optimizer state keyed by parameter name, so they load under any
+        strategy and world size). A collective under FSDP2; every rank gets them."""
+        if self.active and self.strategy == "fsdp2":
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+                get_optimizer_state_dict,
+            )
+
+            o = StateDictOptions(full_state_dict=True)
+            msd, osd = get_model_state_dict(model, options=o), get_optimizer_state_dict(model, opt, options=o)
+            return _strip(msd), {"state": _strip(osd["state"]), "param_groups": [
+                {**g, "params": [n.removeprefix(PREFIX) for n in g["params"]]} for g in osd["param_groups"]]}
+        module = model.module.model if self.active else model
+        return module.state_dict(), _optim_by_name(module, opt)
+
+    def load_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer, msd: dict[str, Any],
+                   osd: dict[str, Any]) -> None:
+        if self.active and self.strategy == "fsdp2":
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            o = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(model, {PREFIX + k: v for k, v in msd.items()}, options=o)
+            set_optimizer_state_dict(model, opt, {
+                "state": {PREFIX + k: v for k, v in osd["state"].items()},
+                "param_groups": [{**g, "params": [PREFIX + n for n in g["params"]]} for g in osd["param_groups"]]},
+                options=o)
+            return
+        module = model.module.model if self.active else model
+        module.load_state_dict(msd)
+        opt.load_state_dict(_optim_by_index(module, opt, osd))
+
+
+def _strip(d: dict[str, Any]) -> dict[str, Any]:
+    return {k.removeprefix(PREFIX): v for k, v in d.items()}
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks FSDP2 shards one by one (HF decoders: ``model.layers``; else every direct child)."""
+    for m in model.modules():
+        layers = getattr(m, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList) and len(layers):
+            return list(layers)
+    return list(model.children())
+
+
+def _optim_by_name(module: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """``opt.state_dict()`` with parameter indices replaced by parameter names (the format of
+    ``get_optimizer_state_dict(full_state_dict=True)``)."""
+    sd = opt.state_dict()
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    names = [name_of[id(p)] for g in opt.param_groups for p in g["params"]]
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
+    return {"state": {names[i]: s for i, s in sd["state"].items()}, "param_groups": groups}
+
+
+def _optim_by_index(module: torch.nn.Module, opt: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of ``_optim_by_name`` for this optimizer's parameter order."""
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    index = {name_of[id(p)]: i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]]
+    return {"state": {index[n]: s for n, s in osd["state"].items()}, "param_groups": groups}
+
+
+_CURRENT = Dist()
+
+
+def current() -> Dist:
+    """This process's ``Dist`` (single-process unless ``init`` ran under torchrun)."""
+    return _CURRENT
+
+
+def launched() -> bool:
+    """True inside a torchrun worker."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init(backend: str, strategy: str, timeout_s: float) -> Dist:
+    """Join the torchrun job (env://): the process group with ``backend`` (``auto``: nccl on CUDA, else gloo)
+    and a ``timeout_s`` on every collective, so a dead rank fails the others instead of hanging them."""
+    global _CURRENT
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not tdist.is_initialized():
+        tdist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    _CURRENT = Dist(rank, world, local, strategy)
+    log.info("rank %d of %d (%s, %s)", rank, world, backend, strategy)
+    return _CURRENT
+
+
+def shutdown() -> None:
+    global _CURRENT
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+    _CURRENT = Dist()

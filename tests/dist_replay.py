@@ -1,0 +1,54 @@
+"""One rl update replayed from a persisted rollout shard, then one distill step (reverse KL of the starting
+policy to the updated one, on the same sequences), as one process or under torchrun (the distributed tests
+launch it both ways and compare the weights rank 0 saves).
+
+    python [-m torch.distributed.run --nproc_per_node N] tests/dist_replay.py PARAMS POLICY SHARD OUT
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from posttrain import distillation, distributed, grpo, modeling
+from posttrain.config import load_params
+from posttrain.rollout import chat_prompt_ids
+from posttrain.schema import read_parquet
+
+
+def main(params_file: str, policy: str, shard: str, out: str) -> None:
+    params = load_params(params_file)
+    d = params.runtime.distributed
+    dist = distributed.init(d.backend, d.strategy, d.timeout_s) if distributed.launched() else distributed.current()
+    torch.set_num_threads(params.runtime.train_threads)
+    cfg, g = params.rl, params.rl.group_size
+    rows = read_parquet(Path(shard))
+    groups = [rows[i : i + g] for i in range(0, len(rows), g)]
+    tok = modeling.load_tokenizer(policy)
+    model = modeling.load_policy(policy, params.model, torch.device("cpu"))
+    ref = modeling.load_model(policy) if cfg.kl_coef > 0 else None
+    prompts = {r["prompt_id"]: r["prompt"] for r in rows}
+    prompt_ids = dict(zip(prompts, chat_prompt_ids(tok, list(prompts.values())), strict=True))
+    model = dist.wrap(model)
+    opt = torch.optim.AdamW(modeling.trainable_params(model), lr=cfg.lr, betas=(0.9, 0.99))
+    metrics, _ = grpo.update_from_groups(model, opt, groups, cfg, prompt_ids, tok.pad_token_id, ref, seed=7)
+    teacher = dist.plain(model)
+    updated = {k: v.clone() for k, v in teacher.state_dict().items()}
+    with torch.no_grad():  # a teacher measurably unlike the student: the updated policy, its head scaled
+        teacher.get_output_embeddings().weight.mul_(3.0)
+    student = dist.wrap(modeling.load_policy(policy, params.model, torch.device("cpu")))
+    s_opt = torch.optim.SGD(modeling.trainable_params(student), lr=1.0)  # weights move by the gradient itself
+    seqs = [grpo.Seq(prompt_ids[r["prompt_id"]], list(r["token_ids"]), list(r["logprobs"]), 0.0) for r in rows]
+    d_metrics = distillation.divergence_update(student, teacher, s_opt, seqs, "reverse_kl", 0.5, tok.pad_token_id,
+                                               cfg.micro_batch_size)
+    distilled = dist.plain(student)
+    if dist.main:
+        torch.save({"state": updated, "metrics": metrics, "student": distilled.state_dict(),
+                    "distill_metrics": d_metrics}, out)
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])

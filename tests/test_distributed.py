@@ -1,0 +1,206 @@
+"""Several processes on CPU (torchrun, gloo, 2 ranks): the distributed paths give the one-process results.
+
+- sft through the real launch path (``python -m stages.sft`` relaunching itself under torchrun): world size 2
+  (DDP and FSDP2) ends with the weights of world size 1 for the same global batch;
+- one rl update replayed from the same persisted rollout shard (``tests/dist_replay.py``: two epochs x two
+  minibatches, so old log-probs and reference log-probs are filled by ranks and gathered), and one distill
+  step on the same sequences, give the same weights at world size 1 and 2, for DDP and FSDP2;
+- one rank SIGKILLed mid-run: the stage fails within the collective timeout (no hang), and re-running resumes
+  from the last (full, world-size-free) checkpoint to the one-process weights.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import REPO, tiny_raw
+from safetensors.torch import load_file
+
+from posttrain import distributed, modeling
+from posttrain.config import parse_params
+from posttrain.rewards import score_rows
+from posttrain.rollout import BACKENDS, SamplingParams, sample_rows
+from posttrain.schema import SCORED_SCHEMA, write_parquet
+from posttrain.tasks.arith import make_problem
+
+pytestmark = pytest.mark.slow
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+TOL = 1e-6  # fp32: the same sums in another order
+
+
+def _params(root: Path, curated: Path | None, nproc: int, strategy: str = "ddp", edit=None) -> Path:
+    raw = tiny_raw(root)
+    if curated is not None:
+        raw["paths"]["curated_dir"] = str(curated)
+    raw["runtime"].update({"train_threads": 1, "generate_threads": 1,
+                           "distributed": {"nproc_per_node": nproc, "strategy": strategy, "timeout_s": 60}})
+    if edit:
+        edit(raw)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "params.yaml").write_text(yaml.safe_dump(raw))
+    return root / "params.yaml"
+
+
+def _stage(name: str, params: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", f"stages.{name}", "--params", str(params)], cwd=REPO, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _ok(proc: subprocess.Popen) -> None:
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    common = a.keys() & b.keys()  # a state dict also lists a tied lm_head.weight, the safetensors file not
+    assert len(common) >= len(b) - 1 and len(common) >= len(a) - 1
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in common)
+
+
+def _weights(root: Path, model: str) -> dict[str, torch.Tensor]:
+    return load_file(root / "models" / model / "model.safetensors")
+
+
+def test_sft_world_size_2_ddp_and_fsdp2_equal_world_size_1(tmp_path):
+    one = _params(tmp_path / "w1", None, 1)
+    _ok(_stage("curate", one))
+    curated = tmp_path / "w1" / "data" / "curated"
+    _ok(_stage("sft", one))
+    for strategy in ("ddp", "fsdp2"):
+        root = tmp_path / strategy
+        _ok(_stage("sft", _params(root, curated, 2, strategy)))
+        diff = _max_diff(_weights(root, "sft"), _weights(tmp_path / "w1", "sft"))
+        print(f"sft world 2 {strategy} vs world 1: max |dw| = {diff:.3g}")
+        assert diff < TOL
+        m = json.loads((root / "metrics" / "sft.json").read_text())
+        assert m["world_size"] == 2
+
+
+def _shard(tmp_path: Path) -> tuple[Path, Path]:
+    """A tiny policy folder and one step's scored rollouts of it (4 prompts x 4 samples), as the rl stage
+    persists them."""
+    p = parse_params(tiny_raw(tmp_path))
+    model, tok = modeling.init_base(p.model, p.seed)
+    policy = tmp_path / "policy"
+    modeling.save_checkpoint(model, tok, policy)
+    problems = []
+    for i, (a, b) in enumerate([(12, 7), (345, 6), (81, 9), (7, 3)]):
+        prompt, answer = make_problem(a, b)
+        problems.append({"id": f"p{i}", "prompt": prompt, "answer": answer, "task": "arith"})
+    backend = BACKENDS["hf"](model, tok, 64)
+    rows, _ = sample_rows(backend, tok, problems, 4, SamplingParams(1.0, 1.0, 24, 5), policy="p0")
+    rows = score_rows(rows, p.reward.rewards)
+    assert len({r["reward"] for r in rows}) > 1  # some reward variance: the update has advantages
+    shard = tmp_path / "shard.parquet"
+    write_parquet(shard, rows, SCORED_SCHEMA)
+    return policy, shard
+
+
+def test_rl_update_replayed_from_a_shard_gives_the_same_weights_at_world_size_1_and_2(tmp_path):
+    policy, shard = _shard(tmp_path)
+
+    def edit(raw):  # off-policy epochs and minibatches: old and reference log-probs are filled and gathered
+        raw["rl"].update({"epochs": 2, "minibatches": 2, "kl_coef": 0.05, "micro_batch_size": 3})
+
+    out = {}
+    for name, nproc, strategy in (("w1", 1, "ddp"), ("ddp", 2, "ddp"), ("fsdp2", 2, "fsdp2")):
+        params = _params(tmp_path / name, None, nproc, strategy, edit)
+        out[name] = tmp_path / f"{name}.pt"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(REPO / "tests" / "dist_replay.py"), str(params), str(policy), str(shard), str(out[name])]
+        if nproc == 1:
+            cmd = [sys.executable, *cmd[-5:]]
+        r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+    res = {k: torch.load(v) for k, v in out.items()}
+    start = load_file(policy / "model.safetensors")
+    assert _max_diff(res["w1"]["state"], start) > 1e-4  # the update moved the weights
+    for name in ("ddp", "fsdp2"):
+        diff = _max_diff(res[name]["state"], res["w1"]["state"])
+        print(f"rl update world 2 {name} vs world 1: max |dw| = {diff:.3g}")
+        assert diff < TOL
+        for k in ("loss", "kl", "clipfrac", "entropy", "logprob_gap"):
+            assert res[name]["metrics"][k] == pytest.approx(res["w1"]["metrics"][k], rel=1e-4, abs=1e-7), k
+        diff = _max_diff(res[name]["student"], res["w1"]["student"])
+        moved = _max_diff(res["w1"]["student"], start)
+        print(f"distill step (SGD, lr 1) world 2 {name} vs world 1: max |dw| = {diff:.3g} (moved {moved:.3g})")
+        assert diff < TOL
+        assert res[name]["distill_metrics"]["reverse_kl"] == pytest.approx(
+            res["w1"]["distill_metrics"]["reverse_kl"], rel=1e-3)
+    assert _max_diff(res["w1"]["student"], start) > 1e-4  # the distill step moved the student
+
+
+def _workers(launcher: int) -> dict[int, int]:
+    """{LOCAL_RANK: pid} of the torchrun workers descending from ``launcher`` (read from /proc)."""
+    def parent(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    out = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        pid = int(name)
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            p = pid
+            while p > 1 and p != launcher:
+                p = parent(p)
+        except (OSError, ValueError):
+            continue
+        rank = [kv.split(b"=")[1] for kv in env if kv.startswith(b"LOCAL_RANK=")]
+        if p == launcher and rank:
+            out[int(rank[0])] = pid
+    return out
+
+
+def test_one_rank_killed_fails_the_stage_cleanly_and_a_rerun_resumes(tmp_path):
+    def long(raw):
+        raw["sft"].update({"phases": [{"steps": 150, "cot_frac": 1.0}, {"steps": 30, "cot_frac": 0.5}],
+                           "checkpoint_every": 20})
+
+    one = _params(tmp_path / "w1", None, 1, edit=long)
+    _ok(_stage("curate", one))
+    curated = tmp_path / "w1" / "data" / "curated"
+    _ok(_stage("sft", one))
+    two = _params(tmp_path / "w2", curated, 2, edit=long)
+    proc = _stage("sft", two)
+    ckpt = tmp_path / "w2" / "checkpoints" / "sft"
+    deadline = time.time() + 120
+    while not list(ckpt.glob("step_*.pt")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    workers = _workers(proc.pid)
+    assert proc.poll() is None and set(workers) == {0, 1}, "the run ended before a rank could be killed"
+    os.kill(workers[1], signal.SIGKILL)
+    t0 = time.time()
+    proc.communicate(timeout=120)  # a hang would time out here
+    print(f"rank 1 killed: the stage exited {proc.returncode} after {time.time() - t0:.1f}s")
+    assert proc.returncode != 0 and not (tmp_path / "w2" / "models" / "sft").exists()
+    killed_at = max(int(p.stem.split("_")[1]) for p in ckpt.glob("step_*.pt"))
+
+    _ok(_stage("sft", two))
+    m = json.loads((tmp_path / "w2" / "metrics" / "sft.json").read_text())
+    assert m["resumed_from_step"] >= killed_at > 0
+    diff = _max_diff(_weights(tmp_path / "w2", "sft"), _weights(tmp_path / "w1", "sft"))
+    print(f"killed at step {killed_at}, resumed at world size 2: max |dw| vs world size 1 = {diff:.3g}")
+    assert diff < 1e-5
+
+
+def test_checkpoint_optimizer_state_is_keyed_by_name_and_loads_back():
+    # the one-process half of "a checkpoint loads under any world size and strategy": names, not indices
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    m(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    d = distributed.Dist()
+    msd, osd = d.state(m, opt)
+    assert sorted(osd["state"]) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    assert osd["param_groups"][0]["params"] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    opt2 = torch.optim.AdamW(m.parameters(), lr=0.1)
+    d.load_state(m, opt2, msd, osd)
+    torch.testing.assert_close(opt2.state_dict()["state"][2]["exp_avg"], opt.state_dict()["state"][2]["exp_avg"])
