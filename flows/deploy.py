@@ -8,7 +8,11 @@
 All three run the code of this checkout in place (``flow.from_source(<repo dir>, ...)``): workers on this
 machine (or on a shared filesystem) need nothing else. Pools are created (type ``process``) if missing.
 
-    posttrain deploy [--repo .] [--cron "0 3 * * *"]     # or: python -m flows.deploy
+A gpu worker on another machine (``prefect.dvc_remote`` set) runs in its own checkout: make the cpu
+deployments on the pipeline's machine (``--pools cpu``) and the gpu one on the gpu machine, from its checkout
+(``--pools gpu``), both against the same server.
+
+    posttrain deploy [--repo .] [--cron "0 3 * * *"] [--pools cpu,gpu]     # or: python -m flows.deploy
 """
 
 from __future__ import annotations
@@ -32,25 +36,27 @@ def ensure_pool(name: str) -> None:
             pass
 
 
-def deploy(repo: str | Path = ".", cron: str = "0 3 * * *") -> list[str]:
-    """Create or update the three deployments; returns their ids."""
+def deploy(repo: str | Path = ".", cron: str = "0 3 * * *", pools: tuple[str, ...] = ("cpu", "gpu")) -> list[str]:
+    """Create or update the deployments of ``pools`` (``cpu``: the two pipeline ones; ``gpu``: the stage
+    one), running the code of ``repo``; returns their ids."""
     from flows.pipeline import pipeline, stage_flow
 
     root = Path(repo).resolve()
     cfg = load_params(root / "params.yaml").prefect
-    for pool in {cfg.cpu_pool, cfg.gpu_pool}:
-        ensure_pool(pool)
     src = str(root)
     quiet = {"print_next_steps": False, "ignore_warnings": True}
-    ids = [
-        pipeline.from_source(src, "flows/pipeline.py:pipeline").deploy(
-            name="default", work_pool_name=cfg.cpu_pool, parameters={"route": True, "repo": src}, **quiet),
-        pipeline.from_source(src, "flows/pipeline.py:pipeline").deploy(
-            name="nightly-evaluate", work_pool_name=cfg.cpu_pool, cron=cron,
-            parameters={"target": "evaluate", "route": True, "repo": src}, **quiet),
-        stage_flow.from_source(src, "flows/pipeline.py:stage_flow").deploy(
-            name="gpu", work_pool_name=cfg.gpu_pool, parameters={"repo": src}, **quiet),
-    ]
+    ids = []
+    if "cpu" in pools:
+        ensure_pool(cfg.cpu_pool)
+        ids += [pipeline.from_source(src, "flows/pipeline.py:pipeline").deploy(
+                    name="default", work_pool_name=cfg.cpu_pool, parameters={"route": True, "repo": src}, **quiet),
+                pipeline.from_source(src, "flows/pipeline.py:pipeline").deploy(
+                    name="nightly-evaluate", work_pool_name=cfg.cpu_pool, cron=cron,
+                    parameters={"target": "evaluate", "route": True, "repo": src}, **quiet)]
+    if "gpu" in pools:
+        ensure_pool(cfg.gpu_pool)
+        ids.append(stage_flow.from_source(src, "flows/pipeline.py:stage_flow").deploy(
+            name="gpu", work_pool_name=cfg.gpu_pool, parameters={"repo": src}, **quiet))
     return [str(i) for i in ids]
 
 
@@ -58,8 +64,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m flows.deploy", description=__doc__.splitlines()[0])
     ap.add_argument("--repo", default=".")
     ap.add_argument("--cron", default="0 3 * * *", help="schedule of the nightly-evaluate deployment")
+    ap.add_argument("--pools", default="cpu,gpu", help="whose deployments to make here: cpu, gpu or cpu,gpu")
     args = ap.parse_args()
-    for i in deploy(args.repo, args.cron):
+    pools = tuple(p.strip() for p in args.pools.split(","))
+    if not pools or set(pools) - {"cpu", "gpu"}:
+        ap.error(f"--pools: cpu, gpu or cpu,gpu, got {args.pools!r}")
+    for i in deploy(args.repo, args.cron, pools):
         print(i)
 
 

@@ -20,8 +20,16 @@ GPU routing (``route=True``, the default of the deployed pipeline): stages whose
 gpu work pool (``run_deployment``, a subflow of the pipeline's run; consecutive gpu stages share one flow
 run, one task per stage, so a worker picks up and starts once per run of them); ``cpu`` stages run inside
 the pipeline's own flow run, on the cpu pool. A stage flow on a worker checks that its checkout is at the pipeline's
-commit; with ``prefect.dvc_remote`` set it ``dvc pull``s the stage's upstream outputs first and
-``dvc push``es its outputs after (for workers that do not share the pipeline's checkout).
+commit.
+
+Workers on other machines (``prefect.dvc_remote`` set): a worker runs in its own checkout (the gpu
+deployment made there: ``posttrain deploy --pools gpu`` on that machine), with its own DVC cache; nothing is
+shared but the Prefect server and the DVC remote. The pipeline pushes every stage it runs to the remote and
+sends its ``dvc.lock`` entries and uncached outputs (the metrics files) with the stage flow's parameters; the
+worker merges them, ``dvc pull``s the upstream outputs, runs its stages, pushes their outputs and publishes
+their lock entries and metrics as the flow run's ``dvc-lock`` artifact (stored by the Prefect server); the
+pipeline merges those and pulls the outputs. Both checkouts end with a ``dvc.lock`` that ``dvc pull`` and
+``posttrain lineage --verify`` accept.
 
 Each stage publishes Prefect artifacts: its metrics (``metrics/<stage>.json``) as a table, and for
 ``evaluate`` the Markdown report. The stage's output streams into the task's logs.
@@ -187,17 +195,74 @@ def stage_task(stage: str, repo: str) -> str:
 
 @task(cache_policy=None, persist_result=False)
 def remote_stage_task(stages: list[str], repo: str, commit: str, mlflow_parent: str | None,
-                      params_text: str | None = None) -> dict[str, str]:
+                      params_text: str | None = None, remote: str | None = None) -> dict[str, str]:
     """Consecutive gpu stages as one flow run of the gpu stage deployment; waits for it, fails if it failed.
-    ``params_text``: the pipeline's params.yaml (overrides applied), for a worker in another checkout."""
+    ``params_text``: the pipeline's params.yaml (overrides applied), for a worker in another checkout.
+    ``remote`` (``prefect.dvc_remote``): the worker has its own checkout (the deployment's); it gets this
+    checkout's dvc.lock, and its stages' lock entries come back and their outputs are pulled here."""
     from prefect.deployments import run_deployment
 
-    fr = run_deployment(STAGE_DEPLOYMENT, parameters={"stages": stages, "repo": repo, "commit": commit,
-                                                      "mlflow_parent": mlflow_parent, "params_text": params_text},
-                        flow_run_name="+".join(stages), timeout=None, as_subflow=True, poll_interval=1)
+    root = Path(repo)
+    parameters = {"stages": stages, "commit": commit, "mlflow_parent": mlflow_parent, "params_text": params_text}
+    if remote:
+        parameters["handoff"] = handoff_of(root, list(lock_entries(root, None)))
+    else:
+        parameters["repo"] = repo  # workers share this checkout
+    fr = run_deployment(STAGE_DEPLOYMENT, parameters=parameters, flow_run_name="+".join(stages), timeout=None,
+                        as_subflow=True, poll_interval=1)
     if fr.state is None or not fr.state.is_completed():
         raise StageError(f"stages {stages}: flow run {fr.id} ended {fr.state.name if fr.state else 'unknown'}")
+    if remote:
+        receive(root, read_lock_artifact(fr.id))
+        dvc("pull", "--remote", remote, *stages, repo=root)
     return {s: "remote" for s in stages}
+
+
+LOCK_ARTIFACT = "dvc-lock"
+
+
+def lock_entries(repo: Path, stages: list[str] | None) -> dict[str, Any]:
+    """``dvc.lock``'s entries of ``stages`` (those it has; None: all)."""
+    path = repo / "dvc.lock"
+    recorded = (yaml.safe_load(path.read_text()) or {}).get("stages", {}) if path.is_file() else {}
+    return {s: e for s, e in recorded.items() if stages is None or s in stages}
+
+
+def handoff_of(repo: Path, stages: list[str]) -> dict[str, Any]:
+    """What another checkout needs of ``stages`` besides the DVC remote: their dvc.lock entries and their
+    uncached outputs (``cache: false``: the metrics files, which DVC does not push)."""
+    from dvc.repo import Repo
+
+    with Repo(str(repo)) as r:
+        uncached = [str(o.def_path) for st in r.index.stages if st.addressing in stages for o in st.outs
+                    if not o.use_cache]
+    return {"stages": lock_entries(repo, stages),
+            "files": {p: (repo / p).read_text() for p in uncached if (repo / p).is_file()}}
+
+
+def receive(repo: Path, payload: dict[str, Any]) -> None:
+    """Merge a ``handoff_of`` from another checkout into ``repo``: its lock entries, its uncached outputs."""
+    path = repo / "dvc.lock"
+    lock = (yaml.safe_load(path.read_text()) if path.is_file() else None) or {"schema": "2.0", "stages": {}}
+    lock.setdefault("stages", {}).update(payload.get("stages", {}))
+    write_text(path, yaml.safe_dump(lock, sort_keys=False))
+    for rel, text in payload.get("files", {}).items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        write_text(repo / rel, text)
+
+
+def read_lock_artifact(flow_run_id: Any) -> dict[str, Any]:
+    """The ``dvc-lock`` artifact a stage flow run published (its stages' ``handoff``)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[LOCK_ARTIFACT]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    if not found:
+        raise StageError(f"stage flow run {flow_run_id} published no {LOCK_ARTIFACT} artifact")
+    text = str(found[0].data)
+    return yaml.safe_load(text.split("```yaml\n", 1)[1].rsplit("```", 1)[0])
 
 
 def _head(repo: Path) -> str:
@@ -207,11 +272,13 @@ def _head(repo: Path) -> str:
 
 @flow(name="posttrain-stage", log_prints=True)
 def stage_flow(stages: list[str], repo: str | None = None, commit: str | None = None,
-               mlflow_parent: str | None = None, params_text: str | None = None) -> dict[str, str]:
+               mlflow_parent: str | None = None, params_text: str | None = None,
+               handoff: dict[str, Any] | None = None) -> dict[str, str]:
     """Stages on a worker, one task each: same commit as the pipeline, and the pipeline's params
     (``params_text``, overrides included: a worker in its own checkout would otherwise run the committed
-    ones; its params.yaml is restored after). With a DVC remote, the upstream outputs are pulled first and
-    the stages' outputs pushed after."""
+    ones; its params.yaml is restored after). With a DVC remote, the pipeline's lock entries and metrics
+    (``handoff``) are merged into this checkout, the upstream outputs are pulled first, the stages' outputs
+    pushed after and their own handoff published as the ``dvc-lock`` artifact."""
     root = Path(repo or os.getcwd())
     _PARENT[:] = [mlflow_parent] if mlflow_parent else []
     if commit and _head(root) != commit:
@@ -220,12 +287,16 @@ def stage_flow(stages: list[str], repo: str | None = None, commit: str | None = 
     with pipeline_params(root / "params.yaml", params_text):
         remote = load_params(root / "params.yaml").prefect.dvc_remote
         if remote:
+            if handoff:
+                receive(root, handoff)
             upstream = [s for s in stage_order(root, stages[-1]) if s not in stages]
             if upstream:
                 dvc("pull", "--remote", remote, *upstream, repo=root)
         statuses = {s: stage_task.with_options(name=s, task_run_name=s)(s, str(root)) for s in stages}
         if remote:
             dvc("push", "--remote", remote, *stages, repo=root)
+            create_markdown_artifact(key=LOCK_ARTIFACT, markdown="```yaml\n" + yaml.safe_dump(
+                handoff_of(root, stages), sort_keys=False) + "```", description=f"lock entries, metrics of {stages}")
     return statuses
 
 
@@ -282,10 +353,12 @@ def _pipeline(root: Path, target: str | None, overrides: list[str], exp_name: st
             if kind == "gpu":  # consecutive gpu stages: one flow run on the gpu pool (one worker pick-up)
                 name = "+".join(group)
                 statuses |= remote_stage_task.with_options(name=name, task_run_name=name, **retry)(
-                    group, str(root), commit, parent, params_text)
+                    group, str(root), commit, parent, params_text, cfg.dvc_remote if route else None)
             else:
                 (s,) = group
                 statuses[s] = stage_task.with_options(name=s, task_run_name=s, **retry)(s, str(root))
+                if route and cfg.dvc_remote:  # workers in other checkouts pull it from there
+                    dvc("push", "--remote", cfg.dvc_remote, s, repo=root)
             log.info("%s: %s", "+".join(group), [statuses[s] for s in group])
         if exp_name:  # records params, metrics and every output: needs the whole DAG's outputs in the workspace
             dvc("exp", "save", "--force", "-n", exp_name, repo=root)
