@@ -29,4 +29,4 @@ test-fast: setup
 
 test: lint
 	$(PY) -m pytest -m "not slow" -q
-	$(PY) -m pytest -m slow -q
+	$(PY) -m pytest -m slow -q --durations=15

@@ -80,8 +80,9 @@ def _torchrun(name: str, cmd: list[str]) -> int:
     try:
         run(parse_args(cmd[3:]))
     except ChildFailedError as e:
-        ranks = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(e.failures.items()))
-        print(f"posttrain {name}: {ranks} failed; the other ranks were stopped", file=sys.stderr)
+        rank, first = e.get_first_failure()
+        how = f"killed by signal {-first.exitcode}" if first.exitcode < 0 else f"exit code {first.exitcode}"
+        print(f"posttrain {name}: rank {rank} failed ({how}); the other ranks were stopped", file=sys.stderr)
         return 1
     return 0
 
@@ -91,9 +92,9 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
     """Parse ``--params``, validate, run ``body``; one-line errors: config -> exit 2, stage -> exit 1.
 
     ``distributed``: the stage can run on several processes. When ``runtime.distributed`` asks for more than
-    one and this process is not a torchrun worker, it replaces itself with ``torchrun`` running the same
-    command (so ``dvc.yaml`` and the Prefect workers run one command whatever the world size); inside a
-    worker it joins the process group, and only rank 0 logs at INFO, shows progress and records the MLflow
+    one and this process is not a torchrun worker, it becomes torch's launcher running the same command
+    under torchrun (so ``dvc.yaml`` and the Prefect workers run one command whatever the world size); inside
+    a worker it joins the process group, and only rank 0 logs at INFO, shows progress and records the MLflow
     run (the other ranks write nothing)."""
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog=f"python -m stages.{name}")
@@ -104,17 +105,17 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
     except ConfigError as e:
         print(f"posttrain: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
-    from posttrain import distributed as dist
+    rank = 0
+    if distributed:  # (imports torch: stages that cannot run distributed, like curate, do not pay for it)
+        from posttrain import distributed as dist
 
-    d = params.runtime.distributed
-    if distributed and d.world_size > 1 and not dist.launched():
-        sys.exit(_torchrun(name, torchrun_argv(name, params, argv)))
-    rank = int(os.environ.get("RANK", "0")) if distributed else 0
+        d = params.runtime.distributed
+        if d.world_size > 1 and not dist.launched():
+            sys.exit(_torchrun(name, torchrun_argv(name, params, argv)))
+        rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s {name}{f'[{rank}]' if rank else ''} %(message)s", datefmt="%H:%M:%S")
     if distributed and dist.launched():
-        import torch  # noqa: F401 -- setup() sets its threads
-
         dist.init(d.backend, d.strategy, d.timeout_s)
         if rank:
             params = params.model_copy(update={"runtime": params.runtime.model_copy(update={"progress": False})})

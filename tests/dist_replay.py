@@ -23,6 +23,7 @@ def main(params_file: str, policy: str, shard: str, out: str) -> None:
     d = params.runtime.distributed
     dist = distributed.init(d.backend, d.strategy, d.timeout_s) if distributed.launched() else distributed.current()
     torch.set_num_threads(params.runtime.train_threads)
+    torch.manual_seed(params.seed)  # as stage_main seeds a stage (LoRA adapters start from the same draw)
     cfg, g = params.rl, params.rl.group_size
     rows = read_parquet(Path(shard))
     groups = [rows[i : i + g] for i in range(0, len(rows), g)]
