@@ -1,7 +1,8 @@
 """Several processes on CPU (torchrun, gloo, 2 ranks): the distributed paths give the one-process results.
 
 - sft through the real launch path (``python -m stages.sft`` relaunching itself under torchrun): world size 2
-  (FSDP2; DDP killed and resumed) ends with the weights of world size 1 for the same global batch;
+  (DDP, a rank killed, resumed) ends with the weights of world size 1 for the same global batch, and so does
+  the killed run's checkpoint resumed under FSDP2 and at world size 1;
 - one rl update replayed from the same persisted rollout shard (``tests/dist_replay.py``: two epochs x two
   minibatches, so old log-probs and reference log-probs are filled by ranks and gathered), and one distill
   step on the same sequences, give the same weights at world size 1 and 2, for DDP, FSDP2 and DDP with LoRA;
@@ -11,6 +12,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -152,9 +154,9 @@ def _workers(launcher: int) -> dict[int, int]:
 
 @pytest.mark.slow
 def test_sft_at_world_size_2_equals_world_size_1_and_a_killed_rank_fails_cleanly_then_resumes(tmp_path):
-    """sft through its real command: world size 1; world size 2 under FSDP2; world size 2 under DDP with rank 1
-    SIGKILLed after the first checkpoint (the stage must fail, not hang), then re-run: it resumes. All three end
-    with the same weights."""
+    """sft through its real command. World size 2 (DDP) with rank 1 SIGKILLed after the first checkpoint: the
+    stage must fail, not hang. Its checkpoint then resumes three ways: at world size 2 under DDP (the re-run),
+    under FSDP2, and at world size 1. All end with the weights of an uninterrupted world-size-1 run."""
     def long(raw):
         raw["sft"].update({"phases": [{"steps": 150, "cot_frac": 1.0}, {"steps": 30, "cot_frac": 0.5}],
                            "checkpoint_every": 20})
@@ -163,10 +165,6 @@ def test_sft_at_world_size_2_equals_world_size_1_and_a_killed_rank_fails_cleanly
     _ok(_stage("curate", one))
     curated = tmp_path / "w1" / "data" / "curated"
     _ok(_stage("sft", one))
-    _ok(_stage("sft", _params(tmp_path / "fsdp2", curated, 2, "fsdp2", edit=long)))
-    diff = _max_diff(_weights(tmp_path / "fsdp2", "sft"), _weights(tmp_path / "w1", "sft"))
-    print(f"sft world 2 fsdp2 vs world 1: max |dw| = {diff:.3g}")
-    assert diff < 1e-5
 
     two = _params(tmp_path / "ddp", curated, 2, edit=long)
     proc = _stage("sft", two)
@@ -184,12 +182,18 @@ def test_sft_at_world_size_2_equals_world_size_1_and_a_killed_rank_fails_cleanly
     assert not (tmp_path / "ddp" / "models" / "sft").exists()
     killed_at = max(int(p.stem.split("_")[1]) for p in ckpt.glob("step_*.pt"))
 
-    _ok(_stage("sft", two))
-    m = json.loads((tmp_path / "ddp" / "metrics" / "sft.json").read_text())
-    assert m["resumed_from_step"] >= killed_at > 0 and m["world_size"] == 2
-    diff = _max_diff(_weights(tmp_path / "ddp", "sft"), _weights(tmp_path / "w1", "sft"))
-    print(f"killed at step {killed_at}, resumed at world size 2 (ddp): max |dw| vs world size 1 = {diff:.3g}")
-    assert diff < 1e-5
+    runs = {"ddp": two, "fsdp2": _params(tmp_path / "fsdp2", curated, 2, "fsdp2", edit=long),
+            "w1-resumed": _params(tmp_path / "w1-resumed", curated, 1, edit=long)}
+    for name in ("fsdp2", "w1-resumed"):  # the killed DDP run's checkpoint, resumed elsewhere
+        shutil.copytree(ckpt, tmp_path / name / "checkpoints" / "sft")
+    for name, params in runs.items():
+        _ok(_stage("sft", params))
+        m = json.loads((tmp_path / name / "metrics" / "sft.json").read_text())
+        assert m["resumed_from_step"] >= killed_at > 0
+        diff = _max_diff(_weights(tmp_path / name, "sft"), _weights(tmp_path / "w1", "sft"))
+        print(f"killed at step {killed_at} (world size 2, ddp), resumed as {name}: max |dw| vs world size 1 = "
+              f"{diff:.3g}")
+        assert diff < 1e-5
     logs = {n: (tmp_path / n / "reports" / "sft" / "train_log.csv").read_text().splitlines() for n in ("w1", "ddp")}
     assert len(logs["ddp"]) == len(logs["w1"])  # the log carries over the pre-crash rows
 

@@ -3,6 +3,7 @@ real-model DAG under dvc repro on a temp copy of the repo."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,14 +46,17 @@ def _straight_and_killed(tmp_path: Path, stage: str, upstream: tuple[str, ...], 
     runs = {}
     for name in ("straight", "killed"):
         root = tmp_path / name
-        root.mkdir()
         raw = tiny_raw(root)
         edit(raw)
-        (root / "params.yaml").write_text(yaml.safe_dump(raw))
-        runs[name] = root / "params.yaml"
-    for up in upstream:
-        for params in runs.values():
-            assert _stage(up, params).wait() == 0
+        runs[name] = (root, raw)
+    straight, _ = runs["straight"]
+    straight.mkdir()
+    (straight / "params.yaml").write_text(yaml.safe_dump(runs["straight"][1]))
+    for up in upstream:  # once; the killed copy starts from the same upstream outputs (no absolute paths in them)
+        assert _stage(up, straight / "params.yaml").wait() == 0
+    shutil.copytree(straight, tmp_path / "killed")
+    (tmp_path / "killed" / "params.yaml").write_text(yaml.safe_dump(runs["killed"][1]))
+    runs = {name: root / "params.yaml" for name, (root, _) in runs.items()}
     assert _stage(stage, runs["straight"]).wait() == 0
 
     proc = _stage(stage, runs["killed"])

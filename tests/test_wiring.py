@@ -111,3 +111,16 @@ def test_no_param_is_named_like_a_field_dvcs_run_cache_ignores():
     every = names(Params)
     assert "curate.eval.rows" in every  # the walk reaches nested sections
     assert not [n for n in every if n.rsplit(".", 1)[-1] in {"size", "nfiles"}]
+
+
+def test_every_dvc_param_is_written_in_every_params_file():
+    # DVC refuses to run a stage whose listed param is absent from the file, even when pydantic has a default
+    # (found when runtime.distributed.* became rl/distill params: the real-run profile lacked them)
+    for f in [REPO / "params.yaml", *sorted((REPO / "profiles").glob("*.yaml"))]:
+        raw = yaml.safe_load(f.read_text())
+        for name, stage in DVC.items():
+            for key in stage.get("params", []):
+                node = raw
+                for part in key.split("."):
+                    assert isinstance(node, dict) and part in node, f"{f.name}: {key} (a dvc param of {name}) missing"
+                    node = node[part]
