@@ -449,6 +449,14 @@ class RlSelect(_Model):
     max_pass_rate: float = Field(0.99, ge=0, le=1, description="drop prompts solved more often (always solved)")
 
 
+class Tis(_Model):
+    """Truncated importance sampling of the sampler/trainer mismatch (posttrain.algos.TIS)."""
+
+    mode: Literal["token", "sequence"] = Field("token", description="a key of posttrain.algos.TIS: one weight "
+                                               "per token, or one per sequence (the product of its ratios)")
+    cap: float = Field(2.0, ge=1, description="weights min(pi_trainer / pi_sampler, cap)")
+
+
 class Rl(_Model):
     steps: int = Field(40, ge=1, description="rollout -> reward -> update rounds")
     prompts_per_step: int = Field(16, ge=1, description="B: prompts per round")
@@ -476,6 +484,9 @@ class Rl(_Model):
                                   "reward minus coef * sum over its tokens of (sampler logp - ref logp), before "
                                   "advantages; 0 = off. With kl_coef and this both 0 the reference is never loaded")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient")
+    tis: Tis | None = Field(None, description="truncated importance sampling of the policy-gradient term by "
+                            "pi_trainer / pi_sampler (for a sampler whose log-probs differ from the trainer's, e.g. "
+                            "vLLM); null = off. The mean |trainer - sampler| log-prob gap is logged every step")
     epochs: int = Field(1, ge=1, description="passes over each rollout batch")
     minibatches: int = Field(1, ge=1, description="optimizer steps per pass (old log-probs are recomputed "
                              "when epochs * minibatches > 1; otherwise the update is exactly on-policy)")

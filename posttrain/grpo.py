@@ -250,6 +250,7 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     loss_fn = algos.POLICY_LOSSES[cfg.policy_loss]
     loss_cfg = algos.LossCfg(cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip)
     kl_fn = algos.KL_ESTIMATORS[cfg.kl_estimator]
+    tis_fn = algos.TIS[cfg.tis.mode] if cfg.tis is not None else None
     use_kl = ref_model is not None and cfg.kl_coef > 0
     norm_len = cfg.sampling.max_new_tokens
     on_policy = cfg.epochs * cfg.minibatches == 1  # then old log-probs come from the update's own forward
@@ -259,7 +260,7 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
         with adapter_off(ref_model):
             _fill(ref_model, seqs, "ref_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp)
 
-    sums = {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "gap": 0.0}
+    sums = {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "gap": 0.0, "tis_capped": 0.0}
     ratio_max, tokens, gap_tokens, n_opt = 0.0, 0.0, 0.0, 0
     gen = torch.Generator().manual_seed(seed)
     for epoch in range(cfg.epochs):
@@ -284,6 +285,10 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
                                                     "grad" if cfg.entropy_coef else "detached")
                     old_logp = logp.detach() if on_policy else t["old_logp"]
                     loss_tok, clipped = loss_fn(logp, old_logp, t["adv"], loss_cfg)  # [b, T-1]
+                    if tis_fn is not None:  # the policy-gradient term only, not the KL or entropy terms
+                        w = tis_fn(old_logp, t["sampler_logp"], m, cfg.tis.cap)
+                        loss_tok = loss_tok * w
+                        sums["tis_capped"] += float(((w >= cfg.tis.cap) & (m > 0)).sum())
                     if use_kl:
                         kl = kl_fn(logp, t["ref_logp"])
                         loss_tok = loss_tok + cfg.kl_coef * kl
@@ -304,14 +309,15 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
             sums["grad_norm"] += d.clip_grad_norm(model, cfg.max_grad_norm)
             opt.step()
             n_opt += 1
-    keys = ("loss", "clipfrac", "kl", "entropy", "gap")  # every rank's share -> the batch's totals
+    keys = ("loss", "clipfrac", "kl", "entropy", "gap", "tis_capped")  # every rank's share -> the batch's totals
     *totals, tokens, gap_tokens = d.sum(*(sums[k] for k in keys), tokens, gap_tokens)
     sums |= dict(zip(keys, totals, strict=True))
     ratio_max = d.max(ratio_max)
     tokens, n = max(tokens, 1.0), max(n_opt, 1)
     return {"loss": sums["loss"] / n, "clipfrac": sums["clipfrac"] / tokens, "kl": sums["kl"] / tokens,
             "entropy": sums["entropy"] / tokens, "ratio_max": ratio_max, "grad_norm": sums["grad_norm"] / n,
-            "logprob_gap": sums["gap"] / max(gap_tokens, 1.0), "optimizer_steps": n_opt}
+            "logprob_gap": sums["gap"] / max(gap_tokens, 1.0), "tis_capped": sums["tis_capped"] / tokens,
+            "optimizer_steps": n_opt}
 
 
 def update_from_groups(model: torch.nn.Module, opt: torch.optim.Optimizer, groups: Sequence[Sequence[dict[str, Any]]],

@@ -54,7 +54,7 @@ from posttrain.schema import (
 
 log = logging.getLogger("rl")
 LOG_FIELDS = ["step", "updated", "reward_mean", "pass_rate", "zero_var_frac", "groups_used", "refill_rounds", "loss",
-              "clipfrac", "kl", "entropy", "ratio_max", "grad_norm", "logprob_gap", "response_len",
+              "clipfrac", "kl", "entropy", "ratio_max", "grad_norm", "logprob_gap", "tis_capped", "response_len",
               "samples_per_s", "gen_s", "reward_s", "update_s"]
 
 
@@ -149,7 +149,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
             "pass_rate": round(float(np.mean([bool(c) for c in correct])), 4) if correct else None,
             "zero_var_frac": round(sb.zero_var_frac, 4), "groups_used": len(sb.groups), "refill_rounds": sb.rounds,
             **{k: float(f"{metrics.get(k, 0.0):.4g}") for k in ("loss", "clipfrac", "kl", "entropy", "ratio_max",
-                                                                 "grad_norm", "logprob_gap")},
+                                                                 "grad_norm", "logprob_gap", "tis_capped")},
             "response_len": round(float(np.mean([len(row["token_ids"]) for row in first_rows])), 2),
             "samples_per_s": round(len(all_rows) / step_s, 1), "gen_s": round(sb.gen_s, 3),
             "reward_s": round(sb.reward_s, 3), "update_s": round(update_s, 3)})

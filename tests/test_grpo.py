@@ -1,5 +1,7 @@
 """The online loop's pieces: prompt cursor, dynamic-sampling test, and the policy update itself."""
 
+import math
+
 import pytest
 import torch
 
@@ -241,3 +243,40 @@ def test_kl_in_the_reward_separates_a_group_of_equal_rewards():
     expect = [0.707107, -0.707107] if k1[0] < k1[1] else [-0.707107, 0.707107]
     assert [shaped[("p", 0)], shaped[("p", 1)]] == pytest.approx(expect, abs=1e-4)
     assert m["kl_seq"] == pytest.approx(sum(k1) / 2, abs=1e-4)
+
+
+def _grads(model, seqs, cfg, tok):
+    import copy
+
+    m = copy.deepcopy(model).train()
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)  # gradients only
+    metrics = grpo.policy_update(m, opt, seqs, cfg, tok.pad_token_id)
+    return [p.grad.clone() for p in m.parameters() if p.grad is not None], metrics
+
+
+def test_truncated_importance_sampling_reweights_the_policy_gradient():
+    from posttrain.config import Tis
+
+    tok, model, seqs, cfg = _setup(max_grad_norm=1e9)
+    plain, _ = _grads(model, seqs, cfg, tok)
+    # a sampler that agrees with the trainer: every weight is exp(0) = 1, the same gradient
+    with torch.no_grad():
+        for s in seqs:
+            t = grpo.batch_tensors([s], 0, torch.device("cpu"))
+            lp, _ = grpo.token_logp_entropy(model, t)
+            p = len(s.prompt_ids)
+            s.sampler_logp = lp[0, p - 1 : p - 1 + len(s.completion_ids)].tolist()
+    same, m = _grads(model, seqs, cfg.model_copy(update={"tis": Tis(mode="token", cap=3.0)}), tok)
+    for a, b in zip(plain, same, strict=True):
+        torch.testing.assert_close(a, b)
+    assert m["tis_capped"] == 0.0
+    # a sampler that gave every token half the trainer's probability: weight 2 per token (under the cap of 3), so
+    # the policy-gradient loss and its gradient double; with a cap of 1.5 they are x1.5 and every token is capped
+    for s in seqs:
+        s.sampler_logp = [x - math.log(2) for x in s.sampler_logp]
+    for cap, factor in ((3.0, 2.0), (1.5, 1.5)):
+        got, m = _grads(model, seqs, cfg.model_copy(update={"tis": Tis(mode="token", cap=cap)}), tok)
+        for a, b in zip(plain, got, strict=True):
+            torch.testing.assert_close(b, factor * a, rtol=1e-4, atol=1e-7)
+        assert m["tis_capped"] == (1.0 if cap < 2 else 0.0)
+        assert m["logprob_gap"] == pytest.approx(math.log(2), abs=1e-5)
