@@ -62,17 +62,36 @@ from posttrain.schema import write_text
 
 STAGE_DEPLOYMENT = "posttrain-stage/gpu"
 _PARENT: list[str] = []  # the MLflow parent run of this process's pipeline invocation
+_STAGE_PYTHON: list[str] = []  # the interpreter the stage commands run with (gpu stages: prefect.gpu_python)
 
 
 def _env() -> dict[str, str]:
-    """The stage commands (``python -m stages.X``) must find this interpreter's environment first; the MLflow
-    parent run (``_PARENT``) reaches them through the environment."""
+    """The stage commands (``python -m stages.X``, run by DVC through the shell) must find the stage
+    interpreter first on PATH: this process's, or ``prefect.gpu_python`` in a gpu stage flow (through a
+    ``python`` shim that execs it, so a venv's interpreter keeps its venv). The MLflow parent run
+    (``_PARENT``) reaches them through the environment."""
     env = dict(os.environ)
     if _PARENT:
         env[tracking.PARENT_ENV] = _PARENT[0]
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    first = _python_shim(_STAGE_PYTHON[0]) if _STAGE_PYTHON else Path(sys.executable).parent
+    env["PATH"] = str(first) + os.pathsep + env.get("PATH", "")
     env.setdefault("HF_HUB_OFFLINE", "1")
     return env
+
+
+def _python_shim(interpreter: str) -> Path:
+    """A folder whose ``python`` execs ``interpreter`` (one per interpreter, in the temp folder)."""
+    import hashlib
+    import tempfile
+
+    folder = Path(tempfile.gettempdir()) / f"posttrain-python-{hashlib.sha256(interpreter.encode()).hexdigest()[:12]}"
+    shim = folder / "python"
+    text = f'#!/bin/sh\nexec "{interpreter}" "$@"\n'
+    if not shim.is_file() or shim.read_text() != text:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_text(shim, text)
+        shim.chmod(0o755)
+    return folder
 
 
 def _run(cmd: list[str], repo: Path) -> str:
@@ -285,14 +304,24 @@ def stage_flow(stages: list[str], repo: str | None = None, commit: str | None = 
         raise StageError(f"worker checkout {root} is at {_head(root)[:12] or 'no commit'}, the pipeline at "
                           f"{commit[:12]}: check out the pipeline's commit on the worker")
     with pipeline_params(root / "params.yaml", params_text):
-        remote = load_params(root / "params.yaml").prefect.dvc_remote
+        cfg = load_params(root / "params.yaml").prefect
+        remote = cfg.dvc_remote
         if remote:
             if handoff:
                 receive(root, handoff)
             upstream = [s for s in stage_order(root, stages[-1]) if s not in stages]
             if upstream:
                 dvc("pull", "--remote", remote, *upstream, repo=root)
-        statuses = {s: stage_task.with_options(name=s, task_run_name=s)(s, str(root)) for s in stages}
+        if cfg.gpu_python:
+            python = root / cfg.gpu_python
+            if not python.is_file():
+                raise StageError(f"prefect.gpu_python: {python} not found on this worker (make setup-gpu there)")
+            get_run_logger().info("stages %s run with %s", stages, python)
+            _STAGE_PYTHON[:] = [str(python)]
+        try:
+            statuses = {s: stage_task.with_options(name=s, task_run_name=s)(s, str(root)) for s in stages}
+        finally:
+            _STAGE_PYTHON[:] = []
         if remote:
             dvc("push", "--remote", remote, *stages, repo=root)
             create_markdown_artifact(key=LOCK_ARTIFACT, markdown="```yaml\n" + yaml.safe_dump(

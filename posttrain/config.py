@@ -637,6 +637,9 @@ class PrefectCfg(_Model):
     dvc_remote: str | None = Field(None, description="DVC remote a worker in another checkout pulls a "
                                    "stage's deps from and pushes its outs to (None: workers share this checkout); "
                                    "the pipeline's params (overrides included) are sent to the worker")
+    gpu_python: str | None = Field(None, description="the interpreter a gpu worker runs gpu stages with (e.g. "
+                                   ".venv-gpu/bin/python from `make setup-gpu`: CUDA torch + vLLM, no prefect), "
+                                   "relative to the worker's checkout; null: the worker's own")
     workspace_wait_s: float = Field(3600.0, ge=0, description="a pipeline run waits this long for another run "
                                     "in the same checkout to finish (one run per workspace: overrides rewrite "
                                     "params.yaml), then refuses naming it; 0 = refuse at once")

@@ -144,10 +144,18 @@ def test_two_machines_share_only_the_server_and_a_dvc_remote_and_a_killed_worker
     cache, MLflow store and PREFECT_HOME; in common only a real ``prefect server`` and a DVC remote (a local
     folder here; S3/GCS/SSH remotes are the same code path). The deployed pipeline routes gpu stages to the
     other checkout; its gpu worker is killed mid-rl and restarted, and the re-run resumes rl from its checkpoint.
-    Both checkouts end with every output pullable and ``posttrain lineage --verify`` passing."""
+    Both checkouts end with every output pullable and ``posttrain lineage --verify`` passing, and the gpu
+    stages ran with the gpu environment's interpreter (``prefect.gpu_python``)."""
     raw = tiny_raw(None)
     raw["rl"].update({"steps": 40, "checkpoint_every": 2})  # long enough to kill the gpu worker mid-rl
     raw["prefect"]["dvc_remote"] = "store"
+    # the gpu machine's stage environment (prefect.gpu_python): a stand-in interpreter that logs each stage
+    # command it runs, then runs it with this interpreter
+    gpu_python, gpu_log = tmp_path / "venv-gpu" / "bin" / "python", tmp_path / "venv-gpu" / "ran.log"
+    gpu_python.parent.mkdir(parents=True)
+    gpu_python.write_text(f'#!/bin/sh\necho "$@" >> "{gpu_log}"\nexec "{sys.executable}" "$@"\n')
+    gpu_python.chmod(0o755)
+    raw["prefect"]["gpu_python"] = str(gpu_python)
     src = tmp_path / "src"
     copy_repo(src, raw)
     subprocess.run([sys.executable, "-m", "dvc", "remote", "add", "store", str(tmp_path / "remote")], cwd=src,
@@ -213,6 +221,9 @@ def test_two_machines_share_only_the_server_and_a_dvc_remote_and_a_killed_worker
                    for r in stage_runs)  # in the gpu machine's own checkout
         assert {s for r in stage_runs if r["state"] == "COMPLETED" for s in r["params"]["stages"]} >= {
             "rl", "distill", "evaluate"}
+        ran = {line.split()[1].removeprefix("stages.") for line in gpu_log.read_text().splitlines()
+               if line.startswith("-m stages.")}
+        assert ran == on_gpu  # gpu stages, and only they, ran with the gpu environment's interpreter
 
         # nothing that had completed before the kill ran again; rl resumed from its checkpoint
         for pool, mt in before.items():
@@ -273,3 +284,19 @@ def test_two_overlapping_flow_runs_each_run_with_their_own_params(tmp_path):
 
     again = _flow(repo, tmp_path / "prefect0", "--target", "curate")
     assert again.returncode == 0 and json.loads(again.stdout.strip().splitlines()[-1]) == {"curate": "skipped"}
+
+
+def test_gpu_stage_commands_find_the_gpu_environments_interpreter_first(tmp_path, monkeypatch):
+    from flows import pipeline
+
+    fake = tmp_path / "venv-gpu" / "bin" / "python"  # stands for .venv-gpu/bin/python
+    fake.parent.mkdir(parents=True)
+    fake.write_text(f'#!/bin/sh\necho gpu-env "$@"\nexec "{sys.executable}" "$@"\n')
+    fake.chmod(0o755)
+    cmd = "python -c 'import sys; print(sys.prefix)'"  # as DVC runs a stage's cmd: through the shell
+    monkeypatch.setattr(pipeline, "_STAGE_PYTHON", [str(fake)])
+    out = subprocess.run(cmd, shell=True, env=pipeline._env(), capture_output=True, text=True).stdout.split("\n")
+    assert out[0] == "gpu-env -c import sys; print(sys.prefix)" and out[1] == sys.prefix  # the venv is kept
+    monkeypatch.setattr(pipeline, "_STAGE_PYTHON", [])
+    out = subprocess.run(cmd, shell=True, env=pipeline._env(), capture_output=True, text=True).stdout
+    assert out.strip() == sys.prefix and "gpu-env" not in out  # cpu stages: this interpreter
