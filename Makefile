@@ -6,7 +6,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup pipeline test test-fast lint
+.PHONY: setup setup-gpu pipeline test test-fast lint
 
 setup: $(VENV)/.installed
 
@@ -16,6 +16,21 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+# The GPU worker environment (README "GPU workers"): CUDA torch + vLLM + the stage dependencies, no prefect.
+# Several GB of CUDA wheels; the CPU machine's torch cap (/etc/xdg/pip/constraints.txt) is not in the way
+# (torch 2.14.0 <= 2.14.1).
+GPU_VENV ?= .venv-gpu
+setup-gpu: $(GPU_VENV)/.installed
+
+$(GPU_VENV)/.installed: requirements-gpu.txt pyproject.toml
+	python3 -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q --upgrade pip
+	$(GPU_VENV)/bin/python -m pip install -q -r requirements-gpu.txt
+	$(GPU_VENV)/bin/python -m pip install -q --no-deps vllm==0.33.0
+	$(GPU_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(GPU_VENV)/bin/python -c "import vllm, torch, posttrain.rollout.vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
 
 pipeline: setup

@@ -141,7 +141,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         seed = params.seed * 1_000_003 + 7 * step + 3
         torch.set_num_threads(rt.generate_threads)
         student.eval()
-        d.plain(student)  # FSDP2: the generation copy takes this step's weights (else: the model itself)
+        s_backend.load_weights(d.plain(student), f"student@{step}")  # FSDP2 copy refreshed / vLLM synced
         row: dict[str, Any] = {"step": step + 1, "phase": phase}
         if phase == "grpo":
             for g in opt.param_groups:
@@ -151,6 +151,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                                        policy=f"student@{step}")
             first = [r for grp in sb.sampled[: params.rl.prompts_per_step] for r in grp]
             torch.set_num_threads(rt.train_threads)
+            s_backend.release()
             student.train()
             with amp():
                 m, _ = grpo.update_from_groups(student, opt, sb.groups, params.rl, prompt_ids, tok.pad_token_id,
@@ -178,6 +179,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                 rows = [r for r in rows if is_correct(r["rewards"])]
             row["sample_pass_rate"] = _pass_rate(rows)
             torch.set_num_threads(rt.train_threads)
+            for b in (s_backend, t_backend):
+                b.release()
             student.train()
             if rows:
                 seqs = _seqs(rows, prompt_ids)

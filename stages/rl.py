@@ -108,7 +108,9 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         t0 = time.time()
         torch.set_num_threads(rt.generate_threads)
         model.eval()
-        d.plain(model)  # FSDP2: the generation copy takes this step's weights (DDP, one process: the model itself)
+        # the generation engine samples from this step's weights: FSDP2's full copy is refreshed from the shards,
+        # vLLM's engine gets them copied in (the hf backend samples with the model itself: nothing to do)
+        backend.load_weights(d.plain(model), f"{policy0}@step{step}")
         seed = params.seed * 1_000_003 + step * 1009
         with amp():
             sb = grpo.collect_step(backend, tok, prompts, cursor, cfg, params.reward.rewards, seed,
@@ -116,6 +118,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         used = [row for grp in sb.groups for row in grp]
 
         torch.set_num_threads(rt.train_threads)
+        backend.release()  # vLLM: its memory goes back to the trainer for the update
         model.train()
         t2 = time.time()
         with amp():

@@ -4,10 +4,14 @@
 second BOS) and returns, per prompt, ``n`` :class:`Completion` s with text, token ids, per-token sampler
 log-probs (of the distribution actually sampled from, after temperature/top-p) and a finish reason.
 
+``load_weights(model, version)``: make the backend sample from ``model``'s current weights (the RL loop and
+distill's on-policy phase call it after every optimizer step; the hf backend samples with the trainer's own
+model, so it has nothing to do). ``release()``: give the device memory back for the update (vLLM's sleep).
+
 ``BACKENDS`` maps ``rollout.backend`` names to constructors with one signature
-``(model, tokenizer, batch_size) -> RolloutBackend``. The ``vllm`` entry is the seam for the GPU-worker
-backend: it will be imported lazily from ``posttrain.rollout.vllm`` in the GPU-worker environment (vLLM's
-pins conflict with prefect's, see ARCHITECTURE.md). It is not implemented in this release and says so.
+``(model, tokenizer, batch_size) -> RolloutBackend``. ``vllm`` is imported lazily from
+``posttrain.rollout.vllm``: it exists only in the GPU-worker environment (vLLM's pins conflict with
+prefect's, see ARCHITECTURE.md); elsewhere choosing it fails with one line saying so.
 """
 
 from __future__ import annotations
@@ -41,6 +45,12 @@ class RolloutBackend(Protocol):
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
         ...
 
+    def load_weights(self, model: Any, version: str) -> None:
+        ...
+
+    def release(self) -> None:
+        ...
+
 
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[int]]:
     """Token ids of each user prompt rendered with the tokenizer's chat template + generation prompt."""
@@ -59,10 +69,17 @@ def _hf(model: Any, tokenizer: PreTrainedTokenizerBase, batch_size: int) -> Roll
 
 
 def _vllm(model: Any, tokenizer: PreTrainedTokenizerBase, batch_size: int) -> RolloutBackend:
-    from posttrain.errors import StageError
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        from posttrain.errors import StageError
 
-    raise StageError("rollout backend 'vllm' is not implemented in this release (it needs a GPU worker); "
-                     "use rollout.backend: hf")
+        raise StageError("rollout.backend 'vllm': vllm is not installed in this environment; run the stage in the "
+                         "GPU environment (make setup-gpu; prefect.gpu_python for Prefect workers) or use "
+                         "rollout.backend: hf") from None
+    from posttrain.rollout.vllm import build
+
+    return build(model, tokenizer, batch_size)
 
 
 BACKENDS: dict[str, Callable[[Any, PreTrainedTokenizerBase, int], RolloutBackend]] = {"hf": _hf, "vllm": _vllm}

@@ -58,6 +58,12 @@ class HFBackend:
         self.stop_strings = list(model.generation_config.stop_strings or [])
         self.stop_window = 4 * max((len(x) for x in self.stop_strings), default=0) + 1  # tokens: >= 1 byte each
 
+    def load_weights(self, model: PreTrainedModel, version: str) -> None:
+        """Nothing to copy: this backend samples with the trainer's model object itself."""
+
+    def release(self) -> None:
+        """Nothing to free: the KV cache lives only during ``generate``."""
+
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
         per = max(1, self.batch_size // n)  # whole groups per chunk: each prompt is prefilled once for its n rows

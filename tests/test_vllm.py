@@ -1,0 +1,228 @@
+"""The vLLM backend without a GPU: the conversion of vLLM's own output objects, and the weight-sync bookkeeping
+against a test double of the engine.
+
+Where vLLM is importable (the GPU environment, ``make setup-gpu``) the outputs are built with vLLM's own
+classes (``RequestOutput``, ``CompletionOutput``, ``Logprob``, ``FlatLogprobs``); elsewhere with stand-ins
+that have the same fields (``_Logprob`` etc. below). ``FakeEngine`` is a test double of ``vllm.LLM``: it
+records calls and never generates.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from posttrain.rollout.vllm import VLLMBackend, WeightSync, _load_weights, to_completions
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@dataclass
+class _Logprob:  # vllm.logprobs.Logprob's fields
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class _CompletionOutput:  # vllm.outputs.CompletionOutput's fields used here
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: Any
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    prompt_logprobs: Any
+    outputs: list[Any]
+    finished: bool
+
+
+def _classes(flat: bool = False):
+    if not HAVE_VLLM:
+        return _RequestOutput, _CompletionOutput, _Logprob, None
+    from vllm.logprobs import FlatLogprobs, Logprob
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    return RequestOutput, CompletionOutput, Logprob, FlatLogprobs if flat else None
+
+
+def _output(index: int, ids: list[int], lps: list[float], reason: str, flat: bool = False) -> Any:
+    _, completion, logprob, flat_cls = _classes(flat)
+    if flat_cls is not None:
+        per = flat_cls()
+        for t, lp in zip(ids, lps, strict=True):
+            per.append_fast([t], [lp], iter([1]), [None])
+    else:  # one {sampled id: Logprob} per position (logprobs=0: the sampled token only)
+        per = [{t: logprob(logprob=lp, rank=1, decoded_token=None)} for t, lp in zip(ids, lps, strict=True)]
+    return completion(index=index, text="".join(chr(97 + t % 26) for t in ids), token_ids=ids,
+                      cumulative_logprob=sum(lps), logprobs=per, finish_reason=reason,
+                      stop_reason=None)
+
+
+def _request(rid: str, outs: list[Any]) -> Any:
+    request, *_ = _classes()
+    return request(request_id=rid, prompt=None, prompt_token_ids=[1, 2, 3], prompt_logprobs=None, outputs=outs,
+                   finished=True)
+
+
+@pytest.mark.parametrize("flat", [False, True] if HAVE_VLLM else [False])
+def test_vllm_outputs_become_completions_for_n_2_with_stop_and_length_finishes(flat):
+    eos = 2
+    reqs = [
+        # completions come back out of index order: they are put back in order
+        _request("0", [_output(1, [7, 8, 9], [-0.1, -0.2, -0.3], "length", flat),
+                       _output(0, [5, eos], [-1.5, -0.05], "stop", flat)]),
+        _request("1", [_output(0, [4, 4, 4], [-0.7, -0.6, -0.5], "length", flat),
+                       _output(1, [eos], [-0.01], "stop", flat)]),
+    ]
+    groups = to_completions(reqs, n=2)
+    assert [[c.token_ids for c in g] for g in groups] == [[[5, eos], [7, 8, 9]], [[4, 4, 4], [eos]]]
+    assert [[c.finish_reason for c in g] for g in groups] == [["stop", "length"], ["length", "stop"]]
+    assert groups[0][0].logprobs == pytest.approx([-1.5, -0.05]) and groups[1][1].logprobs == pytest.approx([-0.01])
+    assert all(len(c.logprobs) == len(c.token_ids) for g in groups for c in g)
+    assert groups[0][1].text == "hij"
+
+
+def test_missing_logprobs_or_completions_are_errors_not_zeros():
+    out = _output(0, [5, 6], [-1.0, -2.0], "length")
+    out.logprobs = None
+    with pytest.raises(ValueError, match="logprobs=0"):
+        to_completions([_request("0", [out])], n=1)
+    with pytest.raises(ValueError, match="expected n=2"):
+        to_completions([_request("0", [_output(0, [5], [-1.0], "length")])], n=2)
+
+
+@dataclass
+class FakeEngine:
+    """A test double of ``vllm.LLM``: records every call; ``weights`` is what its model holds."""
+
+    calls: list[str] = field(default_factory=list)
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    outputs: list[Any] = field(default_factory=list)
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        self.calls.append("generate")
+        return self.outputs
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    def sleep(self, level=1):
+        self.calls.append(f"sleep {level}")
+        if level >= 2:
+            self.weights = {}  # level 2 discards them
+
+    def wake_up(self, tags=None):
+        self.calls.append("wake_up")
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        engine = self
+
+        class Model:
+            def load_weights(self, weights):
+                engine.weights.update({k: v.clone() for k, v in weights})
+
+        worker = type("Worker", (), {"model_runner": type("Runner", (), {"model": Model()})()})()
+        self.calls.append("load_weights")
+        return [method(worker, *args)]
+
+
+def test_weight_sync_bookkeeping_loads_each_version_once_and_resets_the_prefix_cache_after_each():
+    eng = FakeEngine()
+    sync = WeightSync(eng, sleep_level=1)
+    w1 = [("a", torch.ones(2)), ("b", torch.zeros(1))]
+    assert sync.load(w1, "step0") and sync.version == "step0"
+    assert not sync.load(w1, "step0")  # already served: no copy
+    sync.release()  # level 1: weights offloaded, kept
+    assert sync.asleep and sync.version == "step0"
+    assert not sync.load(w1, "step0")  # woken up, same weights: still no copy
+    assert sync.load([("a", 2 * torch.ones(2)), ("b", torch.ones(1))], "step1")
+    assert eng.calls == ["load_weights", "reset_prefix_cache", "sleep 1", "wake_up", "load_weights",
+                         "reset_prefix_cache"]
+    assert eng.calls.count("reset_prefix_cache") == sync.syncs == 2  # after every sync, never without one
+    torch.testing.assert_close(eng.weights["a"], 2 * torch.ones(2))
+
+
+def test_after_a_level_2_sleep_the_same_version_is_loaded_again():
+    # the trap: sleep(level=2) discards the weights; a bookkeeper that only compares versions would skip the
+    # reload and the engine would sample from whatever its memory then holds
+    eng = FakeEngine()
+    sync = WeightSync(eng, sleep_level=2)
+    w = [("a", torch.ones(3))]
+    sync.load(w, "step3")
+    sync.release()
+    assert eng.weights == {} and sync.version is None
+    assert sync.load(w, "step3")  # copied again
+    torch.testing.assert_close(eng.weights["a"], torch.ones(3))
+    assert eng.calls[-3:] == ["wake_up", "load_weights", "reset_prefix_cache"]
+
+
+def test_the_rpc_hands_the_named_tensors_to_the_worker_models_load_weights():
+    got = {}
+
+    class Model:
+        def load_weights(self, weights):
+            got.update(dict(weights))
+
+    worker = type("W", (), {"model_runner": type("R", (), {"model": Model()})()})()
+    _load_weights(worker, [("x", torch.tensor([1.0]))])
+    assert list(got) == ["x"]
+
+
+def test_backend_syncs_a_lora_policy_merged_and_leaves_the_live_adapter_alone():
+    from posttrain.config import LoraCfg, TinyModel
+    from posttrain.modeling import build_char_tokenizer, build_tiny_model, is_lora, make_trainable
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 0)
+    model = make_trainable(model, LoraCfg(r=4, alpha=8, dropout=0.0), False)
+    with torch.no_grad():  # a trained adapter: B != 0, so merging changes the weights
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.01)
+    eng = FakeEngine()
+    backend = VLLMBackend(eng, [tok.eos_token_id], sleep_level=1)
+    backend.load_weights(model, "step1")
+    assert eng.weights and not any("lora" in k or k.startswith("base_model") for k in eng.weights)
+    assert is_lora(model)  # the live policy keeps its adapter (the merge ran on a copy)
+    base = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
+    merged = eng.weights["model.layers.0.self_attn.q_proj.weight"]
+    assert not torch.allclose(merged, base) and merged.shape == base.shape
+    backend.load_weights(model, "step1")
+    assert eng.calls.count("load_weights") == 1  # same version: no second copy
+
+
+def test_backend_generate_wakes_the_engine_and_converts_its_outputs(monkeypatch):
+    eng = FakeEngine(outputs=[_request("0", [_output(0, [3, 2], [-0.5, -0.1], "stop")])])
+    backend = VLLMBackend(eng, [2], sleep_level=1)
+    monkeypatch.setattr(backend, "request", lambda p, n, s: (p, None))  # vLLM's request objects need vllm
+    backend.sync.load([("a", torch.ones(1))], "v0")
+    backend.release()
+    from posttrain.rollout import SamplingParams
+
+    (group,) = backend.generate([[1, 2]], 1, SamplingParams(1.0, 1.0, 8, 0))
+    assert eng.calls[-2:] == ["wake_up", "generate"]
+    assert group[0].token_ids == [3, 2] and math.isclose(group[0].logprobs[1], -0.1)
+
+
+@pytest.mark.skipif(HAVE_VLLM, reason="vllm is installed here")
+def test_choosing_vllm_without_it_installed_is_one_line():
+    from posttrain.errors import StageError
+    from posttrain.rollout import BACKENDS
+
+    with pytest.raises(StageError, match="make setup-gpu") as e:
+        BACKENDS["vllm"](None, None, 8)
+    assert "\n" not in str(e.value)
