@@ -45,7 +45,6 @@ import torch.distributed as tdist
 
 log = logging.getLogger("posttrain.distributed")
 T = TypeVar("T")
-STRATEGIES = ("ddp", "fsdp2")
 
 
 class Forward(torch.nn.Module):
@@ -62,7 +61,7 @@ class Forward(torch.nn.Module):
 
 def forward(wrapped: torch.nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
     """``fn(model, *args)`` through ``wrapped`` (the result of ``Dist.wrap``: the model itself when alone)."""
-    if isinstance(wrapped, Forward) or hasattr(wrapped, "no_sync"):  # fully_shard(Forward) or DDP(Forward)
+    if isinstance(wrapped, Forward) or isinstance(getattr(wrapped, "module", None), Forward):  # FSDP2 / DDP
         return wrapped(fn, *args, **kwargs)
     return fn(wrapped, *args, **kwargs)
 
