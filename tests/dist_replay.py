@@ -2,7 +2,10 @@
 policy to the updated one, on the same sequences), as one process or under torchrun (the distributed tests
 launch it both ways and compare the weights rank 0 saves).
 
-    python [-m torch.distributed.run --nproc_per_node N] tests/dist_replay.py PARAMS POLICY SHARD OUT
+    python [-m torch.distributed.run --nproc_per_node N] tests/dist_replay.py OUT POLICY SHARD PARAMS [PARAMS ...]
+
+Each params file is one variant (e.g. full fine-tuning and LoRA), run in turn in the same job (the first file's
+``runtime.distributed`` sets up the job); OUT gets {params file stem: weights and metrics}.
 """
 
 from __future__ import annotations
@@ -13,15 +16,21 @@ from pathlib import Path
 import torch
 
 from posttrain import distillation, distributed, grpo, modeling
-from posttrain.config import load_params
+from posttrain.config import Params, load_params
 from posttrain.rollout import chat_prompt_ids
 from posttrain.schema import read_parquet
 
 
-def main(params_file: str, policy: str, shard: str, out: str) -> None:
-    params = load_params(params_file)
-    d = params.runtime.distributed
+def main(out: str, policy: str, shard: str, *params_files: str) -> None:
+    d = load_params(params_files[0]).runtime.distributed
     dist = distributed.init(d.backend, d.strategy, d.timeout_s) if distributed.launched() else distributed.current()
+    results = {Path(f).stem: variant(dist, load_params(f), policy, shard) for f in params_files}
+    if dist.main:
+        torch.save(results, out)
+    distributed.shutdown()
+
+
+def variant(dist: distributed.Dist, params: Params, policy: str, shard: str) -> dict:
     torch.set_num_threads(params.runtime.train_threads)
     torch.manual_seed(params.seed)  # as stage_main seeds a stage (LoRA adapters start from the same draw)
     cfg, g = params.rl, params.rl.group_size
@@ -45,11 +54,8 @@ def main(params_file: str, policy: str, shard: str, out: str) -> None:
     d_metrics = distillation.divergence_update(student, teacher, s_opt, seqs, "reverse_kl", 0.5, tok.pad_token_id,
                                                cfg.micro_batch_size)
     distilled = dist.plain(student)
-    if dist.main:
-        torch.save({"state": updated, "metrics": metrics, "student": distilled.state_dict(),
-                    "distill_metrics": d_metrics}, out)
-    distributed.shutdown()
+    return {"state": updated, "metrics": metrics, "student": distilled.state_dict(), "distill_metrics": d_metrics}
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:])

@@ -22,6 +22,7 @@ from conftest import copy_repo, tiny_raw
 def _env(home: Path, api_url: str | None = None) -> dict[str, str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PREFECT_HOME": str(home),
            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90", "PREFECT_LOGGING_LEVEL": "INFO",
+           "PREFECT_WORKER_QUERY_SECONDS": "2",  # workers poll every 2 s (default 10), as the README advises
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
     env.pop("PREFECT_API_URL", None)
     if api_url:
