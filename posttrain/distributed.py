@@ -77,6 +77,7 @@ class Dist:
     world: int = 1
     local_rank: int = 0
     strategy: str = "ddp"
+    comm_device: str = "cpu"  # where reduced tensors live: NCCL reduces only CUDA tensors (cuda:<local rank>)
     _copies: dict[int, torch.nn.Module] = field(default_factory=dict, repr=False)  # FSDP2: full-weight copies
 
     @property
@@ -110,14 +111,14 @@ class Dist:
     def sum(self, *xs: float) -> list[float]:
         if not self.active:
             return [float(x) for x in xs]
-        t = torch.tensor(xs, dtype=torch.float64)
+        t = torch.tensor(xs, dtype=torch.float64, device=self.comm_device)
         tdist.all_reduce(t)
         return t.tolist()
 
     def max(self, x: float) -> float:
         if not self.active:
             return float(x)
-        t = torch.tensor([x], dtype=torch.float64)
+        t = torch.tensor([x], dtype=torch.float64, device=self.comm_device)
         tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
         return float(t.item())
 
@@ -280,7 +281,7 @@ def init(backend: str, strategy: str, timeout_s: float) -> Dist:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not tdist.is_initialized():
         tdist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    _CURRENT = Dist(rank, world, local, strategy)
+    _CURRENT = Dist(rank, world, local, strategy, f"cuda:{local}" if backend == "nccl" else "cpu")
     log.info("rank %d of %d (%s, %s)", rank, world, backend, strategy)
     return _CURRENT
 
