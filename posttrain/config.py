@@ -404,6 +404,22 @@ def _registered(kind: str, name: str) -> str:
 
 
 # -------------------------------------------------------------------------------------------- rollout
+class VLLMOptions(_Model):
+    """The vllm backend's engine (posttrain/rollout/vllm.py); the hf backend ignores it. None of it changes
+    which tokens are sampled: it is left out of DVC params and checkpoint fingerprints."""
+
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="share of GPU memory the engine may "
+                                          "take (weights + KV cache); colocated with the trainer in rl/distill, "
+                                          "so leave room for the update", json_schema_extra=NOT_RESULT)
+    sleep_level: Literal[0, 1, 2] = Field(1, description="during each update the engine sleeps: 1 offloads its "
+                                          "weights to CPU, 2 discards them (reloaded at the next sync), 0 never "
+                                          "sleeps", json_schema_extra=NOT_RESULT)
+    max_model_len: int | None = Field(None, ge=1, description="context length the KV cache is sized for; None: "
+                                      "the model config's", json_schema_extra=NOT_RESULT)
+    enforce_eager: bool = Field(False, description="no CUDA graphs (faster start, slower decode)",
+                                json_schema_extra=NOT_RESULT)
+
+
 class Rollout(_Model):
     backend: Literal["hf", "vllm"] = Field("hf", description="rollout backend (vllm: GPU-worker environment)")
     num_prompts: int | None = Field(
@@ -413,6 +429,8 @@ class Rollout(_Model):
     group_size: int = Field(8, ge=1, description="G: completions per prompt")
     sampling: Sampling = Field(default_factory=Sampling)
     batch_size: int = Field(256, ge=1, description="sequences per generate() call")
+    vllm: VLLMOptions = Field(default_factory=VLLMOptions, description="engine settings of the vllm backend "
+                              "(used by every stage that generates with it)")
 
 
 # --------------------------------------------------------------------------------------------- reward

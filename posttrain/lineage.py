@@ -3,7 +3,8 @@
 ``trace(root, target)`` finds the stage whose output holds ``target`` (a workspace path, or a registered
 model ``models:/<name>/<version>`` / ``models:/<name>@<alias>``, resolved to the DVC output whose md5 the
 version carries) and walks the DAG backwards through ``dvc.lock``: each node is a stage run with its out's
-md5, a digest of its params, its key metrics (``metrics/<stage>.json``), the MLflow run that logged it
+md5, a digest of its params, its key metrics (``metrics/<stage>.json``; for a stage that samples, the
+generating backend and its version, e.g. ``vllm 0.33.0``), the MLflow run that logged it
 (joined on the ``dvc.out.<path>`` md5 tag, which also gives the commit) and, for ``curate``, the
 decontamination verdict. Deps that no stage produces are the sources (code, raw files). ``consumers``
 gives the forward direction: every stage downstream of a data artifact.
@@ -129,10 +130,11 @@ def _key_metrics(root: Path, stage: str, metrics_dir: str) -> dict[str, Any]:
         return {}
     data = json.loads(f.read_text())
     if stage == "evaluate":
-        return {f"{split}/{m}": {k: v.get(k) for k in ("greedy", "pass@1") if k in v}
+        return {f"{split}/{m}": {k: v.get(k) for k in ("greedy", "pass@1", "generator") if k in v}
                 for split, models in data.items() if isinstance(models, dict)
                 for m, v in models.items() if isinstance(v, dict)}
-    return {k: v for k, v in data.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    keep = {k: v for k, v in data.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    return {"generator": data["generator"], **keep} if isinstance(data.get("generator"), str) else keep
 
 
 def _verdict(root: Path, lock_entry: dict[str, Any]) -> str | None:

@@ -42,7 +42,7 @@ from posttrain import distillation, distributed, grpo, modeling, plots, training
 from posttrain.config import Params
 from posttrain.errors import StageError
 from posttrain.rewards import is_correct, score_rows
-from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids, sample_rows
+from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids, generator, sample_rows
 from posttrain.runner import stage_main
 from posttrain.schema import atomic_path, read_problems, write_csv, write_json
 
@@ -131,8 +131,9 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                               modeling.checkpoint_digest(inputs["teacher"]), sorted(prompt_ids))
     cursor = grpo.PromptCursor(len(prompts), params.seed + 2)
     start, log_rows, cursor.pos = training.restore_loop_state(out["checkpoints"], fp, student, opt)
-    s_backend = BACKENDS[params.rollout.backend](d.plain(student), tok, params.rl.generate_batch_size)
-    t_backend = BACKENDS[params.rollout.backend](teacher, tok, params.rl.generate_batch_size)
+    s_backend = BACKENDS[params.rollout.backend](d.plain(student), tok, params.rl.generate_batch_size,
+                                                 params.rollout.vllm)
+    t_backend = BACKENDS[params.rollout.backend](teacher, tok, params.rl.generate_batch_size, params.rollout.vllm)
     specs = params.reward.rewards
     t_run = time.time()
     for step in tqdm(range(start, len(phases)), initial=start, total=len(phases), desc="distill",
@@ -221,7 +222,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                "student_sft_seconds": round(sft_seconds, 1), "steps": len(phases), "resumed_from_step": start,
                "phase_steps": {"warmup": cfg.warmup.steps, "on_policy": cfg.on_policy.steps, "grpo": cfg.grpo_steps},
                "seconds": round(elapsed, 1),
-               "student_side_seconds": round(sum(r["seconds"] for r in log_rows), 1)}
+               "student_side_seconds": round(sum(r["seconds"] for r in log_rows), 1),
+               "generator": generator(params.rollout.backend)}
     write_json(out["metrics"], metrics)
     shutil.rmtree(out["checkpoints"], ignore_errors=True)
     log.info("student %d params; %d distill steps in %.1fs", metrics["student_params"], len(phases), elapsed)

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from posttrain import metrics as M
 from posttrain import modeling, plots
 from posttrain.config import MathTask, Params, Validation
-from posttrain.rollout import BACKENDS, Completion, SamplingParams, chat_prompt_ids
+from posttrain.rollout import BACKENDS, Completion, SamplingParams, chat_prompt_ids, generator
 from posttrain.runner import stage_main
 from posttrain.schema import GENERATION_SCHEMA, Problem, read_problems, write_json, write_parquet, write_text
 from posttrain.sources import problems_from
@@ -171,7 +171,7 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
     for name, path in tqdm(inputs["models"].items(), desc="evaluate", disable=not params.runtime.progress):
         model = modeling.load_model(path, params.model.dtype, device)
         tok = modeling.load_tokenizer(path)
-        backend = BACKENDS[cfg.backend](model, tok, cfg.batch_size)
+        backend = BACKENDS[cfg.backend](model, tok, cfg.batch_size, params.rollout.vllm)
         for split, probs in splits.items():
             t0 = time.time()
             ids = chat_prompt_ids(tok, [p["prompt"] for p in probs])
@@ -193,6 +193,7 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
                                      "extracted": ext, "correct": ok})
             results[split][name] = summarize(per, unscorable, cfg.bootstrap, params.seed)
             results[split][name]["seconds"] = round(time.time() - t0, 1)
+            results[split][name]["generator"] = generator(cfg.backend)
             r = results[split][name]
             log.info("%s/%s: greedy %.3f pass@1 %.3f (n=%d, %.1fs)", name, split, r.get("greedy", float("nan")),
                      r.get("pass@1", float("nan")), r["n"], r["seconds"])

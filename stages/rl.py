@@ -39,7 +39,7 @@ from posttrain import distributed, grpo, modeling, plots, training
 from posttrain.config import Params
 from posttrain.errors import StageError
 from posttrain.rewards import is_correct
-from posttrain.rollout import BACKENDS, chat_prompt_ids
+from posttrain.rollout import BACKENDS, chat_prompt_ids, generator
 from posttrain.runner import stage_main
 from posttrain.schema import (
     PROBLEM_SCHEMA,
@@ -86,7 +86,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     model = d.wrap(model)  # the training handle (the model itself in one process)
     opt = torch.optim.AdamW(modeling.trainable_params(model), lr=cfg.lr, weight_decay=cfg.weight_decay,
                             betas=(0.9, 0.99))
-    backend = BACKENDS[params.rollout.backend](d.plain(model), tok, cfg.generate_batch_size)
+    backend = BACKENDS[params.rollout.backend](d.plain(model), tok, cfg.generate_batch_size, params.rollout.vllm)
     policy0 = modeling.checkpoint_digest(inputs["policy"])
     prompt_ids = dict(zip([p["id"] for p in prompts], chat_prompt_ids(tok, [p["prompt"] for p in prompts]),
                           strict=True))
@@ -192,6 +192,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         "zero_var_frac_mean": round(float(np.mean([r["zero_var_frac"] for r in log_rows])), 4),
         "gen_s": round(sum(r["gen_s"] for r in log_rows), 1),
         "update_s": round(sum(r["update_s"] for r in log_rows), 1), "world_size": d.world,
+        "generator": generator(params.rollout.backend),
     }
     write_json(out["metrics"], result)
     shutil.rmtree(ckpt_dir, ignore_errors=True)

@@ -23,7 +23,7 @@ import torch
 
 from posttrain import modeling
 from posttrain.config import Params
-from posttrain.rollout import BACKENDS, SamplingParams, sample_rows
+from posttrain.rollout import BACKENDS, SamplingParams, generator, sample_rows
 from posttrain.runner import stage_main
 from posttrain.schema import ROLLOUT_SCHEMA, read_problems, write_json, write_parquet
 
@@ -42,7 +42,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     device = modeling.resolve_device(params.runtime.device)
     model = modeling.load_model(str(inputs["policy"]), params.model.dtype, device)
     tok = modeling.load_tokenizer(str(inputs["policy"]))
-    backend = BACKENDS[cfg.backend](model, tok, cfg.batch_size)
+    backend = BACKENDS[cfg.backend](model, tok, cfg.batch_size, cfg.vllm)
     sp = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens, params.seed)
     rows, seconds = sample_rows(backend, tok, problems, cfg.group_size, sp,
                                 policy=modeling.checkpoint_digest(inputs["policy"]),
@@ -53,7 +53,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     metrics = {"prompts": len(problems), "train_prompts": n_train, "samples": len(rows), "seconds": round(seconds, 2),
                "samples_per_s": round(len(rows) / seconds, 1),
                "tokens_per_s": round(sum(lengths) / seconds, 1), "mean_len": round(float(np.mean(lengths)), 2),
-               "truncated_frac": round(float(np.mean([r["finish_reason"] == "length" for r in rows])), 4)}
+               "truncated_frac": round(float(np.mean([r["finish_reason"] == "length" for r in rows])), 4),
+               "generator": generator(cfg.backend)}
     write_json(out["metrics"], metrics)
     log.info("%d samples in %.1fs (%.0f samples/s)", len(rows), seconds, metrics["samples_per_s"])
     return metrics

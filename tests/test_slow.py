@@ -121,6 +121,8 @@ def _check_tracking_and_lineage(repo: Path, rl_steps: int) -> None:
 
     def walk(n):
         seen[n["stage"]] = sorted(p["stage"] for p in n["parents"])
+        if n["stage"] in ("rollout", "rl", "distill"):  # what sampled, with its version
+            assert n["metrics"]["generator"].startswith("hf (transformers "), n["metrics"]
         assert n["mlflow_run_id"] == children[n["stage"]].info.run_id  # each lock entry joined with its run
         for p in n["parents"]:
             walk(p)

@@ -226,3 +226,39 @@ def test_choosing_vllm_without_it_installed_is_one_line():
     with pytest.raises(StageError, match="make setup-gpu") as e:
         BACKENDS["vllm"](None, None, 8)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("sleep_level", [0, 2])
+def test_build_gives_the_engine_the_rollout_vllm_params(monkeypatch, sleep_level):
+    """``rollout.vllm`` reaches ``vllm.LLM`` (a stand-in module here: building a real engine needs a GPU)."""
+    import sys
+    import types
+
+    from posttrain.config import TinyModel, VLLMOptions
+    from posttrain.modeling import build_char_tokenizer, build_tiny_model
+    from posttrain.rollout.vllm import build
+
+    seen: dict[str, Any] = {}
+    fake = types.ModuleType("vllm")
+    fake.LLM = lambda **kw: seen.update(kw) or FakeEngine()
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 0)
+    model.config._name_or_path = "models/sft"
+    opts = VLLMOptions(gpu_memory_utilization=0.3, sleep_level=sleep_level, max_model_len=256, enforce_eager=True)
+    backend = build(model, tok, 64, opts)
+    assert seen["model"] == "models/sft" and seen["gpu_memory_utilization"] == 0.3
+    assert seen["max_model_len"] == 256 and seen["enforce_eager"] and seen["max_num_seqs"] == 64
+    assert seen["logprobs_mode"] == "processed_logprobs" and seen["generation_config"] == "vllm"
+    assert seen["enable_sleep_mode"] == (sleep_level > 0)
+    assert backend.sync.sleep_level == (sleep_level or None)  # 0: release() never puts the engine to sleep
+    assert backend.stop_token_ids == [tok.eos_token_id]
+
+
+def test_metrics_name_the_generator_and_its_version():
+    from importlib.metadata import version
+
+    from posttrain.rollout import generator
+
+    assert generator("hf") == f"hf (transformers {version('transformers')})"
+    assert generator("vllm").startswith("vllm ")  # "vllm 0.33.0" in .venv-gpu, "vllm not installed" here

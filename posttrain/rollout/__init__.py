@@ -9,7 +9,8 @@ distill's on-policy phase call it after every optimizer step; the hf backend sam
 model, so it has nothing to do). ``release()``: give the device memory back for the update (vLLM's sleep).
 
 ``BACKENDS`` maps ``rollout.backend`` names to constructors with one signature
-``(model, tokenizer, batch_size) -> RolloutBackend``. ``vllm`` is imported lazily from
+``(model, tokenizer, batch_size, vllm_options=None) -> RolloutBackend`` (``rollout.vllm``: the vllm
+engine's settings, defaults when None; the hf backend has none). ``vllm`` is imported lazily from
 ``posttrain.rollout.vllm``: it exists only in the GPU-worker environment (vLLM's pins conflict with
 prefect's, see ARCHITECTURE.md); elsewhere choosing it fails with one line saying so.
 """
@@ -62,13 +63,15 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> l
     return out
 
 
-def _hf(model: Any, tokenizer: PreTrainedTokenizerBase, batch_size: int) -> RolloutBackend:
+def _hf(model: Any, tokenizer: PreTrainedTokenizerBase, batch_size: int, vllm_options: Any = None
+        ) -> RolloutBackend:
     from posttrain.rollout.hf import HFBackend
 
     return HFBackend(model, tokenizer, batch_size)
 
 
-def _vllm(model: Any, tokenizer: PreTrainedTokenizerBase, batch_size: int) -> RolloutBackend:
+def _vllm(model: Any, tokenizer: PreTrainedTokenizerBase, batch_size: int, vllm_options: Any = None
+        ) -> RolloutBackend:
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -79,10 +82,23 @@ def _vllm(model: Any, tokenizer: PreTrainedTokenizerBase, batch_size: int) -> Ro
                          "rollout.backend: hf") from None
     from posttrain.rollout.vllm import build
 
-    return build(model, tokenizer, batch_size)
+    return build(model, tokenizer, batch_size, vllm_options)
 
 
-BACKENDS: dict[str, Callable[[Any, PreTrainedTokenizerBase, int], RolloutBackend]] = {"hf": _hf, "vllm": _vllm}
+BACKENDS: dict[str, Callable[..., RolloutBackend]] = {"hf": _hf, "vllm": _vllm}
+
+
+def generator(backend: str) -> str:
+    """What generates under ``backend``, with its version (``"vllm 0.33.0"``, ``"hf (transformers 5.1.0)"``):
+    every stage that samples writes it into its metrics, where ``posttrain lineage`` shows it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    pkg = "vllm" if backend == "vllm" else "transformers"
+    try:
+        v = version(pkg)
+    except PackageNotFoundError:
+        v = "not installed"
+    return f"vllm {v}" if backend == "vllm" else f"{backend} (transformers {v})"
 
 
 def sample_rows(backend: RolloutBackend, tokenizer: PreTrainedTokenizerBase, problems: Sequence[dict[str, Any]],

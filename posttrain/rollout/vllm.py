@@ -174,19 +174,23 @@ class VLLMBackend:
         self.sync.release()
 
 
-def build(model: Any, tokenizer: Any, batch_size: int) -> VLLMBackend:
-    """A colocated engine on the model folder ``model`` was loaded from (``config._name_or_path``)."""
+def build(model: Any, tokenizer: Any, batch_size: int, options: Any = None) -> VLLMBackend:
+    """A colocated engine on the model folder ``model`` was loaded from (``config._name_or_path``);
+    ``options``: ``config.VLLMOptions`` (``rollout.vllm``; None: its defaults)."""
     import os
 
+    from posttrain.config import VLLMOptions
+
+    options = options or VLLMOptions()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: load_weights reaches it
     from vllm import LLM
 
     from posttrain.modeling import stop_ids
 
     folder = getattr(model.config, "_name_or_path", None) or str(model)
-    engine = LLM(model=folder, tokenizer=folder, dtype="auto", seed=0, enable_sleep_mode=True,
-                 gpu_memory_utilization=float(os.environ.get("POSTTRAIN_VLLM_GPU_MEMORY", "0.5")),
-                 max_num_seqs=batch_size, logprobs_mode="processed_logprobs", generation_config="vllm",
-                 enable_prefix_caching=True)
+    engine = LLM(model=folder, tokenizer=folder, dtype="auto", seed=0, enable_sleep_mode=options.sleep_level > 0,
+                 gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
+                 enforce_eager=options.enforce_eager, max_num_seqs=batch_size, logprobs_mode="processed_logprobs",
+                 generation_config="vllm", enable_prefix_caching=True)
     return VLLMBackend(engine, stop_ids(model, tokenizer), list(model.generation_config.stop_strings or []),
-                       sleep_level=1)
+                       sleep_level=options.sleep_level or None)
