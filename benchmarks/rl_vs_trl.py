@@ -43,8 +43,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from posttrain import grpo, modeling  # noqa: E402
 from posttrain import metrics as M  # noqa: E402
-from posttrain import modeling  # noqa: E402
 from posttrain.config import Params, load_params  # noqa: E402
 from posttrain.rewards import Sample, correct  # noqa: E402
 from posttrain.rollout import BACKENDS, SamplingParams, sample_rows  # noqa: E402
@@ -115,8 +115,8 @@ def arm_trl(params: Params, args: argparse.Namespace, out: Path) -> dict[str, An
     cfg = params.rl
     g, b = cfg.group_size, cfg.prompts_per_step
     inputs, _ = rl.paths(params)
-    prompts = rl.select_prompts(read_problems(inputs["train"]), read_parquet(inputs["pass_rates"]),
-                                cfg.select.min_pass_rate, cfg.select.max_pass_rate)
+    prompts = grpo.PROMPT_SELECTIONS[cfg.select.strategy](read_problems(inputs["train"]),
+                                                          read_parquet(inputs["pass_rates"]), cfg.select)
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": p["prompt"]}], "answer": p["answer"],
                              "task": p["task"]} for p in prompts])
     counts = {"tokens": 0, "samples": 0}

@@ -1,4 +1,4 @@
-"""ADVANTAGES and POLICY_LOSSES registries, loss aggregation and KL estimators.
+"""ADVANTAGES, POLICY_LOSSES and TOKEN_SELECTIONS registries, loss aggregation and KL estimators.
 
 Names follow the papers: ``logp`` (current policy), ``old_logp`` (behaviour policy), ``ref_logp`` (frozen
 reference), ``ratio = exp(logp - old_logp)``, ``adv``, ``mask`` (1 on completion tokens). Shapes in
@@ -7,12 +7,14 @@ comments: N prompts, G samples per prompt, B = N*G sequences, T completion token
 Advantages (one signature): ``fn(r [N, G], valid [N, G]) -> adv [N, G]``; invalid (unscorable) entries get 0
 and are excluded from every statistic. Std is the unbiased sample std (as in TRL and verl).
 Policy losses (one signature): ``fn(logp, old_logp, adv, cfg) -> (loss [B, T], clipped [B, T] bool)``.
+Token selections (one signature): ``fn(entropy [n], rho) -> keep [n]``: which tokens the policy gradient uses.
 Aggregation is separate from the loss, and exact under micro-batching: each micro-batch divides by
 full-batch totals, so summing micro-batch losses gives the full-batch loss.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -99,6 +101,37 @@ def w_reinforce(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 ADVANTAGES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp, "grpo_batch_std": grpo_batch_std,
     "psr": psr, "nsr": nsr, "w_reinforce": w_reinforce,
+}
+
+
+# ------------------------------------------------------------------------------------ token selection
+# Which completion tokens carry the policy-gradient term (one signature): fn(entropy [n], rho) -> keep [n] bool,
+# over the n completion tokens of one step's batch (flattened), entropies under the policy that sampled.
+# The KL and entropy terms still apply to every token, and the loss is still normalised over every token.
+
+
+def all_tokens(entropy: torch.Tensor, rho: float) -> torch.Tensor:
+    """Every token (plain policy gradient)."""
+    return torch.ones_like(entropy, dtype=torch.bool)
+
+
+def top_entropy(entropy: torch.Tensor, rho: float) -> torch.Tensor:
+    """The ceil(rho * n) highest-entropy tokens of the batch ("Beyond the 80/20 Rule", Wang et al. 2025: the
+    "forking" tokens; rho = 0.2 in the paper). Ties go to the earlier token (a stable sort): deterministic."""
+    k = math.ceil(rho * entropy.numel())
+    keep = torch.zeros_like(entropy, dtype=torch.bool)
+    keep[torch.argsort(entropy, descending=True, stable=True)[:k]] = True
+    return keep
+
+
+def bottom_entropy(entropy: torch.Tensor, rho: float) -> torch.Tensor:
+    """The complement of ``top_entropy``: the lowest-entropy (1 - rho) share (the paper's control arm, the
+    bottom 80%)."""
+    return ~top_entropy(entropy, rho)
+
+
+TOKEN_SELECTIONS: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
+    "all": all_tokens, "top_entropy": top_entropy, "bottom_entropy": bottom_entropy,
 }
 
 

@@ -396,6 +396,10 @@ def _registered(kind: str, name: str) -> str:
         from posttrain.rewards import REWARDS as reg
     elif kind == "advantage":
         from posttrain.algos import ADVANTAGES as reg
+    elif kind == "token selection":
+        from posttrain.algos import TOKEN_SELECTIONS as reg
+    elif kind == "prompt selection":
+        from posttrain.grpo import PROMPT_SELECTIONS as reg
     else:
         from posttrain.algos import POLICY_LOSSES as reg
     if name not in reg:
@@ -463,8 +467,24 @@ BATCH_BASELINE = {"reinforce_pp": "Hu 2025, REINFORCE++: a global batch mean and
 class RlSelect(_Model):
     """Prompt selection from the reward stage's pass rates (of the SFT policy)."""
 
+    strategy: str = Field("pass_band", description="a key of posttrain.grpo.PROMPT_SELECTIONS: pass_band keeps "
+                          "every prompt in [min_pass_rate, max_pass_rate]; top_variance keeps the top_k of those by "
+                          "reward variance p(1 - p) (1-shot RLVR)")
     min_pass_rate: float = Field(0.01, ge=0, le=1, description="drop prompts solved less often (never solved)")
     max_pass_rate: float = Field(0.99, ge=0, le=1, description="drop prompts solved more often (always solved)")
+    top_k: int = Field(1, ge=1, description="prompts kept by top_variance (1: 1-shot RLVR)")
+
+    @field_validator("strategy")
+    @classmethod
+    def _strategy(cls, v: str) -> str:
+        return _registered("prompt selection", v)
+
+
+class RefReset(_Model):
+    """ProRL's reference resets (Liu et al. 2025): the KL anchor moves to the current policy periodically."""
+
+    every: int = Field(ge=1, description="after every N-th step the reference becomes a copy of the policy")
+    optimizer: bool = Field(False, description="also clear the optimizer's state (Adam moments) at each reset")
 
 
 class Tis(_Model):
@@ -502,6 +522,12 @@ class Rl(_Model):
                                   "reward minus coef * sum over its tokens of (sampler logp - ref logp), before "
                                   "advantages; 0 = off. With kl_coef and this both 0 the reference is never loaded")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient")
+    token_select: str = Field("all", description="a key of posttrain.algos.TOKEN_SELECTIONS: which completion "
+                              "tokens carry the policy gradient (top_entropy: the top token_rho share of the step's "
+                              "tokens by the sampling policy's entropy; bottom_entropy: the rest)")
+    token_rho: float = Field(0.2, gt=0, le=1, description="the share top_entropy keeps (0.2 in the paper)")
+    ref_reset: RefReset | None = Field(None, description="ProRL: reset the KL reference to the current policy "
+                                       "every N steps (needs kl_coef or kl_reward_coef > 0); null = never")
     tis: Tis | None = Field(None, description="truncated importance sampling of the policy-gradient term by "
                             "pi_trainer / pi_sampler (for a sampler whose log-probs differ from the trainer's, e.g. "
                             "vLLM); null = off. The mean |trainer - sampler| log-prob gap is logged every step")
@@ -543,6 +569,18 @@ class Rl(_Model):
         if v > 0 and adv in KL_IN_REWARD:
             raise ValueError(f"{adv} puts the KL in the reward ({KL_IN_REWARD[adv]}), not in the loss: set "
                              "rl.kl_reward_coef instead and rl.kl_coef: 0")
+        return v
+
+    @field_validator("token_select")
+    @classmethod
+    def _token_select(cls, v: str) -> str:
+        return _registered("token selection", v)
+
+    @field_validator("ref_reset")
+    @classmethod
+    def _ref_reset(cls, v: RefReset | None, info: ValidationInfo) -> RefReset | None:
+        if v is not None and not (info.data.get("kl_coef") or info.data.get("kl_reward_coef")):
+            raise ValueError("a reference reset needs a reference: set rl.kl_coef or rl.kl_reward_coef > 0")
         return v
 
     @field_validator("dynamic_sampling")
@@ -709,6 +747,9 @@ class Params(_Model):
         if (synthetic or self.curate.eval.source is None) and self.task.kind != "arith":
             raise ValueError("curate: the synthetic generator (a synthetic source, or eval.source unset) "
                              "needs task.kind == 'arith'")
+        if self.rl.ref_reset is not None and self.model.lora is not None:
+            raise ValueError("rl.ref_reset with model.lora is not supported: the LoRA policy's reference is its "
+                             "frozen base (adapter off), which a reset would have to overwrite with the merge")
         d = self.runtime.distributed
         if d.world_size > 1:
             if d.strategy == "fsdp2" and self.model.lora is not None:

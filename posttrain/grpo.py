@@ -21,7 +21,7 @@ each rank runs its share of every minibatch, normalised by the global counts, gr
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,49 @@ class PromptCursor:
             out.append(int(self._perms[epoch][i]))
             self.pos += 1
         return out
+
+
+# ----------------------------------------------------------------------------------- prompt selection
+# Which training prompts RL uses (one signature): fn(problems, rates, cfg: config.RlSelect) -> problems, where
+# ``rates`` are the reward stage's per-prompt rows (pass_rate of the SFT policy over its G samples).
+
+
+def _in_band(problems: list[dict[str, Any]], rates: Sequence[dict[str, Any]], cfg: Any
+             ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    rate = {r["prompt_id"]: float(r["pass_rate"]) for r in rates if r["pass_rate"] is not None}
+    return [p for p in problems if cfg.min_pass_rate <= rate.get(p["id"], -1.0) <= cfg.max_pass_rate], rate
+
+
+def pass_band(problems: list[dict[str, Any]], rates: Sequence[dict[str, Any]], cfg: Any) -> list[dict[str, Any]]:
+    """Every prompt whose SFT pass rate lies in [min_pass_rate, max_pass_rate] (unmeasured ones dropped): the
+    band where a group of samples can disagree (DAPO-style filtering)."""
+    return _in_band(problems, rates, cfg)[0]
+
+
+def top_variance(problems: list[dict[str, Any]], rates: Sequence[dict[str, Any]], cfg: Any
+                 ) -> list[dict[str, Any]]:
+    """1-shot RLVR (Wang et al. 2025): the ``top_k`` prompts of the band with the largest reward variance
+    p (1 - p), p the SFT policy's pass rate (the paper ranks by the variance of each example's accuracy over a
+    full RL run; the pass rate the pipeline already measured stands in for that history). Ties keep the
+    problems' order. E.g. rates 0.5, 0.9, 0.3 -> variances 0.25, 0.09, 0.21 -> top 2: the first and third."""
+    band, rate = _in_band(problems, rates, cfg)
+    ranked = sorted(range(len(band)), key=lambda i: -rate[band[i]["id"]] * (1 - rate[band[i]["id"]]))
+    return [band[i] for i in sorted(ranked[: cfg.top_k])]
+
+
+PROMPT_SELECTIONS: dict[str, Callable[[list[dict[str, Any]], Sequence[dict[str, Any]], Any], list[dict[str, Any]]]] = {
+    "pass_band": pass_band, "top_variance": top_variance,
+}
+
+
+def reset_reference(ref: torch.nn.Module, policy: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> None:
+    """ProRL (Liu et al. 2025): a hard reset of the KL anchor to the current policy, ref <- policy (a full,
+    unwrapped model), so the KL penalty restarts from 0 and stops pulling toward a policy long left behind;
+    with ``opt`` the optimizer's state (Adam moments, step counts) is cleared too."""
+    with torch.no_grad():
+        ref.load_state_dict(policy.state_dict())
+    if opt is not None:
+        opt.state.clear()
 
 
 @dataclass
@@ -136,6 +179,8 @@ class Seq:
     adv: float
     old_logp: list[float] | None = None
     ref_logp: list[float] | None = None
+    entropy: list[float] | None = None  # per token, under the policy that sampled (token selection)
+    pg_mask: list[float] | None = None  # 1 where the token carries the policy gradient (None: every token)
 
 
 def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
@@ -168,11 +213,12 @@ def batch_tensors(seqs: Sequence[Seq], pad_id: int, device: torch.device, pack: 
     """
     lens = [len(s.prompt_ids) + len(s.completion_ids) for s in seqs]
     width, b = max(lens), len(seqs)
-    aligned = {k: torch.zeros((b, width - 1)) for k in ("mask", "sampler_logp", "old_logp", "ref_logp")}
+    aligned = {k: torch.zeros((b, width - 1)) for k in ("mask", "sampler_logp", "old_logp", "ref_logp", "pg_mask")}
     for i, s in enumerate(seqs):
         p, c = len(s.prompt_ids), len(s.completion_ids)
         span = slice(p - 1, p - 1 + c)  # target t+1 is a completion token
         aligned["mask"][i, span] = 1
+        aligned["pg_mask"][i, span] = 1 if s.pg_mask is None else torch.tensor(s.pg_mask)
         for k in ("sampler_logp", "old_logp", "ref_logp"):
             v = getattr(s, k)
             if v is not None:
@@ -207,21 +253,37 @@ def batch_tensors(seqs: Sequence[Seq], pad_id: int, device: torch.device, pack: 
 
 @torch.no_grad()
 def _fill(model: torch.nn.Module, seqs: Sequence[Seq], attr: str, pad_id: int, micro: int, pack: bool,
-          temperature: float) -> None:
-    """Set ``seq.<attr>`` to ``model``'s log-probs of each completion token (no grad). ``model`` is a plain
-    (unwrapped) model; under torchrun each rank scores its share and the values are gathered."""
+          temperature: float, with_entropy: bool = False) -> None:
+    """Set ``seq.<attr>`` to ``model``'s log-probs of each completion token (no grad), and with
+    ``with_entropy`` ``seq.entropy`` to its per-token entropies. ``model`` is a plain (unwrapped) model;
+    under torchrun each rank scores its share and the values are gathered."""
     device = next(model.parameters()).device
     d = distributed.current()
     mine = d.shard(seqs)
+    attrs = [attr, "entropy"] if with_entropy else [attr]
     for start in range(0, len(mine), micro):
         chunk = mine[start : start + micro]
-        lp, _ = token_logp_entropy(model, batch_tensors(chunk, pad_id, device, pack), temperature, entropy="off")
+        lp, ent = token_logp_entropy(model, batch_tensors(chunk, pad_id, device, pack), temperature,
+                                     entropy="detached" if with_entropy else "off")
         for j, s in enumerate(chunk):
-            p = len(s.prompt_ids)
-            setattr(s, attr, lp[j, p - 1 : p - 1 + len(s.completion_ids)].tolist())
+            span = slice(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + len(s.completion_ids))
+            for a, x in zip(attrs, (lp, ent), strict=False):
+                setattr(s, a, x[j, span].tolist())
     if d.active:
-        for s, v in zip(seqs, d.gather_shards([getattr(s, attr) for s in mine]), strict=True):
-            setattr(s, attr, v)
+        for a in attrs:
+            for s, v in zip(seqs, d.gather_shards([getattr(s, a) for s in mine]), strict=True):
+                setattr(s, a, v)
+
+
+def select_tokens(seqs: Sequence[Seq], name: str, rho: float) -> float:
+    """Set each sequence's ``pg_mask`` by ``algos.TOKEN_SELECTIONS[name]`` over every completion token of the
+    batch (its ``entropy`` filled); returns the share of tokens kept."""
+    flat = torch.tensor([e for s in seqs for e in s.entropy])
+    keep = algos.TOKEN_SELECTIONS[name](flat, rho).float().tolist()
+    at = 0
+    for s in seqs:
+        s.pg_mask, at = keep[at : at + len(s.completion_ids)], at + len(s.completion_ids)
+    return sum(keep) / max(len(keep), 1)
 
 
 def kl_shaped_rewards(rewards: Sequence[float], sampler_logp: Sequence[Sequence[float]],
@@ -254,8 +316,10 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     use_kl = ref_model is not None and cfg.kl_coef > 0
     norm_len = cfg.sampling.max_new_tokens
     on_policy = cfg.epochs * cfg.minibatches == 1  # then old log-probs come from the update's own forward
-    if not on_policy:
-        _fill(d.plain(model), seqs, "old_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp)
+    selecting = cfg.token_select != "all"  # token selection needs the sampling policy's entropies first
+    if not on_policy or selecting:
+        _fill(d.plain(model), seqs, "old_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp, with_entropy=selecting)
+    pg_tokens = select_tokens(seqs, cfg.token_select, cfg.token_rho) if selecting else 1.0
     if use_kl and any(s.ref_logp is None for s in seqs):
         with adapter_off(ref_model):
             _fill(ref_model, seqs, "ref_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp)
@@ -285,6 +349,7 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
                                                     "grad" if cfg.entropy_coef else "detached")
                     old_logp = logp.detach() if on_policy else t["old_logp"]
                     loss_tok, clipped = loss_fn(logp, old_logp, t["adv"], loss_cfg)  # [b, T-1]
+                    loss_tok = loss_tok * t["pg_mask"]  # token selection (1 everywhere with token_select: all)
                     if tis_fn is not None:  # the policy-gradient term only, not the KL or entropy terms
                         w = tis_fn(old_logp, t["sampler_logp"], m, cfg.tis.cap)
                         loss_tok = loss_tok * w
@@ -317,7 +382,7 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     return {"loss": sums["loss"] / n, "clipfrac": sums["clipfrac"] / tokens, "kl": sums["kl"] / tokens,
             "entropy": sums["entropy"] / tokens, "ratio_max": ratio_max, "grad_norm": sums["grad_norm"] / n,
             "logprob_gap": sums["gap"] / max(gap_tokens, 1.0), "tis_capped": sums["tis_capped"] / tokens,
-            "optimizer_steps": n_opt}
+            "pg_tokens": pg_tokens, "optimizer_steps": n_opt}
 
 
 def update_from_groups(model: torch.nn.Module, opt: torch.optim.Optimizer, groups: Sequence[Sequence[dict[str, Any]]],

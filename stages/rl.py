@@ -54,15 +54,9 @@ from posttrain.schema import (
 
 log = logging.getLogger("rl")
 LOG_FIELDS = ["step", "updated", "reward_mean", "pass_rate", "zero_var_frac", "groups_used", "refill_rounds", "loss",
-              "clipfrac", "kl", "entropy", "ratio_max", "grad_norm", "logprob_gap", "tis_capped", "response_len",
+              "clipfrac", "kl", "entropy", "ratio_max", "grad_norm", "logprob_gap", "tis_capped", "pg_tokens",
+              "response_len",
               "samples_per_s", "gen_s", "reward_s", "update_s"]
-
-
-def select_prompts(problems: list[dict[str, Any]], rates: list[dict[str, Any]], lo: float, hi: float
-                   ) -> list[dict[str, Any]]:
-    """Problems whose pass rate (under the SFT policy) lies in [lo, hi]; unmeasured ones are dropped."""
-    ok = {r["prompt_id"] for r in rates if r["pass_rate"] is not None and lo <= r["pass_rate"] <= hi}
-    return [p for p in problems if p["id"] in ok]
 
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
@@ -70,12 +64,12 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     cfg, g, b = params.rl, params.rl.group_size, params.rl.prompts_per_step
     rt, d = params.runtime, distributed.current()
     device = modeling.resolve_device(rt.device)
-    prompts = select_prompts(read_problems(inputs["train"]), read_parquet(inputs["pass_rates"]),
-                             cfg.select.min_pass_rate, cfg.select.max_pass_rate)
+    prompts = grpo.PROMPT_SELECTIONS[cfg.select.strategy](read_problems(inputs["train"]),
+                                                          read_parquet(inputs["pass_rates"]), cfg.select)
     if not prompts:
         raise StageError(f"no prompt has an SFT pass rate in [{cfg.select.min_pass_rate}, "
                          f"{cfg.select.max_pass_rate}] (rl.select); see the reward audit")
-    log.info("%d prompts selected by pass rate", len(prompts))
+    log.info("%d prompts selected (rl.select.strategy %s)", len(prompts), cfg.select.strategy)
 
     model = modeling.load_policy(str(inputs["policy"]), params.model, device)
     tok = modeling.load_tokenizer(str(inputs["policy"]))
@@ -95,7 +89,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     fp = training.fingerprint(cfg, params.reward, params.rollout.backend, params.model.lora, params.seed, policy0,
                               sorted(prompt_ids))
     cursor = grpo.PromptCursor(len(prompts), params.seed)
-    start, log_rows, cursor.pos = training.restore_loop_state(ckpt_dir, fp, model, opt)
+    moving_ref = ref if cfg.ref_reset is not None else None  # a reference that resets is checkpointed too
+    start, log_rows, cursor.pos = training.restore_loop_state(ckpt_dir, fp, model, opt, moving_ref)
     for stale in shard_tmp.glob("step_*.parquet") if d.main else []:  # shards after the checkpoint are redone
         if int(stale.stem.split("_")[1]) > start:
             stale.unlink()
@@ -125,6 +120,9 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
             metrics, advs = grpo.update_from_groups(model, opt, sb.groups, cfg, prompt_ids, tok.pad_token_id, ref,
                                                     seed=seed)
         update_s = time.time() - t2
+        if cfg.ref_reset is not None and (step + 1) % cfg.ref_reset.every == 0:
+            grpo.reset_reference(ref, d.plain(model), opt if cfg.ref_reset.optimizer else None)
+            log.info("step %d: reference reset to the current policy (rl.ref_reset)", step + 1)
         idle = 0 if metrics else idle + 1
         if idle:
             log.warning("step %d: nothing to update (%d groups sampled, %d kept by dynamic sampling %r, none "
@@ -152,7 +150,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
             "pass_rate": round(float(np.mean([bool(c) for c in correct])), 4) if correct else None,
             "zero_var_frac": round(sb.zero_var_frac, 4), "groups_used": len(sb.groups), "refill_rounds": sb.rounds,
             **{k: float(f"{metrics.get(k, 0.0):.4g}") for k in ("loss", "clipfrac", "kl", "entropy", "ratio_max",
-                                                                 "grad_norm", "logprob_gap", "tis_capped")},
+                                                                 "grad_norm", "logprob_gap", "tis_capped",
+                                                                 "pg_tokens")},
             "response_len": round(float(np.mean([len(row["token_ids"]) for row in first_rows])), 2),
             "samples_per_s": round(len(all_rows) / step_s, 1), "gen_s": round(sb.gen_s, 3),
             "reward_s": round(sb.reward_s, 3), "update_s": round(update_s, 3)})
@@ -164,7 +163,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                 with atomic_path(ckpt_dir / "saved" / f"step_{done}") as tmp:
                     modeling.save_checkpoint(saved, tok, tmp)
         if done % cfg.checkpoint_every == 0 and done < cfg.steps:
-            training.save_loop_state(ckpt_dir, done, fp, cursor.pos, model, opt, log_rows)
+            training.save_loop_state(ckpt_dir, done, fp, cursor.pos, model, opt, log_rows, moving_ref)
     elapsed = time.time() - t_run
 
     model.eval()

@@ -251,3 +251,17 @@ def test_truncated_importance_sampling_weights_by_hand():
     # cap 1.5: tokens 2 -> 1.5, 0.5 stays; sequence 1 stays
     torch.testing.assert_close(TIS["token"](old[:1], sampler[:1], mask[:1], 1.5), torch.tensor([[1.5, 0.5, 0.0]]))
     assert not TIS["token"](old.requires_grad_(), sampler, mask, 2.0).requires_grad  # a weight, not a path
+
+
+def test_entropy_token_selection_by_hand():
+    from posttrain.algos import TOKEN_SELECTIONS
+
+    ent = torch.tensor([0.1, 0.9, 0.5, 0.8, 0.2])
+    # rho 0.4 of 5 tokens: k = ceil(2.0) = 2 -> the two highest entropies, 0.9 (index 1) and 0.8 (index 3)
+    assert TOKEN_SELECTIONS["top_entropy"](ent, 0.4).tolist() == [False, True, False, True, False]
+    assert TOKEN_SELECTIONS["bottom_entropy"](ent, 0.4).tolist() == [True, False, True, False, True]
+    # rho 0.3: k = ceil(1.5) = 2 as well; rho 0.2: k = 1 -> index 1 alone
+    assert TOKEN_SELECTIONS["top_entropy"](ent, 0.2).tolist() == [False, True, False, False, False]
+    # ties go to the earlier token: three equal entropies, k = ceil(0.6) = 1 -> the first
+    assert TOKEN_SELECTIONS["top_entropy"](torch.tensor([0.5, 0.5, 0.5]), 0.2).tolist() == [True, False, False]
+    assert TOKEN_SELECTIONS["all"](ent, 0.2).all() and TOKEN_SELECTIONS["top_entropy"](ent, 1.0).all()

@@ -280,3 +280,88 @@ def test_truncated_importance_sampling_reweights_the_policy_gradient():
             torch.testing.assert_close(b, factor * a, rtol=1e-4, atol=1e-7)
         assert m["tis_capped"] == (1.0 if cap < 2 else 0.0)
         assert m["logprob_gap"] == pytest.approx(math.log(2), abs=1e-5)
+
+
+def test_entropy_token_selection_restricts_the_policy_gradient_to_the_chosen_tokens():
+    """top_entropy at rho 1 keeps every token (the same update as all); bottom_entropy at rho 1 keeps none (no
+    policy gradient: the weights do not move); rho 0.3 keeps the highest-entropy 30% of the batch's tokens
+    under the sampling policy and gives another update. (Fails if the mask is not applied to the loss.)"""
+    def step(**kw):
+        tok, model, seqs, cfg = _setup(**kw)
+        w0 = [p.detach().clone() for p in model.parameters()]
+        m = grpo.policy_update(model.train(), torch.optim.SGD(model.parameters(), lr=0.1), seqs, cfg,
+                               tok.pad_token_id)
+        moved = max(float((p.detach() - q).abs().max()) for p, q in zip(model.parameters(), w0, strict=True))
+        return moved, seqs, m, model
+
+    moved_all, _, m_all, model_all = step()
+    moved_top1, _, m_top1, model_top1 = step(token_select="top_entropy", token_rho=1.0)
+    assert moved_all > 0 and m_all["pg_tokens"] == 1.0 and m_top1["pg_tokens"] == 1.0
+    for p, q in zip(model_all.parameters(), model_top1.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-7)
+    moved_none, _, m_none, _ = step(token_select="bottom_entropy", token_rho=1.0)
+    assert moved_none == 0.0 and m_none["pg_tokens"] == 0.0
+    moved_top, seqs, m_top, model_top = step(token_select="top_entropy", token_rho=0.3)
+    flat = [(e, k) for s in seqs for e, k in zip(s.entropy, s.pg_mask, strict=True)]
+    kept = sorted(e for e, k in flat if k)
+    assert len(kept) == math.ceil(0.3 * len(flat)) and abs(m_top["pg_tokens"] - len(kept) / len(flat)) < 1e-9
+    assert min(kept) >= max(e for e, k in flat if not k)  # the kept tokens are the highest-entropy ones
+    assert moved_top > 0 and any(not torch.allclose(p, q) for p, q in zip(model_all.parameters(),
+                                                                          model_top.parameters(), strict=True))
+
+
+def test_1_shot_prompt_selection_by_reward_variance_by_hand():
+    from posttrain.config import RlSelect
+
+    problems = [{"id": f"p{i}"} for i in range(5)]
+    rates = [{"prompt_id": "p0", "pass_rate": 0.5}, {"prompt_id": "p1", "pass_rate": 0.9},
+             {"prompt_id": "p2", "pass_rate": 0.3}, {"prompt_id": "p3", "pass_rate": None},
+             {"prompt_id": "p4", "pass_rate": 0.0}]
+    band = RlSelect(min_pass_rate=0.01, max_pass_rate=0.99)
+    assert [p["id"] for p in grpo.PROMPT_SELECTIONS["pass_band"](problems, rates, band)] == ["p0", "p1", "p2"]
+    # variances p(1 - p): p0 0.25, p1 0.09, p2 0.21 (p3 unmeasured, p4 outside the band)
+    top2 = RlSelect(strategy="top_variance", top_k=2)
+    assert [p["id"] for p in grpo.PROMPT_SELECTIONS["top_variance"](problems, rates, top2)] == ["p0", "p2"]
+    top1 = RlSelect(strategy="top_variance", top_k=1)
+    assert [p["id"] for p in grpo.PROMPT_SELECTIONS["top_variance"](problems, rates, top1)] == ["p0"]
+
+
+def test_reference_reset_moves_the_kl_anchor_to_the_policy_and_clears_the_optimizer(tmp_path):
+    """ProRL: after a reset the reference equals the policy (the KL is 0 again), Adam's state is gone, and a
+    checkpoint carries the moved reference so a resumed run continues from it."""
+    from posttrain import training
+
+    tok, model, seqs, _ = _setup()
+    ref = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 1).eval()
+    cfg = Rl(lr=1e-3, micro_batch_size=1, kl_coef=1.0, ref_reset={"every": 1, "optimizer": True})
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    m = grpo.policy_update(model.train(), opt, seqs, cfg, tok.pad_token_id, ref_model=ref)
+    assert m["kl"] > 1e-3 and opt.state  # a different reference: a KL; Adam has moments
+    grpo.reset_reference(ref, model, opt)
+    assert not opt.state
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q) and p.data_ptr() != q.data_ptr()  # a copy, not the same tensors
+    for s in seqs:
+        s.ref_logp = None
+    m = grpo.policy_update(model.train(), opt, seqs, cfg, tok.pad_token_id, ref_model=ref)
+    assert m["kl"] < 1e-9  # k3 of identical distributions
+
+    training.save_loop_state(tmp_path, 1, "fp", 0, model, opt, [], ref)
+    fresh = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 2)
+    training.restore_loop_state(tmp_path, "fp", model, opt, fresh)
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), fresh.parameters(), strict=True))
+
+
+def test_reference_reset_needs_a_reference_and_no_lora():
+    from conftest import tiny_raw
+
+    from posttrain.config import ConfigError, parse_params
+
+    with pytest.raises(ValueError, match="needs a reference"):
+        Rl(ref_reset={"every": 5})
+    raw = tiny_raw(None)
+    raw["rl"].update({"kl_coef": 0.1, "ref_reset": {"every": 5}})
+    parse_params(raw)
+    raw["model"]["lora"] = {"r": 4, "alpha": 8}
+    with pytest.raises(ConfigError, match="rl.ref_reset with model.lora"):
+        parse_params(raw)

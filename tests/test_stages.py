@@ -253,3 +253,29 @@ def test_rl_stops_when_steps_in_a_row_have_nothing_to_update(tiny):
     with pytest.raises(StageError, match="2 steps in a row had nothing to update"):
         rl.run(p, _ins(p, "rl"), o["rl"])
     assert not Path(p.paths.rl_model).exists()
+
+
+def test_rl_with_1_shot_selection_entropy_tokens_and_reference_resets(tiny, caplog):
+    """The techniques through the stage: top_variance keeps the 2 prompts of largest p(1 - p), the policy
+    gradient uses the top 20% entropy tokens (pg_tokens logged ~0.2), the reference resets every 2 steps."""
+    tiny["rl"].update({"select": {"strategy": "top_variance", "top_k": 2, "min_pass_rate": 0.0,
+                                  "max_pass_rate": 1.0},
+                       "token_select": "top_entropy", "token_rho": 0.2, "kl_coef": 0.1,
+                       "ref_reset": {"every": 2, "optimizer": True}})
+    p = parse_params(tiny)
+    o = _outs(p)
+    curate.run(p, {}, o["curate"])
+    sft.run(p, _ins(p, "sft"), o["sft"])
+    rollout.run(p, _ins(p, "rollout"), o["rollout"])
+    reward.run(p, {"rollouts": o["rollout"]["rollouts"]}, o["reward"])
+    rates = {r["prompt_id"]: r["pass_rate"] for r in read_parquet(o["reward"]["pass_rates"])}
+    with caplog.at_level("INFO", logger="rl"):
+        rl.run(p, _ins(p, "rl"), o["rl"])
+    chosen = [x["id"] for x in read_problems(Path(p.paths.rl_dir) / "selected_prompts.parquet")]
+    var = sorted((v * (1 - v) for v in rates.values()), reverse=True)
+    assert len(chosen) == 2 and sorted(rates[c] * (1 - rates[c]) for c in chosen) == sorted(var[:2])
+    log = (Path(p.paths.rl_report_dir) / "train_log.csv").read_text().splitlines()
+    col = log[0].split(",").index("pg_tokens")
+    shares = [float(r.split(",")[col]) for r in log[1:] if r.split(",")[1] == "1"]
+    assert shares and all(0.2 <= s < 0.3 for s in shares)  # ceil(0.2 n) of n tokens
+    assert sum("reference reset" in r.message for r in caplog.records) == 2  # after steps 2 and 4
