@@ -1,5 +1,5 @@
 """Wall time and peak memory of each stage of the default pipeline, of a no-op ``dvc repro``, and of the
-re-run after one evaluate param changes.
+re-runs after one evaluate param and one report param change.
 
 Runs in the current repository (its outputs are what ``dvc repro`` would produce anyway):
 
@@ -9,8 +9,10 @@ Stage output goes to log files in a temporary folder (named at the end).
    run-cache nor an up-to-date lock skips the work); wall time and the peak RSS of the process tree (dvc
    plus the stage's python), sampled every 0.1 s with psutil;
 2. ``dvc repro`` with nothing changed (the no-op: hashing deps and outs only);
-3. ``evaluate.bootstrap`` changed in params.yaml, then ``dvc repro`` (only evaluate re-runs); params.yaml is
-   restored afterwards and a last ``dvc repro`` takes evaluate's outputs back from DVC's run-cache.
+3. ``evaluate.bootstrap`` changed in params.yaml, then ``dvc repro`` (every ``evaluate@<model>`` and
+   ``report`` re-run); params.yaml is restored afterwards and a last ``dvc repro`` takes their outputs back
+   from DVC's run-cache;
+4. ``report.compare`` changed (only ``report`` re-runs: no model is evaluated again), then restored.
 
     python benchmarks/pipeline.py [--json benchmarks/results/pipeline.json]
 """
@@ -29,8 +31,6 @@ from pathlib import Path
 
 import psutil
 import yaml
-
-STAGES = ["curate", "sft", "rollout", "reward", "rl", "distill", "evaluate"]
 
 
 def timed(cmd: list[str], log: Path) -> tuple[float, float, float]:
@@ -71,7 +71,10 @@ def main() -> None:
                      "tracking_s": round(trk, 2)})
         print(rows[-1], flush=True)
 
-    for s in STAGES:
+    raw = yaml.safe_load(Path("params.yaml").read_text())
+    stages = ["curate", "sft", "rollout", "reward", "rl", "distill",
+              *(f"evaluate@{m}" for m in raw["evaluate"]["models"]), "report"]  # dvc.yaml's DAG order
+    for s in stages:
         run(f"stage {s}", [*dvc, "repro", "--force", "--single-item", s])
     rows.append({"what": "all stages (sum)", "wall_s": round(sum(r["wall_s"] for r in rows), 1),
                  "peak_rss_mb": max(r["peak_rss_mb"] for r in rows),
@@ -79,11 +82,17 @@ def main() -> None:
     run("no-op dvc repro", [*dvc, "repro"])
     params = Path("params.yaml")
     text = params.read_text()
-    raw = yaml.safe_load(text)
     try:
         params.write_text(text.replace(f"bootstrap: {raw['evaluate']['bootstrap']}",
                                        f"bootstrap: {raw['evaluate']['bootstrap'] + 1}"))
         run("dvc repro after evaluate.bootstrap changed", [*dvc, "repro"])
+    finally:
+        params.write_text(text)
+    run("dvc repro after restoring it (run-cache)", [*dvc, "repro"])
+    try:
+        first = raw["report"]["compare"][0]
+        params.write_text(text.replace(f"- [{first[0]}, {first[1]}]\n", "", 1))
+        run("dvc repro after report.compare changed", [*dvc, "repro"])
     finally:
         params.write_text(text)
     run("dvc repro after restoring it (run-cache)", [*dvc, "repro"])

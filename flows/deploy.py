@@ -1,7 +1,7 @@
 """Deployments of the pipeline on a running Prefect server (``PREFECT_API_URL``).
 
 - ``posttrain-pipeline/default``: the whole DAG with GPU routing on, on the cpu work pool;
-- ``posttrain-pipeline/nightly-evaluate``: ``target=evaluate`` on a cron schedule (default 03:00 daily):
+- ``posttrain-pipeline/nightly-evaluate``: ``target=report`` on a cron schedule (default 03:00 daily):
   re-evaluates whatever changed (new benchmark files, evaluate params); DVC skips everything up to date;
 - ``posttrain-stage/gpu``: one stage (a parameter), on the gpu work pool; the pipeline's gpu stages run here.
 
@@ -52,7 +52,7 @@ def deploy(repo: str | Path = ".", cron: str = "0 3 * * *", pools: tuple[str, ..
                     name="default", work_pool_name=cfg.cpu_pool, parameters={"route": True, "repo": src}, **quiet),
                 pipeline.from_source(src, "flows/pipeline.py:pipeline").deploy(
                     name="nightly-evaluate", work_pool_name=cfg.cpu_pool, cron=cron,
-                    parameters={"target": "evaluate", "route": True, "repo": src}, **quiet)]
+                    parameters={"target": "report", "route": True, "repo": src}, **quiet)]
     if "gpu" in pools:
         ensure_pool(cfg.gpu_pool)
         ids.append(stage_flow.from_source(src, "flows/pipeline.py:stage_flow").deploy(

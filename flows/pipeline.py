@@ -31,8 +31,9 @@ their lock entries and metrics as the flow run's ``dvc-lock`` artifact (stored b
 pipeline merges those and pulls the outputs. Both checkouts end with a ``dvc.lock`` that ``dvc pull`` and
 ``posttrain lineage --verify`` accept.
 
-Each stage publishes Prefect artifacts: its metrics (``metrics/<stage>.json``) as a table, and for
-``evaluate`` the Markdown report. The stage's output streams into the task's logs.
+Each stage publishes Prefect artifacts: its metrics (``metrics/<stage>.json``; ``metrics/evaluate/<name>.json``
+for ``evaluate@<name>``) as a table, and ``report`` the Markdown report. The stage's output streams into the
+task's logs.
 
 Run in-process: ``python -m flows.pipeline [--target rl] [-S rl.lr=1e-5] [--exp-name lr1e5]``;
 deploy: ``posttrain deploy`` (flows/deploy.py), then ``prefect deployment run posttrain-pipeline/default``.
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -55,7 +57,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from posttrain import tracking
-from posttrain.config import ConfigError, Params, load_params, parse_params
+from posttrain.config import ConfigError, Params, load_params, parse_params, stage_metrics
 from posttrain.dvcrepo import clear_stale_locks, workspace_lock
 from posttrain.errors import StageError
 from posttrain.schema import write_text
@@ -179,17 +181,19 @@ def apply_overrides(repo: Path, overrides: list[str]) -> Params:
 
 
 def publish(stage: str, repo: Path, params: Params, status: str) -> None:
-    """Prefect artifacts of a finished stage: its metrics as a table; evaluate's report as Markdown."""
-    metrics = repo / params.paths.metrics_dir / f"{stage}.json"
+    """Prefect artifacts of a finished stage: its metrics as a table; the report stage's report.md as Markdown.
+    (Artifact keys allow lowercase letters, digits and dashes: ``evaluate@student_sft`` -> ``evaluate-student-sft``.)"""
+    metrics = repo / stage_metrics(params.paths.metrics_dir, stage)
+    key = re.sub(r"[^a-z0-9-]", "-", stage.lower())
     if metrics.is_file():
         flat = [{"metric": k, "value": json.dumps(v) if isinstance(v, list) else v}
                 for k, v in tracking.flatten(json.loads(metrics.read_text())).items()]
-        create_table_artifact(key=f"{stage}-metrics", table=flat,
-                              description=f"{stage}: metrics/{stage}.json ({status})")
-    report = repo / params.paths.eval_report_dir / "report.md"
-    if stage == "evaluate" and report.is_file():
-        create_markdown_artifact(key="evaluate-report", markdown=report.read_text(),
-                                 description="evaluate: report.md")
+        create_table_artifact(key=f"{key}-metrics", table=flat,
+                              description=f"{stage}: {metrics.relative_to(repo)} ({status})")
+    report = repo / params.paths.eval_report_dir / "summary" / "report.md"
+    if stage == "report" and report.is_file():
+        create_markdown_artifact(key="evaluation-report", markdown=report.read_text(),
+                                 description="report: every model side by side (report.md)")
 
 
 def run_stage(stage: str, repo: Path) -> str:
@@ -402,7 +406,7 @@ def _groups(stages: list[str], resources: dict[str, str]) -> list[tuple[str, lis
     together (``resources`` empty: everything cpu, i.e. in this process)."""
     out: list[tuple[str, list[str]]] = []
     for s in stages:
-        kind = resources.get(s, "cpu")
+        kind = resources.get(s.split("@")[0], "cpu")  # evaluate@sft: the class of evaluate
         if kind == "gpu" and out and out[-1][0] == "gpu":
             out[-1][1].append(s)
         else:

@@ -497,6 +497,8 @@ class Tis(_Model):
 
 class Rl(_Model):
     steps: int = Field(40, ge=1, description="rollout -> reward -> update rounds")
+    seed: int = Field(0, ge=0, description="added to the pipeline seed for RL's sampling and prompt order: "
+                      "several seeds of an RL arm on the same curate/sft outputs (the pipeline seed re-runs all)")
     prompts_per_step: int = Field(16, ge=1, description="B: prompts per round")
     group_size: int = Field(8, ge=2, description="G: samples per prompt")
     sampling: RlSampling = Field(default_factory=RlSampling, description="temperature > 0 and top_p 1: the "
@@ -648,7 +650,9 @@ class Distill(_Model):
 class Evaluate(_Model):
     models: dict[str, str] = Field(
         min_length=1,
-        description="name -> checkpoint path (or hub id), evaluated side by side in this order",
+        description="name -> checkpoint path, each evaluated by its own DVC stage evaluate@<name> (a dep: so an "
+        "experiment re-evaluates only the models whose inputs changed) and shown side by side in this order by "
+        "the report stage. `python -m stages.evaluate --model NAME` also takes a hub id; dvc repro needs paths",
     )
     backend: Literal["hf", "vllm"] = Field("hf", description="rollout backend used for generation")
     num_samples: int = Field(8, ge=1, description="samples per prompt for pass@k / maj@k")
@@ -658,8 +662,6 @@ class Evaluate(_Model):
     limit: int | None = Field(None, ge=1, description="evaluate at most this many prompts per split")
     sample_prompts: int | None = Field(None, ge=1, description="sampled metrics (pass@k, maj@k) on the first N "
                                        "prompts of each split only (greedy runs on all); None = all")
-    compare: list[tuple[str, str]] = Field(default_factory=list, description="model pairs whose pass@k curves "
-                                           "are checked for a crossing (e.g. [sft, rl])")
     benchmarks: list[BenchmarkSpec] = Field(default_factory=list, description="extra benchmark files/hub sets")
     bootstrap: int = Field(1000, ge=10, description="bootstrap resamples for 95% intervals")
 
@@ -671,9 +673,25 @@ class Evaluate(_Model):
         return self
 
 
+# -------------------------------------------------------------------------------------------- report
+class Report(_Model):
+    """The side-by-side report over every evaluate@<name> stage's results (stages/report.py)."""
+
+    compare: list[tuple[str, str]] = Field(default_factory=list, description="model pairs (names of "
+                                           "evaluate.models) given paired differences and checked for a pass@k "
+                                           "crossing (e.g. [sft, rl])")
+
+
 # ------------------------------------------------------------------------------------------------ root
 # ---------------------------------------------------------------------------------------------- prefect
-STAGES = ("curate", "sft", "rollout", "reward", "rl", "distill", "evaluate")  # DAG order, as in dvc.yaml
+# DAG order, as in dvc.yaml; evaluate runs once per model (evaluate@<name>, a foreach stage)
+STAGES = ("curate", "sft", "rollout", "reward", "rl", "distill", "evaluate", "report")
+
+
+def stage_metrics(metrics_dir: str | Path, stage: str) -> Path:
+    """A stage's metrics file: ``metrics/<stage>.json``; of one foreach instance ``metrics/<stage>/<key>.json``
+    (``evaluate@sft`` -> ``metrics/evaluate/sft.json``)."""
+    return Path(metrics_dir) / f"{stage.replace('@', '/')}.json"
 
 
 class PrefectCfg(_Model):
@@ -738,6 +756,7 @@ class Params(_Model):
     rl: Rl
     distill: Distill
     evaluate: Evaluate
+    report: Report = Field(default_factory=Report)
     prefect: PrefectCfg = Field(default_factory=PrefectCfg)
     tracking: TrackingCfg = Field(default_factory=TrackingCfg)
 
@@ -747,6 +766,9 @@ class Params(_Model):
         if (synthetic or self.curate.eval.source is None) and self.task.kind != "arith":
             raise ValueError("curate: the synthetic generator (a synthetic source, or eval.source unset) "
                              "needs task.kind == 'arith'")
+        unknown = sorted({m for pair in self.report.compare for m in pair} - set(self.evaluate.models))
+        if unknown:
+            raise ValueError(f"report.compare: {unknown} not in evaluate.models {list(self.evaluate.models)}")
         if self.rl.ref_reset is not None and self.model.lora is not None:
             raise ValueError("rl.ref_reset with model.lora is not supported: the LoRA policy's reference is its "
                              "frozen base (adapter off), which a reset would have to overwrite with the merge")

@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from posttrain.config import stage_metrics
 from posttrain.errors import StageError
 
 
@@ -125,14 +126,13 @@ def resolve(root: Path, target: str, lock: dict[str, Any], tracking_uri: str | N
 
 
 def _key_metrics(root: Path, stage: str, metrics_dir: str) -> dict[str, Any]:
-    f = root / metrics_dir / f"{stage}.json"
+    f = root / stage_metrics(metrics_dir, stage)
     if not f.is_file():
         return {}
     data = json.loads(f.read_text())
-    if stage == "evaluate":
-        return {f"{split}/{m}": {k: v.get(k) for k in ("greedy", "pass@1", "generator") if k in v}
-                for split, models in data.items() if isinstance(models, dict)
-                for m, v in models.items() if isinstance(v, dict)}
+    if stage.startswith("evaluate@"):  # {split: summary} of one model
+        return {split: {k: v.get(k) for k in ("greedy", "pass@1", "generator") if k in v}
+                for split, v in data.items() if isinstance(v, dict)}
     keep = {k: v for k, v in data.items() if isinstance(v, int | float) and not isinstance(v, bool)}
     return {"generator": data["generator"], **keep} if isinstance(data.get("generator"), str) else keep
 

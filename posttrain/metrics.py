@@ -86,3 +86,8 @@ def bootstrap_ci(values: Sequence[float], n_boot: int = 1000, seed: int = 0, alp
     means = x[rng.integers(0, x.size, size=(n_boot, x.size))].mean(axis=1)
     lo, hi = np.quantile(means, [alpha / 2, 1 - alpha / 2])
     return float(lo), float(hi)
+
+
+# Per-problem metrics reported as plain means, without an interval (lengths and the truncated share describe
+# the completions; they are not accuracies to compare).
+NO_INTERVAL = frozenset({"len", "greedy_len", "truncated"})

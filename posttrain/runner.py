@@ -87,6 +87,17 @@ def _torchrun(name: str, cmd: list[str]) -> int:
     return 0
 
 
+def model_arg(argv: list[str]) -> tuple[str, list[str]]:
+    """``--model NAME`` of a per-model stage (evaluate@<name>) and the remaining arguments; missing -> exit 2."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--model")
+    args, rest = ap.parse_known_args(argv)
+    if not args.model:
+        print("posttrain: --model NAME (a key of evaluate.models) is required", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
+    return args.model, rest
+
+
 def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[str] | None = None,
                distributed: bool = False) -> None:
     """Parse ``--params``, validate, run ``body``; one-line errors: config -> exit 2, stage -> exit 1.
@@ -97,7 +108,7 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
     a worker it joins the process group, and only rank 0 logs at INFO, shows progress and records the MLflow
     run (the other ranks write nothing)."""
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog=f"python -m stages.{name}")
+    ap = argparse.ArgumentParser(prog=f"python -m stages.{name.split('@')[0]}")
     ap.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     args = ap.parse_args(argv)
     try:
@@ -129,6 +140,9 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
     try:
         with stage_run(name, params, Path(args.params).resolve().parent):
             body(params)
+    except ConfigError as e:  # a config problem only the stage can see (e.g. an unknown --model name)
+        print(f"posttrain: {e}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
     except StageError as e:
         print(f"posttrain {name}: {e}", file=sys.stderr)
         sys.exit(1)

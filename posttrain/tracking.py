@@ -10,7 +10,7 @@ through these), hostname, device and package versions. Model outputs of ``sft``,
 registered model versions (``create_model_version(source=<model folder>)``; on a tracking server, which
 accepts only sources inside a run's artifacts, the folder is uploaded as the run's ``model/<name>`` artifact
 first), tagged with the run, the out's md5 and the parent model's version, with the alias ``candidate``;
-``evaluate`` moves the alias ``champion`` to a version whose ``tracking.champion`` metric beats the current
+``evaluate@<name>`` moves the alias ``champion`` to a version whose ``tracking.champion`` metric beats the current
 champion's.
 
 Everything is sent in one go when the stage ends (``log_batch`` in chunks: no call per value), so tracking
@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from posttrain.config import Params
+from posttrain.config import Params, stage_metrics
 
 log = logging.getLogger("tracking")
 PARENT_ENV = "POSTTRAIN_MLFLOW_PARENT"
@@ -163,7 +163,7 @@ def build_record(stage: str, params: Params, root: Path, start_ms: int, status: 
                 "hostname": socket.gethostname(), "platform": platform.platform(),
                 "device": "cuda" if torch is not None and torch.cuda.is_available() else "cpu", **_versions(),
                 **{f"dvc.dep.{p}": h for p, h in deps.items()}, **{f"dvc.out.{p}": h for p, h in outs.items()}}
-    metrics_file = root / params.paths.metrics_dir / f"{stage}.json"
+    metrics_file = root / stage_metrics(params.paths.metrics_dir, stage)
     if metrics_file.is_file():
         for k, v in flatten(json.loads(metrics_file.read_text())).items():
             if isinstance(v, int | float) and not isinstance(v, bool):
@@ -182,13 +182,13 @@ def build_record(stage: str, params: Params, root: Path, start_ms: int, status: 
         rec.models.append({"name": f"{params.tracking.model_prefix}{key.removesuffix('_model')}",
                            "source": str((root / path).resolve()), "md5": outs.get(path, ""),
                            "parent_md5": (deps.get(parent) or outs.get(parent) or "") if parent else ""})
-    if stage == "evaluate" and params.tracking.champion and metrics_file.is_file():
+    name = stage.removeprefix("evaluate@")
+    if name != stage and params.tracking.champion and metrics_file.is_file() and name in params.evaluate.models:
         split, metric = params.tracking.champion.split(".", 1)
-        res = json.loads(metrics_file.read_text()).get(split, {})
-        for name, path in params.evaluate.models.items():
-            value = res.get(name, {}).get(metric)
-            if isinstance(value, int | float) and deps.get(path):
-                rec.evals.append({"md5": deps[path], "metric": params.tracking.champion, "value": float(value)})
+        value = json.loads(metrics_file.read_text()).get(split, {}).get(metric)
+        path = params.evaluate.models[name]
+        if isinstance(value, int | float) and deps.get(path):
+            rec.evals.append({"md5": deps[path], "metric": params.tracking.champion, "value": float(value)})
     return rec
 
 

@@ -88,7 +88,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     ckpt_dir, shard_tmp = out["checkpoints"], out["checkpoints"] / "shards"
     fp = training.fingerprint(cfg, params.reward, params.rollout.backend, params.model.lora, params.seed, policy0,
                               sorted(prompt_ids))
-    cursor = grpo.PromptCursor(len(prompts), params.seed)
+    rl_seed = params.seed + cfg.seed  # rl.seed: seeds of an RL arm on the same upstream (curate, sft)
+    cursor = grpo.PromptCursor(len(prompts), rl_seed)
     moving_ref = ref if cfg.ref_reset is not None else None  # a reference that resets is checkpointed too
     start, log_rows, cursor.pos = training.restore_loop_state(ckpt_dir, fp, model, opt, moving_ref)
     for stale in shard_tmp.glob("step_*.parquet") if d.main else []:  # shards after the checkpoint are redone
@@ -106,7 +107,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         # the generation engine samples from this step's weights: FSDP2's full copy is refreshed from the shards,
         # vLLM's engine gets them copied in (the hf backend samples with the model itself: nothing to do)
         backend.load_weights(d.plain(model), f"{policy0}@step{step}")
-        seed = params.seed * 1_000_003 + step * 1009
+        seed = rl_seed * 1_000_003 + step * 1009
         with amp():
             sb = grpo.collect_step(backend, tok, prompts, cursor, cfg, params.reward.rewards, seed,
                                    policy=f"{policy0}@step{step}")

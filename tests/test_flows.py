@@ -58,10 +58,11 @@ def test_consecutive_gpu_stages_share_one_remote_run():
     from flows.pipeline import _groups
 
     res = {"curate": "cpu", "sft": "gpu", "rollout": "gpu", "reward": "cpu", "rl": "gpu", "distill": "gpu",
-           "evaluate": "gpu"}
-    stages = list(res)
+           "evaluate": "gpu", "report": "cpu"}
+    stages = [s for s in res if s != "evaluate"]
+    stages[-1:-1] = ["evaluate@sft", "evaluate@rl"]  # a foreach stage's instances take its class
     assert _groups(stages, res) == [("cpu", ["curate"]), ("gpu", ["sft", "rollout"]), ("cpu", ["reward"]),
-                                    ("gpu", ["rl", "distill", "evaluate"])]
+                                    ("gpu", ["rl", "distill", "evaluate@sft", "evaluate@rl"]), ("cpu", ["report"])]
     assert _groups(stages, {}) == [("cpu", [s]) for s in stages]  # routing off: all in process
 
 
@@ -149,6 +150,8 @@ def test_two_machines_share_only_the_server_and_a_dvc_remote_and_a_killed_worker
     stages ran with the gpu environment's interpreter (``prefect.gpu_python``)."""
     raw = tiny_raw(None)
     raw["rl"].update({"steps": 40, "checkpoint_every": 2})  # long enough to kill the gpu worker mid-rl
+    raw["evaluate"]["models"] = {k: raw["evaluate"]["models"][k] for k in ("rl", "student")}  # evaluate@rl, @student
+    raw["report"]["compare"] = [["rl", "student"]]
     raw["prefect"]["dvc_remote"] = "store"
     # the gpu machine's stage environment (prefect.gpu_python): a stand-in interpreter that logs each stage
     # command it runs, then runs it with this interpreter
@@ -216,12 +219,12 @@ def test_two_machines_share_only_the_server_and_a_dvc_remote_and_a_killed_worker
         assert parent["flow"] == "posttrain-pipeline" and parent["pool"] == "cpu"
         stage_runs = [r for r in runs if r["flow"] == "posttrain-stage"]
         resources = raw["prefect"]["resources"]
-        on_gpu = {s for r in stage_runs for s in r["params"]["stages"]}
+        on_gpu = {s.split("@")[0] for r in stage_runs for s in r["params"]["stages"]}  # evaluate@sft: evaluate
         assert on_gpu == {s for s, c in resources.items() if c == "gpu"}  # every gpu stage, no cpu stage
         assert all(r["pool"] == "gpu" and r["params"].get("repo") in (None, str(repos["gpu"]))
                    for r in stage_runs)  # in the gpu machine's own checkout
         assert {s for r in stage_runs if r["state"] == "COMPLETED" for s in r["params"]["stages"]} >= {
-            "rl", "distill", "evaluate"}
+            "rl", "distill", "evaluate@rl", "evaluate@student"}
         ran = {line.split()[1].removeprefix("stages.") for line in gpu_log.read_text().splitlines()
                if line.startswith("-m stages.")}
         assert ran == on_gpu  # gpu stages, and only they, ran with the gpu environment's interpreter
@@ -231,14 +234,16 @@ def test_two_machines_share_only_the_server_and_a_dvc_remote_and_a_killed_worker
             assert _mtimes(repos[pool], list(mt)) == mt
         rl = json.loads((repos["gpu"] / "metrics" / "rl.json").read_text())
         assert rl["resumed_from_step"] >= 2 and rl["shards"] == 40
-        stages = {"curate", "sft", "rollout", "reward", "rl", "distill", "evaluate"}
+        stages = {"curate", "sft", "rollout", "reward", "rl", "distill", "evaluate@rl", "evaluate@student", "report"}
         for pool, repo in repos.items():  # each machine: a complete dvc.lock, every output pullable, lineage ok
             lock = yaml.safe_load((repo / "dvc.lock").read_text())
-            assert set(lock["stages"]) == stages, pool
+            # the gpu checkout hears of cpu stages when its next gpu group starts: report (cpu) ran after the last
+            assert set(lock["stages"]) == (stages if pool == "cpu" else stages - {"report"}), pool
             for out in ("models/student", "data/rl"):
                 shutil.rmtree(repo / out)
-            for cmd in (["dvc", "pull", "--remote", "store"], ["posttrain.cli", "lineage", "models/student",
-                                                                "--verify"]):
+            # the gpu checkout pulls what it has lock entries for: its last stage and everything upstream
+            pull = ["dvc", "pull", "--remote", "store"] + ([] if pool == "cpu" else ["--with-deps", "evaluate@student"])
+            for cmd in (pull, ["posttrain.cli", "lineage", "models/student", "--verify"]):
                 r = subprocess.run([sys.executable, "-m", *cmd], cwd=repo, env=env[pool], capture_output=True,
                                    text=True, timeout=300)
                 assert r.returncode == 0, f"{pool}: {cmd}: {r.stdout[-2000:]}{r.stderr[-2000:]}"

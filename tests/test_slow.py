@@ -99,7 +99,7 @@ def _lineage(repo: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True)
 
 
-def _check_tracking_and_lineage(repo: Path, rl_steps: int) -> None:
+def _check_tracking_and_lineage(repo: Path, rl_steps: int, models: tuple[str, ...]) -> None:
     """Seven stage runs nested under one parent in the sqlite store; the student's lineage is the DAG;
     --verify passes, then fails naming the one flipped byte of the RL checkpoint."""
     from posttrain.tracking import _client
@@ -109,7 +109,8 @@ def _check_tracking_and_lineage(repo: Path, rl_steps: int) -> None:
     parents = [r for r in runs if r.info.run_name == "pipeline"]
     assert len(parents) == 1
     children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
-    assert set(children) == {"curate", "sft", "rollout", "reward", "rl", "distill", "evaluate"}
+    assert set(children) == {"curate", "sft", "rollout", "reward", "rl", "distill", "report",
+                             *(f"evaluate@{m}" for m in models)}
     assert len(client.get_metric_history(children["rl"].info.run_id, "reward_mean")) == rl_steps  # every step
     assert client.get_model_version_by_alias("posttrain-student", "candidate").tags["parent_version"] == \
         "posttrain-student_sft/1"
@@ -189,6 +190,9 @@ def test_real_model_dag_on_gsm8k_with_lora(tmp_path):
     raw["distill"].update({"student": str(student), "max_new_tokens": 16, "micro_batch_size": 8, "grpo_steps": 0})
     for phase in ("warmup", "on_policy"):
         raw["distill"][phase].update({"steps": 1, "prompts_per_step": 2, "samples_per_prompt": 2})
+    models = ("sft", "rl", "student")  # one evaluate@<name> stage each
+    raw["evaluate"]["models"] = {m: raw["evaluate"]["models"][m] for m in models}
+    raw["report"]["compare"] = [["sft", "rl"]]
     raw["evaluate"].update({"num_samples": 2, "sample_prompts": 4, "ks": [1, 2], "bootstrap": 20, "batch_size": 64,
                             "benchmarks": [src("math500", "math", 8)]})
     for sec in (raw["rollout"], raw["rl"], raw["evaluate"]):
@@ -201,10 +205,11 @@ def test_real_model_dag_on_gsm8k_with_lora(tmp_path):
     r = subprocess.run([sys.executable, "-m", "posttrain.cli", "repro"], cwd=repo, env=ENV, capture_output=True,
                        text=True)  # dvc repro under one MLflow parent run
     assert r.returncode == 0, r.stderr[-4000:]
-    for stage in ("curate", "sft", "rollout", "reward", "rl", "distill", "evaluate"):
+    for stage in ("curate", "sft", "rollout", "reward", "rl", "distill", "report", *(f"evaluate@{m}" for m in models)):
         assert f"Running stage '{stage}'" in r.stdout + r.stderr
     metrics = {s: json.loads((repo / "metrics" / f"{s}.json").read_text())
-               for s in ("curate", "sft", "rollout", "reward", "rl", "distill", "evaluate")}
+               for s in ("curate", "sft", "rollout", "reward", "rl", "distill", "report")}
+    evals = {m: json.loads((repo / "metrics" / "evaluate" / f"{m}.json").read_text()) for m in models}
     cur = metrics["curate"]  # counts reconcile: every row read is kept, quarantined, a duplicate or contaminated
     assert cur["in"] == 300 and cur["kept"] + cur["quarantined"] + cur["duplicates"] + cur["contaminated"] == cur["in"]
     assert cur["kept"] == cur["train"] + cur["sft"]
@@ -220,18 +225,19 @@ def test_real_model_dag_on_gsm8k_with_lora(tmp_path):
         m = AutoModelForCausalLM.from_pretrained(folder)
         assert not any("lora" in k for k in m.state_dict()), name
         assert sorted(m.generation_config.eos_token_id) == [0, 2], name  # <|endoftext|> and <|im_end|>
-    assert set(metrics["evaluate"]["eval"]) == {"base", "sft", "rl", "student_sft", "student"}
-    assert "math500" in json.dumps(metrics["evaluate"])
+    assert all(set(evals[m]) == {"eval", "math500"} and evals[m]["eval"]["n"] > 0 for m in models)
+    assert list(metrics["report"]["eval"]) == ["sft vs rl"] and "greedy" in metrics["report"]["eval"]["sft vs rl"]
     assert metrics["rl"]["shards"] == raw["rl"]["steps"]
-    _check_tracking_and_lineage(repo, raw["rl"]["steps"])  # MLflow runs + registry; lineage tree, --verify
+    _check_tracking_and_lineage(repo, raw["rl"]["steps"], models)  # MLflow runs + registry; lineage tree, --verify
 
     assert "Data and pipelines are up to date" in _dvc(repo, "repro")  # a second repro is a no-op
-    raw["evaluate"]["bootstrap"] = 30  # an evaluate-only param: only evaluate re-runs
+    raw["report"]["compare"] = [["sft", "student"]]  # a report-only param: no model is evaluated again
     (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
     out = _dvc(repo, "repro")
-    assert "Running stage 'evaluate'" in out
+    assert "Running stage 'report'" in out and "Running stage 'evaluate@" not in out
     assert all(f"Running stage '{s}'" not in out for s in ("curate", "sft", "rollout", "reward", "rl", "distill"))
-    assert "evaluate.json" in _dvc(repo, "metrics", "show")
+    shown = _dvc(repo, "metrics", "show")
+    assert "report.json" in shown and "evaluate/student.json" in shown
 
 
 def pd_rows(path: Path) -> list[dict]:

@@ -12,10 +12,10 @@ from posttrain.config import parse_params
 from posttrain.errors import StageError
 from posttrain.metrics import pass_at_k, wilson_ci
 from posttrain.schema import read_parquet, read_problems
-from stages import curate, distill, evaluate, reward, rl, rollout, sft
+from stages import curate, distill, evaluate, report, reward, rl, rollout, sft
 
 STAGES = {"curate": curate, "sft": sft, "rollout": rollout, "reward": reward, "rl": rl, "distill": distill,
-          "evaluate": evaluate}
+          "report": report}  # evaluate runs per model: evaluate.paths(p, name)
 
 
 def _outs(p):
@@ -106,40 +106,33 @@ def test_sft_then_evaluate(tiny, monkeypatch):
         AutoModelForCausalLM.from_pretrained(path)
         assert AutoTokenizer.from_pretrained(path).chat_template
 
-    import gc
-    import weakref
-
-    from posttrain import modeling
-
-    loaded: list[weakref.ref] = []
-    real_load = modeling.load_model
-
-    def load_one_at_a_time(*a, **k):  # evaluate must drop every reference to a model before the next loads
-        gc.collect()
-        assert all(r() is None for r in loaded), "the previous model is still resident"
-        m = real_load(*a, **k)
-        loaded.append(weakref.ref(m))
-        return m
-
-    monkeypatch.setattr(modeling, "load_model", load_one_at_a_time)
-    res = evaluate.run(p, {**_ins(p, "evaluate"),
-                           "models": {k: v for k, v in p.evaluate.models.items() if k in ("base", "sft")}},
-                       o["evaluate"])
-    assert len(loaded) == 2
-    gens = read_parquet(Path(p.paths.eval_report_dir) / "generations.parquet")
-    assert len(gens) == 2 * 12 * (1 + 4)
+    res = {name: evaluate.run(p, *evaluate.paths(p, name)) for name in ("base", "sft")}  # as evaluate@base, @sft
     for name in ("base", "sft"):  # every reported number follows from the saved generations
-        r = res["eval"][name]
+        gens = read_parquet(Path(p.paths.eval_report_dir) / "models" / name / "generations.parquet")
+        assert len(gens) == 12 * (1 + 4) and {g["model"] for g in gens} == {name}
+        assert json.loads((Path(p.paths.metrics_dir) / "evaluate" / f"{name}.json").read_text()) == res[name]
+        r = res[name]["eval"]
         assert r["n"] == 12 and 0 <= r["greedy"] <= 1
-        greedy = [bool(g["correct"]) for g in gens if g["model"] == name and g["mode"] == "greedy"]
+        greedy = [bool(g["correct"]) for g in gens if g["mode"] == "greedy"]
         assert r["greedy"] == pytest.approx(sum(greedy) / 12, abs=1e-4)
         assert r["greedy_ci"] == pytest.approx(list(wilson_ci(sum(greedy), 12)), abs=1e-4)  # a proportion: Wilson
-        correct = Counter(g["id"] for g in gens if g["model"] == name and g["mode"] == "sample" and g["correct"])
-        ids = {g["id"] for g in gens if g["model"] == name}
+        correct = Counter(g["id"] for g in gens if g["mode"] == "sample" and g["correct"])
+        ids = {g["id"] for g in gens}
         for k in (1, 2, 4):
             assert r[f"pass@{k}"] == pytest.approx(np.mean([pass_at_k(4, correct[i], k) for i in ids]), abs=1e-4)
         assert r["pass@1_ci"][0] <= r["pass@1"] <= r["pass@1_ci"][1]
-    assert "| sft |" in (Path(p.paths.eval_report_dir) / "report.md").read_text()
+
+    with pytest.raises(StageError, match="evaluate@rl"):  # the report needs every model's evaluation
+        report.run(p, *report.paths(p))
+    p = parse_params({**tiny, "evaluate": {**tiny["evaluate"], "models": {k: tiny["evaluate"]["models"][k]
+                                                                          for k in ("base", "sft")}},
+                      "report": {"compare": [["base", "sft"]]}})
+    diffs = report.run(p, *report.paths(p))
+    md = (Path(p.paths.eval_report_dir) / "summary" / "report.md").read_text()
+    assert "| base |" in md and "| sft |" in md and "base vs sft" in md
+    d = diffs["eval"]["base vs sft"]["greedy"]  # paired: the mean of per-problem differences
+    assert d["diff"] == pytest.approx(res["sft"]["eval"]["greedy"] - res["base"]["eval"]["greedy"], abs=1e-3)
+    assert json.loads((Path(p.paths.metrics_dir) / "report.json").read_text()) == diffs
 
 
 def test_evaluate_counts_unscorable_gold_out_of_denominators(tiny, tmp_path):
@@ -153,8 +146,9 @@ def test_evaluate_counts_unscorable_gold_out_of_denominators(tiny, tmp_path):
     rows = [{"id": "g:0", "source": "g", "task": "arith", "prompt": "12*3=", "answer": "36", "solution": None},
             {"id": "g:1", "source": "g", "task": "arith", "prompt": "12*4=", "answer": "n/a", "solution": None}]
     write_parquet(tmp_path / "ev.parquet", rows, PROBLEM_SCHEMA)
-    res = evaluate.run(p, {"eval": tmp_path / "ev.parquet", "models": {"sft": p.paths.sft_model}}, o["evaluate"])
-    assert res["eval"]["sft"]["n"] == 1 and res["eval"]["sft"]["unscorable"] == 1
+    res = evaluate.run(p, {"eval": tmp_path / "ev.parquet", "name": "sft", "model": p.paths.sft_model},
+                       evaluate.paths(p, "sft")[1])
+    assert res["eval"]["n"] == 1 and res["eval"]["unscorable"] == 1
 
 
 def test_rollout_reward_rl_then_evaluate(tiny):
@@ -205,8 +199,11 @@ def test_rollout_reward_rl_then_evaluate(tiny):
     for path in (P.student_sft_model, P.student_model):
         AutoModelForCausalLM.from_pretrained(path)
 
-    res = evaluate.run(p, _ins(p, "evaluate"), o["evaluate"])
-    assert set(res["eval"]) == {"base", "sft", "rl", "student_sft", "student", "rl_step2"}
+    for name in p.evaluate.models:  # evaluate@<name>, then the report over all of them
+        evaluate.run(p, *evaluate.paths(p, name))
+    report.run(p, *report.paths(p))
+    md = (Path(P.eval_report_dir) / "summary" / "report.md").read_text()
+    assert all(f"| {n} |" in md for n in ("base", "sft", "rl", "student_sft", "student", "rl_step2"))
 
 
 def test_reward_stage_fails_on_unscorable_share(tiny, tmp_path):
@@ -225,9 +222,9 @@ def test_reward_stage_fails_on_unscorable_share(tiny, tmp_path):
 def test_pass_at_k_crossing_words():
     ks = [1, 2, 4]
     a = {"pass@1": 0.5, "pass@2": 0.7, "pass@4": 0.9}
-    assert evaluate.crossing(a, {"pass@1": 0.6, "pass@2": 0.7, "pass@4": 0.8}, ks) == "cross between k=1 and k=4"
-    assert evaluate.crossing(a, {"pass@1": 0.6, "pass@2": 0.8, "pass@4": 0.95}, ks).startswith("second above")
-    assert evaluate.crossing(a, a, ks) == "equal at every k"
+    assert report.crossing(a, {"pass@1": 0.6, "pass@2": 0.7, "pass@4": 0.8}, ks) == "cross between k=1 and k=4"
+    assert report.crossing(a, {"pass@1": 0.6, "pass@2": 0.8, "pass@4": 0.95}, ks).startswith("second above")
+    assert report.crossing(a, a, ks) == "equal at every k"
 
 
 def test_distill_refuses_kl_in_phase_c_before_any_work(tiny):

@@ -6,7 +6,8 @@ from pathlib import Path
 import yaml
 from conftest import REPO, repo_params
 
-DVC = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+RAW = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+DVC = {name: st.get("do", st) for name, st in RAW.items()}  # a foreach stage's body (evaluate: one per model)
 
 
 def _module_file(mod: str) -> Path | None:
@@ -57,7 +58,7 @@ def test_stage_names_match_modules_and_params():
     params = repo_params()
     for name, stage in DVC.items():
         assert (REPO / "stages" / f"{name}.py").exists()
-        assert stage["cmd"] == f"python -m stages.{name}"
+        assert stage["cmd"] == f"python -m stages.{name}" + (" --model ${key}" if "foreach" in RAW[name] else "")
         assert name in params, f"params.yaml has no section {name!r}"
 
 
@@ -85,10 +86,8 @@ def test_all_paths_come_from_params():
         for e in entries:
             assert not any(e == v or e.startswith(v + "/") for v in literal), \
                 f"stage {name}: {e} written in dvc.yaml instead of ${{paths.*}}"
-    deps = [d for d in DVC["evaluate"]["deps"] if d.startswith("${paths.")]
-    dep_paths = [params["paths"][d[len("${paths."):].split("}")[0]] for d in deps]
-    for model_path in params["evaluate"]["models"].values():  # evaluated checkpoints are evaluate deps
-        assert any(model_path == d or model_path.startswith(d + "/") for d in dep_paths), model_path
+    # every evaluated checkpoint is a dep: evaluate runs once per evaluate.models entry, its path the dep
+    assert RAW["evaluate"]["foreach"] == "${evaluate.models}" and "${item}" in DVC["evaluate"]["deps"]
 
 
 def test_no_param_is_named_like_a_field_dvcs_run_cache_ignores():

@@ -1,0 +1,134 @@
+"""report: every evaluated model side by side, with paired differences (the merge step after evaluate@<name>).
+
+Inputs: ``paths.eval_report_dir/models/<name>/`` of every model in ``evaluate.models`` (summary.json,
+per_problem.json: the outputs of the ``evaluate@<name>`` stages). Outputs: ``paths.eval_report_dir/summary/``:
+``report.md`` (a table per split with 95% intervals, paired differences, pass@k crossings), ``paired.json``
+and ``pass_at_k.png``; ``metrics/report.json``: ``{split: {"a vs b": {metric: {diff, n, ci}}}}`` for the
+``report.compare`` pairs (the same problems resampled jointly: paired bootstrap).
+
+Cheap (no model is loaded): it re-runs whenever any model's evaluation does.
+
+Run: ``dvc repro report`` (re-evaluates what changed first) or ``python -m stages.report [--params params.yaml]``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from posttrain import metrics as M
+from posttrain import plots
+from posttrain.config import Params
+from posttrain.errors import StageError
+from posttrain.runner import stage_main
+from posttrain.schema import write_json, write_text
+
+log = logging.getLogger("report")
+
+
+def paired(per_a: dict[str, dict[str, Any]], per_b: dict[str, dict[str, Any]], n_boot: int, seed: int
+           ) -> dict[str, Any]:
+    """b - a on the problems both have, per metric: the mean difference and its paired-bootstrap 95% interval
+    (problems resampled jointly). ``per_*``: problem id -> per-problem metrics."""
+    ids = [i for i in per_a if i in per_b]
+    out: dict[str, Any] = {}
+    keys = [k for k in dict.fromkeys(k for i in ids for k in per_a[i]) if k not in M.NO_INTERVAL]
+    for key in keys:
+        both = [i for i in ids if key in per_a[i] and key in per_b[i]]
+        if not both:
+            continue
+        a, b = [per_a[i][key] for i in both], [per_b[i][key] for i in both]
+        out[key] = {"diff": round(float(np.mean(b) - np.mean(a)), 4), "n": len(both),
+                    "ci": [round(x, 4) for x in M.paired_bootstrap_ci(a, b, n_boot, seed)]}
+    return out
+
+
+def crossing(a: dict[str, Any], b: dict[str, Any], ks: list[int]) -> str:
+    """Where pass@k of model b stops being above (or below) model a's, in words."""
+    diff = [(k, b[f"pass@{k}"] - a[f"pass@{k}"]) for k in ks if f"pass@{k}" in a and f"pass@{k}" in b]
+    if not diff:
+        return "no sampled metrics"
+    signs = [(k, s) for k, d in diff if (s := (d > 1e-9) - (d < -1e-9))]  # ties say nothing about the order
+    changes = [(k0, k1) for (k0, s0), (k1, s1) in zip(signs, signs[1:], strict=False) if s0 != s1]
+    if changes:
+        return "cross between " + ", ".join(f"k={k0} and k={k1}" for k0, k1 in changes)
+    s = signs[0][1] if signs else 0
+    return {1: "second above first at every k (no crossing)", -1: "second below first at every k (no crossing)",
+            0: "equal at every k"}[s]
+
+
+def report_markdown(results: dict[str, dict[str, dict[str, Any]]], ks: list[int], sampling: Any,
+                    compare: list[tuple[str, str]], diffs: dict[str, dict[str, dict[str, Any]]]) -> str:
+    shown = sorted({1, min(8, ks[-1]), ks[-1]} & set(ks))
+    cols = ["greedy"] + [f"pass@{k}" for k in shown] + [f"maj@{ks[-1]}"]
+    lines = ["# Evaluation", "",
+             f"Sampled metrics at temperature {sampling.temperature}, top-p {sampling.top_p} (pass@1 is the mean "
+             "over samples; maj@k the mean over disjoint blocks of k samples). 95% intervals in brackets: Wilson "
+             "for greedy accuracy, bootstrap over problems for the rest. Curves: pass_at_k.png.", ""]
+    for split, by_model in results.items():
+        lines += [f"## {split}", "", "| model | n | " + " | ".join(cols) + " | mean len | cut at max |",
+                  "|---|---:|" + "---:|" * (len(cols) + 2)]
+        for name, m in by_model.items():
+            if not m.get("n"):
+                lines.append(f"| {name} | 0 | " + " | ".join("—" for _ in cols) + " | — | — |")
+                continue
+            cells = [f"{100 * m[c]:.1f} [{100 * m[c + '_ci'][0]:.1f}, {100 * m[c + '_ci'][1]:.1f}]" if c in m
+                     else "—" for c in cols]
+            tail = f" | {m['len']:.1f} | {100 * m['truncated']:.0f}% |" if "len" in m else " | — | — |"
+            lines.append(f"| {name} | {m['n']} | " + " | ".join(cells) + tail)
+        for a, b in compare:
+            if a in by_model and b in by_model:
+                lines.append(f"\npass@k, {a} vs {b}: {crossing(by_model[a], by_model[b], ks)}.")
+        pairs = diffs.get(split, {})
+        if pairs:
+            lines += ["", "Paired differences (second minus first, points; 95% paired-bootstrap interval over the "
+                      "same problems; an interval that excludes 0 decides the ordering):", "",
+                      "| pair | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+            for pair, d in pairs.items():
+                cells = [f"{100 * d[c]['diff']:+.1f} [{100 * d[c]['ci'][0]:+.1f}, {100 * d[c]['ci'][1]:+.1f}]"
+                         if c in d else "—" for c in cols]
+                lines.append(f"| {pair} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[str, Any]:
+    """Merge. ``inputs``: models_dir (one folder per model). ``out``: dir, metrics. Returns the paired diffs."""
+    names = list(params.evaluate.models)
+    missing = [n for n in names if not (inputs["models_dir"] / n / "summary.json").is_file()]
+    if missing:
+        raise StageError(f"no evaluation of {missing} under {inputs['models_dir']}: run dvc repro "
+                         + " ".join(f"evaluate@{n}" for n in missing))
+    summaries = {n: json.loads((inputs["models_dir"] / n / "summary.json").read_text()) for n in names}
+    per = {n: json.loads((inputs["models_dir"] / n / "per_problem.json").read_text()) for n in names}
+    splits = list(dict.fromkeys(s for n in names for s in summaries[n]))
+    results = {s: {n: summaries[n][s] for n in names if s in summaries[n]} for s in splits}
+    cfg = params.evaluate
+    diffs = {s: {f"{a} vs {b}": paired(per[a].get(s, {}), per[b].get(s, {}), cfg.bootstrap, params.seed)
+                 for a, b in params.report.compare} for s in splits}
+    write_json(out["dir"] / "paired.json", diffs)
+    write_text(out["dir"] / "report.md", report_markdown(results, cfg.ks, cfg.sampling, params.report.compare, diffs))
+    plots.pass_at_k_curves(results, cfg.ks, out["dir"] / "pass_at_k.png")
+    write_json(out["metrics"], diffs)
+    for s in splits:
+        for a, b in params.report.compare:
+            log.info("%s, %s vs %s: %s", s, a, b, crossing(results[s].get(a, {}), results[s].get(b, {}), cfg.ks))
+    return diffs
+
+
+def paths(p: Params) -> tuple[dict[str, Any], dict[str, Path]]:
+    """This stage's inputs and outputs, from ``params`` (used by ``main`` and by tests)."""
+    return ({"models_dir": Path(p.paths.eval_report_dir) / "models"},
+            {"dir": Path(p.paths.eval_report_dir) / "summary", "metrics": Path(p.paths.metrics_dir) / "report.json"})
+
+
+def main() -> None:
+    stage_main("report", lambda p: run(p, *paths(p)))
+
+
+if __name__ == "__main__":
+    main()
