@@ -4,8 +4,9 @@ Names follow the papers: ``logp`` (current policy), ``old_logp`` (behaviour poli
 reference), ``ratio = exp(logp - old_logp)``, ``adv``, ``mask`` (1 on completion tokens). Shapes in
 comments: N prompts, G samples per prompt, B = N*G sequences, T completion tokens.
 
-Advantages (one signature): ``fn(r [N, G], valid [N, G]) -> adv [N, G]``; invalid (unscorable) entries get 0
-and are excluded from every statistic. Std is the unbiased sample std (as in TRL and verl).
+Advantages (one signature): ``fn(r [N, G], valid [N, G], prior [N, 2] | None) -> adv [N, G]``; invalid
+(unscorable) entries get 0 and are excluded from every statistic; ``prior`` (a per-prompt prior mean reward and
+its pseudo-count) is used by ``prior_fused`` only. Std is the unbiased sample std (as in TRL and verl).
 Policy losses (one signature): ``fn(logp, old_logp, adv, cfg) -> (loss [B, T], clipped [B, T] bool)``.
 Token selections (one signature): ``fn(entropy [n], rho) -> keep [n]``: which tokens the policy gradient uses.
 Aggregation is separate from the loss, and exact under micro-batching: each micro-batch divides by
@@ -40,7 +41,7 @@ def _masked_std(x: torch.Tensor, m: torch.Tensor, dim: int | None = None) -> tor
     return torch.where(n > 1, var.sqrt(), torch.zeros_like(var))
 
 
-def grpo(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def grpo(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath): (r - group mean) / (group std + eps). r, valid: [N, G]."""
     m = valid.float()
     mean = _masked_mean(r, m, 1).unsqueeze(1)  # [N, 1]
@@ -48,14 +49,14 @@ def grpo(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return (r - mean) / (std + EPS) * m
 
 
-def dr_grpo(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def dr_grpo(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): r - group mean, no std division.
     Pair with ``seq-mean-token-sum-norm`` aggregation (no length normalisation)."""
     m = valid.float()
     return (r - _masked_mean(r, m, 1).unsqueeze(1)) * m
 
 
-def rloo(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def rloo(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024): r_i - mean of the other valid samples of the group."""
     m = valid.float()
     n = m.sum(1, keepdim=True)  # [N, 1]
@@ -63,13 +64,13 @@ def rloo(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(n > 1, r - others, torch.zeros_like(r)) * m
 
 
-def reinforce_pp(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def reinforce_pp(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
     """REINFORCE++ (Hu 2025): no per-prompt baseline; normalise by the whole batch's mean and std."""
     m = valid.float()
     return (r - _masked_mean(r, m)) / (_masked_std(r, m) + EPS) * m
 
 
-def grpo_batch_std(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def grpo_batch_std(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
     """Lite PPO (Liu et al. 2025, "Tricks or traps"): group-mean baseline, batch-level std."""
     m = valid.float()
     centered = (r - _masked_mean(r, m, 1).unsqueeze(1)) * m
@@ -82,25 +83,64 @@ def grpo_batch_std(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 W_REINFORCE_LAMBDA = 0.1  # the paper's recommended weight of the positive samples
 
 
-def psr(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def psr(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
     """PSR only: +1 for a correct sample, 0 for a wrong one (reinforce successes only). r, valid: [N, G]."""
     return r * valid.float()
 
 
-def nsr(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def nsr(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
     """NSR only: -1 for a wrong sample, 0 for a correct one (push down failures; the freed probability mass
     goes where the model's prior puts it)."""
     return (r - 1) * valid.float()
 
 
-def w_reinforce(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def w_reinforce(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
     """W-REINFORCE: rewards {+lambda, -1} = lambda * PSR + NSR, lambda = ``W_REINFORCE_LAMBDA`` (0.1)."""
     return (W_REINFORCE_LAMBDA * r + (r - 1)) * valid.float()
 
 
-ADVANTAGES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+# A prior-fused group baseline (V0.5, "Generalist Value Model as a Prior for Sparse RL Rollouts", 2025): with few
+# rollouts per prompt (G = 4) the group mean is a noisy baseline; a prior of the prompt's mean reward is fused
+# with it when a test says the two agree. V0.5's prior is a generalist value model; ours is the pipeline's own
+# measurement of the prompt: the reward stage's mean reward of the SFT policy over its G samples, then
+# updated after every step (grpo.PriorState). The test and the update rule are ours (the paper's abstract
+# names neither): a two-proportion z-test, evidence that ages by half per step.
+PRIOR_Z = 1.96  # |z| above this: the prior disagrees with the group (rejected), the group mean alone is used
+
+
+def fuse(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused baseline b [N] and whether the prior was accepted [N]. r, valid: [N, G]; prior: [N, 2] = (p0,
+    n0), the prior mean reward and its pseudo-count (0: no prior).
+
+    Group mean m over its g valid samples; pooled = (n0 p0 + g m) / (n0 + g); the prior is accepted when
+    n0 > 0 and |m - p0| / sqrt(pooled (1 - pooled) (1/g + 1/n0)) <= PRIOR_Z (a two-proportion z-test);
+    then b = pooled (precision-weighted), else b = m. E.g. r = [1, 0, 0, 0], (p0, n0) = (0.5, 8): m = 0.25,
+    pooled = 5/12 = 0.4167, z = 0.25 / sqrt(0.4167 * 0.5833 * 0.375) = 0.83: accepted, b = 0.4167."""
+    m = valid.float()
+    g = m.sum(1)
+    mean = _masked_mean(r, m, 1)
+    p0, n0 = prior[:, 0], prior[:, 1]
+    pooled = (n0 * p0 + g * mean) / (n0 + g).clamp_min(EPS)
+    var = pooled * (1 - pooled) * (1 / g.clamp_min(1) + 1 / n0.clamp_min(EPS))
+    z = (mean - p0).abs() / var.clamp_min(1e-12).sqrt()
+    accepted = (n0 > 0) & (g > 0) & (z <= PRIOR_Z)
+    return torch.where(accepted, pooled, mean), accepted
+
+
+def prior_fused(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
+    """A = r - b with b the prior-fused baseline of ``fuse`` (no std division: with G = 4 the group std is as
+    noisy as the mean). Without a prior (None, or n0 = 0) b is the group mean: Dr. GRPO. A group whose rewards
+    are all equal still gets a signal when the prior differs from them: r = [0, 0, 0, 0] with (0.2, 8) gives
+    b = 1.6 / 12 = 0.133 (z = 0.96, accepted) and A = -0.133 for each sample. r, valid: [N, G]; prior [N, 2]."""
+    if prior is None:
+        prior = torch.zeros((r.shape[0], 2), dtype=r.dtype)
+    b, _ = fuse(r, valid, prior)
+    return (r - b.unsqueeze(1)) * valid.float()
+
+
+ADVANTAGES: dict[str, Callable[..., torch.Tensor]] = {
     "grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp, "grpo_batch_std": grpo_batch_std,
-    "psr": psr, "nsr": nsr, "w_reinforce": w_reinforce,
+    "psr": psr, "nsr": nsr, "w_reinforce": w_reinforce, "prior_fused": prior_fused,
 }
 
 

@@ -163,9 +163,51 @@ def zero_variance(r: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return (hi <= lo) | (valid.sum(1) < 2)
 
 
-def group_advantages(rows: Sequence[dict[str, Any]], g: int, name: str) -> list[float]:
+@dataclass
+class PriorState:
+    """Per-prompt prior of the mean reward, (p, n): value and pseudo-count, for ``algos.prior_fused``.
+
+    Starts from the reward stage's measurement of the SFT policy (mean reward over its scorable samples); after
+    every step each trained prompt's prior becomes the step's baseline (the fused one when the prior was
+    accepted, else the group mean alone with the group's count), and its count halves (``DECAY``: the policy
+    moved, so older evidence weighs less), capped at ``MAX_COUNT``. E.g. (0.5, 8) then r = [1, 0, 0, 0]:
+    accepted, b = 5/12 -> (0.4167, min(8 + 4, 64) * 0.5 = 6)."""
+
+    p: dict[str, float] = field(default_factory=dict)
+    n: dict[str, float] = field(default_factory=dict)
+    DECAY = 0.5
+    MAX_COUNT = 64.0
+
+    @classmethod
+    def from_rates(cls, rates: Sequence[dict[str, Any]]) -> PriorState:
+        ok = [x for x in rates if x.get("mean_reward") is not None and x.get("scorable")]
+        return cls({x["prompt_id"]: float(x["mean_reward"]) for x in ok}, {x["prompt_id"]: float(x["scorable"])
+                                                                          for x in ok})
+
+    def tensor(self, ids: Sequence[str]) -> torch.Tensor:
+        """[N, 2] (p, n) of ``ids``; (0, 0) for a prompt without a prior."""
+        return torch.tensor([[self.p.get(i, 0.0), self.n.get(i, 0.0)] for i in ids])
+
+    def update(self, ids: Sequence[str], r: torch.Tensor, valid: torch.Tensor) -> None:
+        b, accepted = algos.fuse(r, valid, self.tensor(ids))
+        g = valid.float().sum(1)
+        for k, i in enumerate(ids):
+            if g[k] == 0:
+                continue
+            n = self.n.get(i, 0.0) + float(g[k]) if accepted[k] else float(g[k])
+            self.p[i], self.n[i] = float(b[k]), min(n, self.MAX_COUNT) * self.DECAY
+
+
+def group_advantages(rows: Sequence[dict[str, Any]], g: int, name: str, prior: PriorState | None = None
+                     ) -> list[float]:
+    """Advantages of ``rows`` (G consecutive per prompt) by ``algos.ADVANTAGES[name]``; with ``prior`` its
+    per-prompt (p, n) is passed in, then updated with these groups."""
     r, valid = reward_matrix(rows, g)
-    return algos.ADVANTAGES[name](r, valid).flatten().tolist()
+    ids = [rows[k * g]["prompt_id"] for k in range(len(rows) // g)]
+    adv = algos.ADVANTAGES[name](r, valid, None if prior is None else prior.tensor(ids)).flatten().tolist()
+    if prior is not None:
+        prior.update(ids, r, valid)
+    return adv
 
 
 @dataclass
@@ -387,9 +429,10 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
 
 def update_from_groups(model: torch.nn.Module, opt: torch.optim.Optimizer, groups: Sequence[Sequence[dict[str, Any]]],
                        cfg: Rl, prompt_ids: dict[str, list[int]], pad_id: int,
-                       ref_model: torch.nn.Module | None = None, seed: int = 0
+                       ref_model: torch.nn.Module | None = None, seed: int = 0, prior: PriorState | None = None
                        ) -> tuple[dict[str, float], dict[tuple[str, int], float]]:
-    """Advantages over ``groups`` (``cfg.advantage``), then ``policy_update`` on the scorable samples.
+    """Advantages over ``groups`` (``cfg.advantage``; ``prior``: per-prompt priors, read and updated), then
+    ``policy_update`` on the scorable samples.
 
     With ``cfg.kl_reward_coef`` > 0 the rewards are first shaped by the KL to ``ref_model``
     (:func:`kl_shaped_rewards`). Returns the update's metrics ({} when nothing was scorable) and each
@@ -412,7 +455,7 @@ def update_from_groups(model: torch.nn.Module, opt: torch.optim.Optimizer, group
         new = {(r["prompt_id"], r["sample"]): v for r, v in zip(scorable, shaped, strict=True)}
         rows = [{**r, "reward": new.get((r["prompt_id"], r["sample"]))} for r in rows]
         kl_reward = float(np.mean([sum(s.sampler_logp) - sum(s.ref_logp) for s in seqs]))
-    adv = group_advantages(rows, cfg.group_size, cfg.advantage)
+    adv = group_advantages(rows, cfg.group_size, cfg.advantage, prior)
     advs = {(r["prompt_id"], r["sample"]): a for r, a in zip(rows, adv, strict=True)}
     for s, r in zip(seqs, scorable, strict=True):
         s.adv = advs[(r["prompt_id"], r["sample"])]

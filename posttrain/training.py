@@ -275,24 +275,29 @@ def set_rank_rng(saved: dict[str, Any] | list[dict[str, Any]]) -> None:
 
 
 def save_loop_state(ckpt_dir: Path, step: int, fp: str, cursor_pos: int, model: torch.nn.Module,
-                    opt: torch.optim.Optimizer, log_rows: list[dict[str, Any]], ref: torch.nn.Module | None = None
-                    ) -> None:
+                    opt: torch.optim.Optimizer, log_rows: list[dict[str, Any]], ref: torch.nn.Module | None = None,
+                    extra: dict[str, Any] | None = None) -> None:
     """Resumable checkpoint of an online loop (rl, distill): model, optimizer, RNG, step, prompt cursor, log,
-    and ``ref`` (a plain reference model that changes during the run: rl.ref_reset). Full (unsharded)
-    states, written by rank 0; every rank calls it (gathering is a collective)."""
+    ``ref`` (a plain reference model that changes during the run: rl.ref_reset) and ``extra`` (other loop
+    state, e.g. per-prompt priors). Full (unsharded) states, written by rank 0; every rank calls it (gathering
+    is a collective)."""
     msd, osd = distributed.current().state(model, opt)
     save_resumable(ckpt_dir, step, {"fingerprint": fp, "step": step, "cursor": cursor_pos, "model": msd,
                                     "optimizer": osd, "rng": rank_rngs(), "log": log_rows,
-                                    "ref": None if ref is None else ref.state_dict()})
+                                    "ref": None if ref is None else ref.state_dict(), "extra": extra or {}})
 
 
 def restore_loop_state(ckpt_dir: Path, fp: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                       ref: torch.nn.Module | None = None) -> tuple[int, list[dict[str, Any]], int]:
-    """Load the newest matching ``save_loop_state`` checkpoint into model/optimizer/RNG (and ``ref``).
-    Returns (step, log rows, cursor position); (0, [], 0) when there is none."""
+                       ref: torch.nn.Module | None = None, extra: dict[str, Any] | None = None
+                       ) -> tuple[int, list[dict[str, Any]], int]:
+    """Load the newest matching ``save_loop_state`` checkpoint into model/optimizer/RNG (and ``ref``; ``extra``
+    is updated with the saved extra state). Returns (step, log rows, cursor position); (0, [], 0) when there
+    is none."""
     state = load_resumable(ckpt_dir, fp)
     if state is None:
         return 0, [], 0
+    if extra is not None:
+        extra.update(state.get("extra") or {})
     if ref is not None and state.get("ref") is not None:
         ref.load_state_dict(state["ref"])
     distributed.current().load_state(model, opt, state["model"], state["optimizer"])

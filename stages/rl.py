@@ -64,8 +64,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     cfg, g, b = params.rl, params.rl.group_size, params.rl.prompts_per_step
     rt, d = params.runtime, distributed.current()
     device = modeling.resolve_device(rt.device)
-    prompts = grpo.PROMPT_SELECTIONS[cfg.select.strategy](read_problems(inputs["train"]),
-                                                          read_parquet(inputs["pass_rates"]), cfg.select)
+    rates = read_parquet(inputs["pass_rates"])
+    prompts = grpo.PROMPT_SELECTIONS[cfg.select.strategy](read_problems(inputs["train"]), rates, cfg.select)
     if not prompts:
         raise StageError(f"no prompt has an SFT pass rate in [{cfg.select.min_pass_rate}, "
                          f"{cfg.select.max_pass_rate}] (rl.select); see the reward audit")
@@ -91,7 +91,11 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     rl_seed = params.seed + cfg.seed  # rl.seed: seeds of an RL arm on the same upstream (curate, sft)
     cursor = grpo.PromptCursor(len(prompts), rl_seed)
     moving_ref = ref if cfg.ref_reset is not None else None  # a reference that resets is checkpointed too
-    start, log_rows, cursor.pos = training.restore_loop_state(ckpt_dir, fp, model, opt, moving_ref)
+    prior = grpo.PriorState.from_rates(rates)  # per-prompt priors (rl.advantage prior_fused), checkpointed
+    saved: dict[str, Any] = {}
+    start, log_rows, cursor.pos = training.restore_loop_state(ckpt_dir, fp, model, opt, moving_ref, saved)
+    if "prior" in saved:
+        prior = grpo.PriorState(**saved["prior"])
     for stale in shard_tmp.glob("step_*.parquet") if d.main else []:  # shards after the checkpoint are redone
         if int(stale.stem.split("_")[1]) > start:
             stale.unlink()
@@ -119,7 +123,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         t2 = time.time()
         with amp():
             metrics, advs = grpo.update_from_groups(model, opt, sb.groups, cfg, prompt_ids, tok.pad_token_id, ref,
-                                                    seed=seed)
+                                                    seed=seed, prior=prior)
         update_s = time.time() - t2
         if cfg.ref_reset is not None and (step + 1) % cfg.ref_reset.every == 0:
             grpo.reset_reference(ref, d.plain(model), opt if cfg.ref_reset.optimizer else None)
@@ -164,7 +168,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                 with atomic_path(ckpt_dir / "saved" / f"step_{done}") as tmp:
                     modeling.save_checkpoint(saved, tok, tmp)
         if done % cfg.checkpoint_every == 0 and done < cfg.steps:
-            training.save_loop_state(ckpt_dir, done, fp, cursor.pos, model, opt, log_rows, moving_ref)
+            training.save_loop_state(ckpt_dir, done, fp, cursor.pos, model, opt, log_rows, moving_ref,
+                                     {"prior": {"p": prior.p, "n": prior.n}})
     elapsed = time.time() - t_run
 
     model.eval()

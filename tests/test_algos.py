@@ -265,3 +265,26 @@ def test_entropy_token_selection_by_hand():
     # ties go to the earlier token: three equal entropies, k = ceil(0.6) = 1 -> the first
     assert TOKEN_SELECTIONS["top_entropy"](torch.tensor([0.5, 0.5, 0.5]), 0.2).tolist() == [True, False, False]
     assert TOKEN_SELECTIONS["all"](ent, 0.2).all() and TOKEN_SELECTIONS["top_entropy"](ent, 1.0).all()
+
+
+def test_prior_fused_baseline_by_hand():
+    from posttrain.algos import ADVANTAGES, fuse
+
+    r = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    valid = torch.ones_like(r, dtype=torch.bool)
+    prior = torch.tensor([[0.5, 8.0], [0.1, 20.0], [0.2, 8.0]])
+    b, accepted = fuse(r, valid, prior)
+    # row 0: mean 0.25, pooled (8*0.5 + 4*0.25)/12 = 5/12 = 0.41667; z = 0.25/sqrt(0.41667*0.58333*(1/4+1/8)) = 0.83
+    # row 1: mean 1, pooled (2 + 4)/24 = 0.25; z = 0.9/sqrt(0.25*0.75*(1/4+1/20)) = 3.79 > 1.96: rejected, b = 1
+    # row 2: mean 0, pooled 1.6/12 = 0.13333; z = 0.2/sqrt(0.13333*0.86667*0.375) = 0.96: accepted
+    assert accepted.tolist() == [True, False, True]
+    assert b.tolist() == pytest.approx([5 / 12, 1.0, 1.6 / 12], abs=1e-6)
+    adv = ADVANTAGES["prior_fused"](r, valid, prior)
+    assert adv[0].tolist() == pytest.approx([7 / 12, -5 / 12, -5 / 12, -5 / 12], abs=1e-6)
+    assert adv[1].abs().sum() == 0  # rejected prior, all correct: no signal (as a group mean)
+    assert adv[2].tolist() == pytest.approx([-1.6 / 12] * 4, abs=1e-6)  # a zero-variance group still learns
+    # no prior: the group mean (Dr. GRPO); an unscorable sample gets 0 and is not counted
+    valid[0, 3] = False
+    no_prior = ADVANTAGES["prior_fused"](r, valid)
+    assert no_prior[0].tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, 0.0], abs=1e-6)
+    assert torch.allclose(no_prior[1:], ADVANTAGES["dr_grpo"](r, valid)[1:])

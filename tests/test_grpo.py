@@ -365,3 +365,25 @@ def test_reference_reset_needs_a_reference_and_no_lora():
     raw["model"]["lora"] = {"r": 4, "alpha": 8}
     with pytest.raises(ConfigError, match="rl.ref_reset with model.lora"):
         parse_params(raw)
+
+
+def test_prior_state_starts_from_the_reward_stage_and_is_updated_each_step(tmp_path):
+    from posttrain import training
+
+    prior = grpo.PriorState.from_rates([{"prompt_id": "a", "mean_reward": 0.5, "scorable": 8},
+                                        {"prompt_id": "b", "mean_reward": 0.1, "scorable": 20},
+                                        {"prompt_id": "c", "mean_reward": None, "scorable": 0}])
+    rows = [{"prompt_id": pid, "reward": x} for pid, rs in (("a", [1, 0, 0, 0]), ("b", [1, 1, 1, 1]),
+                                                               ("c", [1, 0, 1, 0])) for x in rs]
+    adv = grpo.group_advantages(rows, 4, "prior_fused", prior)
+    assert adv[:4] == pytest.approx([7 / 12, -5 / 12, -5 / 12, -5 / 12], abs=1e-6)  # test_algos: by hand
+    assert adv[8:] == pytest.approx([0.5, -0.5, 0.5, -0.5])  # c has no prior: its group mean
+    # a accepted: (5/12, (8 + 4) * 0.5 = 6); b rejected: (1.0, 4 * 0.5 = 2); c: (0.5, 2)
+    assert prior.p == pytest.approx({"a": 5 / 12, "b": 1.0, "c": 0.5}) and prior.n == {"a": 6.0, "b": 2.0, "c": 2.0}
+
+    tok, model, _, _ = _setup()
+    opt = torch.optim.AdamW(model.parameters())
+    training.save_loop_state(tmp_path, 1, "fp", 0, model, opt, [], extra={"prior": {"p": prior.p, "n": prior.n}})
+    saved: dict = {}
+    training.restore_loop_state(tmp_path, "fp", model, opt, extra=saved)
+    assert grpo.PriorState(**saved["prior"]) == prior  # a resumed run continues from the same priors

@@ -252,12 +252,14 @@ def test_rl_stops_when_steps_in_a_row_have_nothing_to_update(tiny):
     assert not Path(p.paths.rl_model).exists()
 
 
-def test_rl_with_1_shot_selection_entropy_tokens_and_reference_resets(tiny, caplog):
+def test_rl_with_1_shot_selection_entropy_tokens_reference_resets_and_prior_fused_baseline(tiny, caplog):
     """The techniques through the stage: top_variance keeps the 2 prompts of largest p(1 - p), the policy
-    gradient uses the top 20% entropy tokens (pg_tokens logged ~0.2), the reference resets every 2 steps."""
+    gradient uses the top 20% entropy tokens (pg_tokens logged ~0.2), the reference resets every 2 steps, and
+    the prior-fused baseline starts from the reward stage's pass rates."""
     tiny["rl"].update({"select": {"strategy": "top_variance", "top_k": 2, "min_pass_rate": 0.0,
                                   "max_pass_rate": 1.0},
                        "token_select": "top_entropy", "token_rho": 0.2, "kl_coef": 0.1,
+                       "advantage": "prior_fused", "dynamic_sampling": "off",
                        "ref_reset": {"every": 2, "optimizer": True}})
     p = parse_params(tiny)
     o = _outs(p)
