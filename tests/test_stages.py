@@ -26,6 +26,13 @@ def _ins(p, name):
     return STAGES[name].paths(p)[0]
 
 
+def _upstream_of_rl(p, o) -> None:
+    curate.run(p, {}, o["curate"])
+    sft.run(p, _ins(p, "sft"), o["sft"])
+    rollout.run(p, _ins(p, "rollout"), o["rollout"])
+    reward.run(p, {"rollouts": o["rollout"]["rollouts"]}, o["reward"])
+
+
 def _messy_jsonl(path: Path) -> None:
     """GSM8K-format rows, 3 good and one of each kind of bad."""
     good = [{"question": f"Tom has {i} apples and buys {i + 3} more at the shop. How many apples now?",
@@ -243,10 +250,7 @@ def test_rl_stops_when_steps_in_a_row_have_nothing_to_update(tiny):
     tiny["rl"].update({"steps": 6, "max_idle_steps": 2})
     p = parse_params(tiny)
     o = _outs(p)
-    curate.run(p, {}, o["curate"])
-    sft.run(p, _ins(p, "sft"), o["sft"])
-    rollout.run(p, _ins(p, "rollout"), o["rollout"])
-    reward.run(p, {"rollouts": o["rollout"]["rollouts"]}, o["reward"])
+    _upstream_of_rl(p, o)
     with pytest.raises(StageError, match="2 steps in a row had nothing to update"):
         rl.run(p, _ins(p, "rl"), o["rl"])
     assert not Path(p.paths.rl_model).exists()
@@ -263,10 +267,7 @@ def test_rl_with_1_shot_selection_entropy_tokens_reference_resets_and_prior_fuse
                        "ref_reset": {"every": 2, "optimizer": True}})
     p = parse_params(tiny)
     o = _outs(p)
-    curate.run(p, {}, o["curate"])
-    sft.run(p, _ins(p, "sft"), o["sft"])
-    rollout.run(p, _ins(p, "rollout"), o["rollout"])
-    reward.run(p, {"rollouts": o["rollout"]["rollouts"]}, o["reward"])
+    _upstream_of_rl(p, o)
     rates = {r["prompt_id"]: r["pass_rate"] for r in read_parquet(o["reward"]["pass_rates"])}
     with caplog.at_level("INFO", logger="rl"):
         rl.run(p, _ins(p, "rl"), o["rl"])
