@@ -524,6 +524,9 @@ class Rl(_Model):
                                   "reward minus coef * sum over its tokens of (sampler logp - ref logp), before "
                                   "advantages; 0 = off. With kl_coef and this both 0 the reference is never loaded")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient")
+    prior_budget: int = Field(0, ge=0, description="adaptive rollout budget (V0.5 / Reinforce-Ada) with "
+                              "advantage prior_fused: extra samples per step, G at a time, for prompts whose "
+                              "prior their group rejects; they refresh the prior and are not trained on")
     token_select: str = Field("all", description="a key of posttrain.algos.TOKEN_SELECTIONS: which completion "
                               "tokens carry the policy gradient (top_entropy: the top token_rho share of the step's "
                               "tokens by the sampling policy's entropy; bottom_entropy: the rest)")
@@ -571,6 +574,14 @@ class Rl(_Model):
         if v > 0 and adv in KL_IN_REWARD:
             raise ValueError(f"{adv} puts the KL in the reward ({KL_IN_REWARD[adv]}), not in the loss: set "
                              "rl.kl_reward_coef instead and rl.kl_coef: 0")
+        return v
+
+    @field_validator("prior_budget")
+    @classmethod
+    def _prior_budget(cls, v: int, info: ValidationInfo) -> int:
+        if v and info.data.get("advantage") != "prior_fused":
+            raise ValueError("extra samples refresh the priors of advantage prior_fused; set rl.advantage: "
+                             "prior_fused or rl.prior_budget: 0")
         return v
 
     @field_validator("token_select")

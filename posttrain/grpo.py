@@ -112,29 +112,42 @@ class StepBatch:
 
 
 def collect_step(backend: RolloutBackend, tokenizer: Any, prompts: Sequence[dict[str, Any]], cursor: PromptCursor,
-                 cfg: Rl, reward_specs: Sequence[Any], seed: int, policy: str) -> StepBatch:
+                 cfg: Rl, reward_specs: Sequence[Any], seed: int, policy: str, prior: PriorState | None = None
+                 ) -> StepBatch:
     """Rollout -> reward for one step, with DAPO dynamic sampling (``cfg.dynamic_sampling``).
 
     ``off`` keeps every group; ``skip`` drops zero-variance groups (no signal under a group baseline);
     ``refill`` samples further prompts until ``prompts_per_step`` groups with signal are found or
     ``max_refill_rounds`` extra rounds are spent. Round ``k`` is seeded ``seed + 17 * k`` (+ 1,000,033 x rank).
+
+    With ``prior`` and ``cfg.prior_budget`` > 0 (the adaptive rollout budget of V0.5 / Reinforce-Ada): a
+    prompt whose prior the group rejects (``algos.fuse``'s test) gets G more samples from the same policy, in
+    order, until the step's budget of extra samples is spent; their mean reward replaces the stale prior
+    (count: their number), so the fused baseline rests on fresh evidence. They are recorded (in ``sampled``)
+    but not trained on. Seeded ``seed + 17 * k + 5`` for round ``k``.
     """
     d = distributed.current()
     g, b, sp = cfg.group_size, cfg.prompts_per_step, cfg.sampling
     groups: list[list[dict[str, Any]]] = []
     sampled: list[list[dict[str, Any]]] = []
     gen_s = reward_s = zero_frac = 0.0
-    rounds = 0
-    while True:
-        batch = [prompts[i] for i in cursor.take(b - len(groups))]
+    rounds, budget = 0, cfg.prior_budget if prior is not None else 0
+
+    def sample(batch: Sequence[dict[str, Any]], round_seed: int) -> list[dict[str, Any]]:
+        nonlocal gen_s, reward_s
         rows, secs = sample_rows(backend, tokenizer, d.shard(batch), g,
                                  SamplingParams(sp.temperature, sp.top_p, sp.max_new_tokens,
-                                                seed + 17 * rounds + 1_000_033 * d.rank),
+                                                round_seed + 1_000_033 * d.rank),
                                  policy=policy, chunk_prompts=max(1, cfg.generate_batch_size // g))
         gen_s += secs
         t = time.time()
         rows = d.gather_shards(score_rows(rows, reward_specs))
         reward_s += time.time() - t
+        return rows
+
+    while True:
+        batch = [prompts[i] for i in cursor.take(b - len(groups))]
+        rows = sample(batch, seed + 17 * rounds)
         zv = zero_variance(*reward_matrix(rows, g)).tolist()
         if rounds == 0:
             zero_frac = sum(zv) / len(zv)
@@ -142,10 +155,37 @@ def collect_step(backend: RolloutBackend, tokenizer: Any, prompts: Sequence[dict
             sampled.append(rows[i * g : (i + 1) * g])
             if cfg.dynamic_sampling == "off" or not z:
                 groups.append(sampled[-1])
+        if budget >= g:  # after the round's groups: sampled[: B * G] stays the first round
+            extra = refresh_priors(prior, rows, g, budget // g,
+                                   lambda bt, s=seed + 17 * rounds + 5: sample(bt, s), {p["id"]: p for p in batch})
+            sampled += extra
+            budget -= g * len(extra)
         if cfg.dynamic_sampling != "refill" or len(groups) >= b or rounds >= cfg.max_refill_rounds:
             break
         rounds += 1
     return StepBatch(groups[:b], sampled, zero_frac, rounds, gen_s, reward_s)
+
+
+def refresh_priors(prior: PriorState, rows: Sequence[dict[str, Any]], g: int, max_prompts: int,
+                   sample: Callable[[list[dict[str, Any]]], list[dict[str, Any]]], by_id: dict[str, dict[str, Any]]
+                   ) -> list[list[dict[str, Any]]]:
+    """The adaptive budget (``collect_step``): the prompts of ``rows`` whose prior their group rejects, at most
+    ``max_prompts`` of them, get G fresh samples (``sample(problems)``), whose mean reward replaces the prior.
+    Returns those extra groups, their samples numbered G..2G-1 (distinct from the trained group's)."""
+    r, valid = reward_matrix(rows, g)
+    ids = [rows[k * g]["prompt_id"] for k in range(len(rows) // g)]
+    _, accepted = algos.fuse(r, valid, prior.tensor(ids))
+    stale = [i for k, i in enumerate(ids) if not accepted[k] and prior.n.get(i, 0.0) > 0][:max_prompts]
+    if not stale:
+        return []
+    extra = sample([by_id[i] for i in stale])
+    er, ev = reward_matrix(extra, g)
+    out = []
+    for j, i in enumerate(stale):
+        if ev[j].any():
+            prior.p[i], prior.n[i] = float(er[j][ev[j]].mean()), float(ev[j].sum())
+        out.append([{**x, "sample": x["sample"] + g} for x in extra[j * g : (j + 1) * g]])
+    return out
 
 
 def reward_matrix(rows: Sequence[dict[str, Any]], g: int) -> tuple[torch.Tensor, torch.Tensor]:

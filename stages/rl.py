@@ -114,7 +114,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         seed = rl_seed * 1_000_003 + step * 1009
         with amp():
             sb = grpo.collect_step(backend, tok, prompts, cursor, cfg, params.reward.rewards, seed,
-                                   policy=f"{policy0}@step{step}")
+                                   policy=f"{policy0}@step{step}", prior=prior)
         used = [row for grp in sb.groups for row in grp]
 
         torch.set_num_threads(rt.train_threads)

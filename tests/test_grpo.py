@@ -387,3 +387,44 @@ def test_prior_state_starts_from_the_reward_stage_and_is_updated_each_step(tmp_p
     saved: dict = {}
     training.restore_loop_state(tmp_path, "fp", model, opt, extra=saved)
     assert grpo.PriorState(**saved["prior"]) == prior  # a resumed run continues from the same priors
+
+
+def test_adaptive_budget_refreshes_rejected_priors_with_fresh_samples():
+    """refresh_priors: prompt a's prior (0.1 over 20) is rejected by its group [1, 1, 1, 1] (z = 3.79, see
+    test_algos), b's (0.5 over 8) accepted by [1, 0, 0, 0]: only a gets G fresh samples, whose mean 0.75 (over
+    4) becomes its prior; the extra group's samples are numbered G..2G-1. Through collect_step on an untrained
+    policy (every reward 0; a prior of 0.9 over 8 against a group [0, 0]: pooled 7.2/10 = 0.72, z = 0.9 /
+    sqrt(0.72 * 0.28 * (1/2 + 1/8)) = 2.54 > 1.96, rejected) the budget caps the extra groups, which are
+    recorded after the first round's groups and not trained on."""
+    from types import SimpleNamespace
+
+    prior = grpo.PriorState({"a": 0.1, "b": 0.5}, {"a": 20.0, "b": 8.0})
+    rows = [{"prompt_id": pid, "sample": j, "reward": x} for pid, rs in (("a", [1, 1, 1, 1]), ("b", [1, 0, 0, 0]))
+            for j, x in enumerate(rs)]
+    asked = []
+
+    def sample(problems):
+        asked.extend(p["id"] for p in problems)
+        return [{"prompt_id": p["id"], "sample": j, "reward": x} for p in problems for j, x in enumerate([1, 1, 0, 1])]
+
+    extra = grpo.refresh_priors(prior, rows, 4, 5, sample, {"a": {"id": "a"}, "b": {"id": "b"}})
+    assert asked == ["a"] and [x["sample"] for x in extra[0]] == [4, 5, 6, 7]
+    assert (prior.p["a"], prior.n["a"]) == (0.75, 4.0) and (prior.p["b"], prior.n["b"]) == (0.5, 8.0)
+    assert grpo.refresh_priors(prior, rows, 4, 0, sample, {}) == []  # no budget: nothing sampled
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 0)
+    prompts = [{"id": f"p{i}", "prompt": f"{10 + i}*3=", "answer": str((10 + i) * 3), "task": "arith"}
+               for i in range(6)]
+    specs = [SimpleNamespace(name="correct", weight=1.0, kwargs={})]
+    prior = grpo.PriorState({p["id"]: 0.9 for p in prompts}, {p["id"]: 8.0 for p in prompts})
+    cfg = Rl(prompts_per_step=3, group_size=2, dynamic_sampling="off", advantage="prior_fused", prior_budget=4,
+             sampling={"max_new_tokens": 4})
+    sb = grpo.collect_step(BACKENDS["hf"](model.eval(), tok, 64), tok, prompts, grpo.PromptCursor(6, 0), cfg,
+                           specs, seed=0, policy="p", prior=prior)
+    assert len(sb.groups) == 3 and len(sb.sampled) == 3 + 2  # budget 4 = two extra groups of G = 2
+    assert sb.sampled[:3] == sb.groups and all(x["sample"] in (2, 3) for grp in sb.sampled[3:] for x in grp)
+    refreshed = {grp[0]["prompt_id"] for grp in sb.sampled[3:]}
+    assert all(prior.p[i] == 0.0 and prior.n[i] == 2.0 for i in refreshed)  # every fresh sample was wrong
+    with pytest.raises(ValueError, match="prior_fused"):
+        Rl(prior_budget=4)
