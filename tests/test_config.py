@@ -35,6 +35,9 @@ def test_repo_params_validate():
     (lambda p: p["rl"].update(advantage="reinforce_pp", dynamic_sampling="off", kl_coef=0.1),
      "rl.kl_coef: Value error, reinforce_pp puts the KL in the reward"),
     (lambda p: p["rl"].update(advantage="rloo", kl_coef=0.1), "rl.kl_coef: Value error, rloo puts the KL in the"),
+    (lambda p: p["rl"].update(token_select="top"), "rl.token_select: Value error, unknown token selection 'top'"),
+    (lambda p: p["rl"]["select"].update(strategy="best"), "rl.select.strategy: Value error, unknown prompt selec"),
+    (lambda p: p["report"].update(compare=[["sft", "teacher"]]), "params: report.compare: ['teacher'] not in"),
     # several processes: the global batch must split evenly; multi-node needs a rendezvous; no sharded LoRA
     (lambda p: p["runtime"].update(distributed={"nproc_per_node": 3}),
      "params: sft.batch_size: 64 must be a multiple of world size 3 (runtime.distributed) x sft.micro_batch_size"),
