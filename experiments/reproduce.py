@@ -163,18 +163,23 @@ def main() -> None:
     ks = json.loads(DIFFICULTY["evaluate.ks"])
     base_run = run("repro-sft", {**DIFFICULTY, **DEFAULTS}, "evaluate@sft", "sft") if not args.analyze_only else \
         json.loads((RESULTS / "runs" / "repro-sft.json").read_text())
+    exps = args.only.split(",")
+    if not args.analyze_only:  # seed by seed over every arm, so a grid cut short still has every arm
+        for s in range(1, args.seeds + 1):
+            for exp in exps:
+                for arm, over in EXPERIMENTS[exp]["arms"].items():  # an arm two experiments share is one run
+                    run(f"repro-{arm}-s{s}", {**DIFFICULTY, **DEFAULTS, **over, "rl.seed": s}, "evaluate@rl", "rl")
     rows, report = [], {}
-    for exp in args.only.split(","):
+    for exp in exps:
         spec = EXPERIMENTS[exp]
         arms: dict[str, list[dict[str, Any]]] = {"base": [base_run]}
-        for arm, over in spec["arms"].items():
-            arms[arm] = []
-            for s in range(1, args.seeds + 1):
-                name = f"repro-{arm}-s{s}"  # an arm shared by experiments (grpo) is one run
-                if args.analyze_only:
-                    arms[arm].append(json.loads((RESULTS / "runs" / f"{name}.json").read_text()))
-                else:
-                    arms[arm].append(run(name, {**DIFFICULTY, **DEFAULTS, **over, "rl.seed": s}, "evaluate@rl", "rl"))
+        for arm in spec["arms"]:
+            files = [RESULTS / "runs" / f"repro-{arm}-s{s}.json" for s in range(1, args.seeds + 1)]
+            arms[arm] = [json.loads(f.read_text()) for f in files if f.is_file()]
+        missing = [a for a, recs in arms.items() if not recs]
+        if missing:
+            print(f"{exp}: no runs of {missing} yet; left out")
+            continue
         means = {arm: seed_mean(recs) for arm, recs in arms.items()}
         keys = ["greedy", *(f"pass@{k}" for k in ks)]
         curves = {arm: {"mean": [float(np.mean([r["summary"]["eval"][f"pass@{k}"] for r in recs])) for k in ks],
@@ -187,7 +192,8 @@ def main() -> None:
             claims.append({"claim": text, "first": a, "second": b, "verdict": verdict(kind, diffs, ks),
                            "diffs": diffs})
         plot(exp, curves, ks, RESULTS / f"{exp}.png")
-        report[exp] = {"paper": spec["paper"], "setting": spec["setting"], "seeds": args.seeds, "curves": curves,
+        report[exp] = {"paper": spec["paper"], "setting": spec["setting"],
+                       "seeds": {a: len(recs) for a, recs in arms.items()}, "curves": curves,
                        "claims": claims, "arms": {a: [r["name"] for r in recs] for a, recs in arms.items()},
                        "wall_s": {a: [r["wall_s"] for r in recs] for a, recs in arms.items()}}
         (RESULTS / f"{exp}.json").write_text(json.dumps(report[exp], indent=1))
