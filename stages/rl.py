@@ -64,8 +64,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     cfg, g, b = params.rl, params.rl.group_size, params.rl.prompts_per_step
     rt, d = params.runtime, distributed.current()
     device = modeling.resolve_device(rt.device)
-    rates = read_parquet(inputs["pass_rates"])
-    prompts = grpo.PROMPT_SELECTIONS[cfg.select.strategy](read_problems(inputs["train"]), rates, cfg.select)
+    problems, rates = read_problems(inputs["train"]), read_parquet(inputs["pass_rates"])
+    prompts = grpo.PROMPT_SELECTIONS[cfg.select.strategy](problems, rates, cfg.select)
     if not prompts:
         raise StageError(f"no prompt has an SFT pass rate in [{cfg.select.min_pass_rate}, "
                          f"{cfg.select.max_pass_rate}] (rl.select); see the reward audit")
