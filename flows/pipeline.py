@@ -57,7 +57,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from posttrain import tracking
-from posttrain.config import ConfigError, Params, load_params, parse_params, stage_metrics
+from posttrain.config import ConfigError, Params, load_params, parse_params, read_yaml, stage_metrics
 from posttrain.dvcrepo import clear_stale_locks, workspace_lock
 from posttrain.errors import StageError
 from posttrain.schema import write_text
@@ -136,13 +136,13 @@ def parse_overrides(repo: Path, overrides: list[str]) -> tuple[Params, list[tupl
     """``key.path=value`` edits of params.yaml (values parsed as YAML) and the params they give, validated;
     nothing is written. Raises :class:`ConfigError` naming the key."""
     path = repo / "params.yaml"
-    raw = yaml.safe_load(path.read_text())
+    raw = read_yaml(path.read_text())
     edits = []
     for ov in overrides:
         key, sep, value = ov.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {ov!r}: expected key.path=value")
-        edits.append((key.split("."), yaml.safe_load(value)))
+        edits.append((key.split("."), read_yaml(value)))
     for keys, value in edits:
         node = raw
         for k in keys[:-1]:
@@ -341,7 +341,7 @@ def pipeline_params(path: Path, params_text: str | None) -> Iterator[None]:
     if params_text is None or params_text == own:
         yield
         return
-    parse_params(yaml.safe_load(params_text), "the pipeline's params")  # refuse before touching anything
+    parse_params(read_yaml(params_text), "the pipeline's params")  # refuse before touching anything
     write_text(path, params_text)
     try:
         yield

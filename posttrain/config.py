@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -833,13 +832,23 @@ def parse_params(raw: dict[str, Any], origin: str = "params") -> Params:
         raise ConfigError(f"{origin}: {where}: {what}{more}") from None
 
 
+def read_yaml(text: str) -> Any:
+    """Params YAML as DVC reads and writes it: YAML 1.2 (ruamel), where ``off``/``yes``/``no`` are strings.
+    (PyYAML's 1.1 reads ``off`` as false: ``dvc exp run -S rl.dynamic_sampling=off`` writes it unquoted.)"""
+    from ruamel.yaml import YAML
+
+    return YAML(typ="safe", pure=True).load(text)
+
+
 def load_params(path: str | Path = "params.yaml") -> Params:
     """Read and validate ``params.yaml``. Raises :class:`ConfigError` (one line) on any problem."""
+    from ruamel.yaml import YAMLError
+
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: file not found")
     try:
-        raw = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
+        raw = read_yaml(p.read_text())
+    except YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
     return parse_params(raw or {}, origin=str(p))

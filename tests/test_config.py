@@ -97,3 +97,11 @@ def test_distributed_stages_relaunch_under_torchrun_with_the_same_arguments():
     two = torchrun_argv("rl", parse_params(raw), [])
     assert two[3:] == ["--nproc_per_node=8", "--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=node0:29500",
                        "--rdzv_id=posttrain-rl", "-m", "stages.rl"]
+
+
+def test_params_are_read_as_yaml_1_2_like_dvc_writes_them(tmp_path):
+    """`dvc exp run -S rl.dynamic_sampling=off` writes `dynamic_sampling: off` unquoted (DVC's YAML is 1.2,
+    where `off` is a string); a YAML 1.1 reader takes it for the boolean false and the stage refused it."""
+    text = (REPO / "params.yaml").read_text().replace("dynamic_sampling: skip", "dynamic_sampling: off")
+    (tmp_path / "params.yaml").write_text(text)
+    assert load_params(tmp_path / "params.yaml").rl.dynamic_sampling == "off"
