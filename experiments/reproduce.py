@@ -83,9 +83,7 @@ def run(name: str, overrides: dict[str, Any], target: str, model: str) -> dict[s
     out = RESULTS / "runs" / f"{name}.json"
     if out.is_file():
         return json.loads(out.read_text())
-    # strings quoted: DVC reads -S values as YAML, where a bare `off` is the boolean false
-    sets = [a for k, v in overrides.items() for a in ("-S", f"{k}='{v}'" if isinstance(v, str) and "[" not in v
-                                                        else f"{k}={v}")]
+    sets = [a for k, v in overrides.items() for a in ("-S", f"{k}={v}")]
     t = time.time()
     log = dvc("exp", "run", "-n", name, *sets, target)
     wall = time.time() - t
