@@ -643,6 +643,8 @@ class Distill(_Model):
         "size) or a pretrained model: a local HF folder or hub id (e.g. a smaller model of the teacher's family). "
         "Either way the student first gets its own cold start (the sft recipe); model.lora applies to it too")
     student_revision: str | None = Field(None, description="hub revision of a pretrained student")
+    seed: int = Field(0, ge=0, description="added to the pipeline seed for phases A-C's sampling and prompt order "
+                      "(not the student's init or cold start): seeds of a distillation arm on one teacher")
     warmup: DistillWarmup = Field(default_factory=DistillWarmup)
     on_policy: DistillOnPolicy = Field(default_factory=DistillOnPolicy)
     grpo_steps: int = Field(0, ge=0, description="phase C: student GRPO after the bridge, with the rl section's "

@@ -129,7 +129,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     opt = torch.optim.AdamW(modeling.trainable_params(student), lr=cfg.warmup.lr, betas=(0.9, 0.99))
     fp = training.fingerprint(cfg, params.rl, params.reward, params.seed, fp0,
                               modeling.checkpoint_digest(inputs["teacher"]), sorted(prompt_ids))
-    cursor = grpo.PromptCursor(len(prompts), params.seed + 2)
+    d_seed = params.seed + cfg.seed  # distill.seed: seeds of a distillation arm (the cold start stays fixed)
+    cursor = grpo.PromptCursor(len(prompts), d_seed + 2)
     start, log_rows, cursor.pos = training.restore_loop_state(out["checkpoints"], fp, student, opt)
     s_backend = BACKENDS[params.rollout.backend](d.plain(student), tok, params.rl.generate_batch_size,
                                                  params.rollout.vllm)
@@ -139,7 +140,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     for step in tqdm(range(start, len(phases)), initial=start, total=len(phases), desc="distill",
                      disable=not rt.progress):
         phase, t0 = phases[step], time.time()
-        seed = params.seed * 1_000_003 + 7 * step + 3
+        seed = d_seed * 1_000_003 + 7 * step + 3
         torch.set_num_threads(rt.generate_threads)
         student.eval()
         s_backend.load_weights(d.plain(student), f"student@{step}")  # FSDP2 copy refreshed / vLLM synced

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
@@ -55,7 +56,7 @@ from posttrain.schema import (
 log = logging.getLogger("rl")
 LOG_FIELDS = ["step", "updated", "reward_mean", "pass_rate", "zero_var_frac", "groups_used", "refill_rounds", "loss",
               "clipfrac", "kl", "entropy", "ratio_max", "grad_norm", "logprob_gap", "tis_capped", "pg_tokens",
-              "response_len",
+              "response_len", "samples",
               "samples_per_s", "gen_s", "reward_s", "update_s"]
 
 
@@ -158,6 +159,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                                                                  "grad_norm", "logprob_gap", "tis_capped",
                                                                  "pg_tokens")},
             "response_len": round(float(np.mean([len(row["token_ids"]) for row in first_rows])), 2),
+            "samples": len(all_rows),  # every completion sampled this step: refills and prior-budget extras too
             "samples_per_s": round(len(all_rows) / step_s, 1), "gen_s": round(sb.gen_s, 3),
             "reward_s": round(sb.reward_s, 3), "update_s": round(update_s, 3)})
         bar.set_postfix(reward=log_rows[-1]["reward_mean"], zero_var=sb.zero_var_frac)
@@ -191,6 +193,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     result = {
         "steps": cfg.steps, "resumed_from_step": start, "shards": len(list(shard_tmp.glob("step_*.parquet"))),
         "selected_prompts": len(prompts), "seconds": round(elapsed, 1),
+        # every completion sampled (refills, prior-budget extras), counted from the shards so a resume counts all
+        "samples": sum(pq.read_metadata(f).num_rows for f in shard_tmp.glob("step_*.parquet")),
         "first_reward": log_rows[0]["reward_mean"], "final_reward": round(float(np.mean(
             [r["reward_mean"] for r in last])), 4) if last else None,
         "samples_per_s": round(float(np.median([r["samples_per_s"] for r in log_rows])), 1),

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from posttrain import modeling
 from posttrain.config import parse_params
 from posttrain.errors import StageError
 from posttrain.metrics import pass_at_k, wilson_ci
@@ -194,6 +195,7 @@ def test_rollout_reward_rl_then_evaluate(tiny):
     log_lines = (Path(P.rl_report_dir) / "train_log.csv").read_text().splitlines()
     assert len(log_lines) == 1 + 4 and log_lines[0].startswith("step,updated,reward_mean,pass_rate,zero_var_frac")
     assert not Path(P.rl_checkpoints).exists()
+    assert m["samples"] == sum(len(read_parquet(s)) for s in shards) >= 4 * 4 * 4  # refills counted too
     AutoModelForCausalLM.from_pretrained(P.rl_model)
 
     m = distill.run(p, _ins(p, "distill"), o["distill"])
@@ -240,6 +242,24 @@ def test_distill_refuses_kl_in_phase_c_before_any_work(tiny):
     with pytest.raises(StageError, match="rl.kl_coef"):
         distill.run(p, *distill.paths(p))
     assert not Path(p.paths.student_sft_model).exists()
+
+
+def test_distill_seed_varies_the_phases_not_the_cold_start(tiny):
+    """distill.seed: the seeds of a distillation arm share the student's cold start (models/student_sft is
+    bit-identical) and differ in phases A-C (other samples, so another student)."""
+    tiny["distill"]["teacher"] = tiny["paths"]["sft_model"]  # any checkpoint of the family will do
+    digests = []
+    for seed in (0, 1):
+        tiny["distill"]["seed"] = seed
+        p = parse_params(tiny)
+        o = _outs(p)
+        if seed == 0:
+            curate.run(p, {}, o["curate"])
+            sft.run(p, _ins(p, "sft"), o["sft"])
+        distill.run(p, _ins(p, "distill"), o["distill"])
+        digests.append([modeling.checkpoint_digest(Path(x)) for x in (p.paths.student_sft_model,
+                                                                        p.paths.student_model)])
+    assert digests[0][0] == digests[1][0] and digests[0][1] != digests[1][1]
 
 
 def test_rl_stops_when_steps_in_a_row_have_nothing_to_update(tiny):
