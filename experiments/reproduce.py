@@ -69,6 +69,17 @@ EXPERIMENTS: dict[str, dict[str, Any]] = {
                    ("PSR < base at the largest k", "lt_kmax", "psr", "base"),
                    ("W-REINFORCE >= GRPO at every k", "geq_all", "w_reinforce", "grpo")],
     },
+    "psr_nsr_k256": {  # the same claims to the paper's k = 256 (GRPO's arm shared with prorl)
+        "paper": "The Surprising Effectiveness of Negative Reinforcement (Zhu et al. 2025)",
+        "setting": "Qwen2.5-Math-7B / Qwen3-4B, MATH, pass@k to 256",
+        "eval": K256,
+        "base": {"name": "sft_k256", "over": {}, "target": "evaluate@sft", "model": "sft"},
+        "arms": {"grpo_k256": {}, "psr_k256": {"rl.advantage": "psr", "rl.dynamic_sampling": "off"},
+                 "nsr_k256": {"rl.advantage": "nsr", "rl.dynamic_sampling": "off"}},
+        "claims": [("NSR >= base (SFT) at every k to 256", "geq_all", "nsr_k256", "base"),
+                   ("PSR < base at k = 256", "lt_kmax", "psr_k256", "base"),
+                   ("NSR > PSR at k = 256", "gt_kmax", "nsr_k256", "psr_k256")],
+    },
     "entropy": {
         "paper": "Beyond the 80/20 Rule: High-Entropy Minority Tokens (Wang et al. 2025)",
         "setting": "Qwen3-8B/14B/32B base, DAPO, AIME",
