@@ -336,7 +336,8 @@ def main() -> None:
                        "seeds": {a: len(recs) for a, recs in arms.items()}, "curves": curves,
                        "claims": claims, "arms": {a: [r["name"] for r in recs] for a, recs in arms.items()},
                        "wall_s": {a: [r["wall_s"] for r in recs] for a, recs in arms.items()},
-                       "samples": {a: [samples_spent(r) for r in recs] for a, recs in arms.items() if a != "base"}}
+                       "samples": {a: [samples_spent(r) for r in recs] for a, recs in arms.items()
+                                   if a != "base" and spec.get("target", "evaluate@rl") == "evaluate@rl"}}
         (RESULTS / f"{exp}.json").write_text(json.dumps(report[exp], indent=1))
         for c in claims:
             d1, dk = c["diffs"]["pass@1"], c["diffs"][f"pass@{ks[-1]}"]
