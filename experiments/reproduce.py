@@ -1,11 +1,13 @@
 """The Reproductions grid: each paper's central comparison as ``dvc exp run`` experiments, with seeds and
 paired intervals, at a task difficulty where no arm sits at the ceiling or the floor.
 
-Every arm is one ``dvc exp run -n <exp>-<arm>-s<seed> -S ... evaluate@rl`` on the same upstream (curate, sft,
+Every arm is one ``dvc exp run -n repro-<arm>-s<seed> -S ... evaluate@rl`` on the same upstream (curate, sft,
 rollout, reward run once: ``rl.seed`` varies RL alone), so an arm costs its ``rl`` stage and the evaluation of
-its RL model (``evaluate@<name>`` is one DVC stage per model); an arm two experiments share (GRPO) is
-restored from DVC's run-cache. After each run the RL model's per-problem metrics are copied to
-``experiments/results/runs/<run>.json``; then, per experiment:
+its RL model (``evaluate@<name>`` is one DVC stage per model); a stage an earlier run already ran with the same
+inputs is restored from DVC's run-cache. The distillation arms target ``evaluate@student`` and are seeded by
+``distill.seed`` (teacher and cold start fixed). After each run the evaluated model's per-problem metrics (and
+metrics/rl.json, metrics/distill.json) are copied to ``experiments/results/runs/<run>.json``, which also makes
+a re-run skip it; then, per experiment:
 
 - per arm and problem, the mean over seeds of each metric (greedy, pass@k); per pair of arms the mean
   difference and its paired-bootstrap 95% interval over problems (the same problems resampled jointly);
@@ -13,8 +15,8 @@ restored from DVC's run-cache. After each run the RL model's per-problem metrics
 - a plot: pass@k per arm (seed mean, band = min..max over seeds), ``experiments/results/<exp>.png``;
 - ``experiments/results/<exp>.json`` and the table ``experiments/REPRODUCTIONS.md``.
 
-    python experiments/reproduce.py [--only psr_nsr,entropy,one_shot,prior,prorl,distill] [--seeds 3]
-                                    [--analyze-only]
+    python experiments/reproduce.py [--only psr_nsr,psr_nsr_k256,entropy,one_shot,prior,prorl,distill]
+                                    [--seeds 3] [--analyze-only]
 
 Run it in a clone with the pipeline's venv active (the stages run as ``python -m stages.X``). Wall time is
 printed per run and in total.
