@@ -49,7 +49,7 @@ def main() -> None:
     raw["runtime"]["progress"] = False
     raw["model"]["dtype"] = dtype
     raw["tracking"]["enabled"] = False
-    raw["evaluate"].update({"models": models, "num_samples": 2, "ks": [1, 2], "sample_prompts": None,
+    raw["evaluate"].update({"models": models, "samples_per_prompt": 2, "ks": [1, 2], "sample_prompts": None,
                             "compare": [], "bootstrap": 10})
     raw["evaluate"]["sampling"]["max_new_tokens"] = 8
     (work / "params.yaml").write_text(yaml.safe_dump(raw))

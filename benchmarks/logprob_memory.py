@@ -3,7 +3,7 @@ memory-lean log-prob path (``posttrain.logprobs``) against the full-logits path 
 LoRA.
 
 A Qwen2-architecture model with Qwen2.5's vocabulary (hidden size and depth small enough for this machine:
-the [B, T, V] logits are what matters, and they do not depend on depth) takes one ``grpo.policy_update`` on
+the [B, T, V] logits are what matters, and they do not depend on depth) takes one ``update.policy_update`` on
 B sequences of T tokens, and a half-width student one ``distillation.divergence_update`` against it. Each
 case runs in a fresh child process; the peak is ``ru_maxrss`` minus the RSS after the models and data were
 built (CPU), or ``torch.cuda.max_memory_allocated`` minus the memory allocated before the update (GPU). The
@@ -31,15 +31,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from posttrain import distillation, grpo, logprobs, modeling  # noqa: E402
+from posttrain import distillation, logprobs, modeling  # noqa: E402
 from posttrain.config import LoraCfg, Rl  # noqa: E402
+from posttrain.rl import update  # noqa: E402
 from tests.realmodel import QWEN25_05B, full_logp_entropy, qwen2  # noqa: E402
 
 VOCAB = 151_936
 
 
 def full_token_logp_entropy(model, t, temperature=1.0, entropy="grad", chunk=0):
-    """The replaced path (``tests.realmodel.full_logp_entropy``) with grpo's signature, to patch in."""
+    """The replaced path (``tests.realmodel.full_logp_entropy``) with token_logp_entropy's signature, to patch in."""
     return full_logp_entropy(model, t, temperature)
 
 
@@ -52,7 +53,7 @@ def full_divergence_update(student, teacher, opt, seqs, divergence, beta, pad_id
     n_tok = sum(len(s.completion_ids) for s in seqs)
     opt.zero_grad(set_to_none=True)
     for start in range(0, len(seqs), micro):
-        t = grpo.batch_tensors(seqs[start : start + micro], pad_id, device)
+        t = logprobs.batch_tensors(seqs[start : start + micro], pad_id, device)
         with torch.no_grad():
             t_logp = torch.log_softmax(teacher(input_ids=t["ids"], attention_mask=t["attn"]).logits[:, :-1].float()
                                        / temperature, -1)
@@ -65,10 +66,10 @@ def full_divergence_update(student, teacher, opt, seqs, divergence, beta, pad_id
     return {}
 
 
-def _seqs(n: int, length: int, seed: int = 0) -> list[grpo.Seq]:
+def _seqs(n: int, length: int, seed: int = 0) -> list[logprobs.Seq]:
     g = torch.Generator().manual_seed(seed)
     p = length // 4
-    return [grpo.Seq(torch.randint(0, VOCAB, (p,), generator=g).tolist(),
+    return [logprobs.Seq(torch.randint(0, VOCAB, (p,), generator=g).tolist(),
                      torch.randint(0, VOCAB, (length - p,), generator=g).tolist(), [0.0] * (length - p),
                      1.0 if i % 2 else -1.0) for i in range(n)]
 
@@ -95,7 +96,7 @@ def child(case: str, path: str, lora: bool, a: argparse.Namespace) -> dict:
                                                 seed=1).to(device)
         opt = torch.optim.AdamW(student.parameters(), lr=1e-5)
     if path == "full":
-        grpo.token_logp_entropy = full_token_logp_entropy
+        update.token_logp_entropy = full_token_logp_entropy  # the name policy_update calls
     if device.type == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -104,7 +105,7 @@ def child(case: str, path: str, lora: bool, a: argparse.Namespace) -> dict:
     t0 = time.time()
     with modeling.autocast(dtype, device):
         if case == "rl":
-            grpo.policy_update(policy.train(), opt, seqs, cfg, pad_id=0)
+            update.policy_update(policy.train(), opt, seqs, cfg, pad_id=0)
         else:
             fn = full_divergence_update if path == "full" else distillation.divergence_update
             fn(student.train(), teacher, opt, seqs, "reverse_kl", 0.5, 0, a.seqs)
@@ -116,7 +117,7 @@ def child(case: str, path: str, lora: bool, a: argparse.Namespace) -> dict:
     out = {"case": case, "path": path, "lora": lora, "peak_mb": round(peak, 1), "seconds": round(secs, 2),
            "trainable_params": sum(p.numel() for p in trainable), "total_params": modeling.num_params(policy)}
     if case == "rl":  # the two paths' log-probs on the same batch
-        t = grpo.batch_tensors(seqs[:2], 0, device)
+        t = logprobs.batch_tensors(seqs[:2], 0, device)
         with torch.no_grad(), modeling.autocast(dtype, device):
             lean = logprobs.token_logp_entropy(policy, t, entropy="off")[0]
             full = full_token_logp_entropy(policy, t)[0] * t["mask"]

@@ -57,13 +57,14 @@ def params(work: Path, base: Path, student: Path, new_tokens: int, gpu: bool) ->
     raw["curate"]["eval"] = {"source": src("gsm8k_test", "gsm8k", 100), "rows": 32}
     raw["curate"]["decontam"]["benchmarks"] = [src("math500", "math", None), src("aime24", "math", None)]
     raw["sft"].update({"phases": [{"steps": 10, "cot_frac": 1.0}], "batch_size": 32, "micro_batch_size": 16})
-    raw["rollout"].update({"num_prompts": 64, "group_size": 8})
-    raw["rl"].update({"steps": 3, "prompts_per_step": 32, "group_size": 8, "micro_batch_size": 32, "kl_coef": 0.01,
-                      "dynamic_sampling": "off", "select": {"min_pass_rate": 0.0, "max_pass_rate": 1.0}})
+    raw["rollout"].update({"num_prompts": 64, "samples_per_prompt": 8})
+    raw["rl"].update({"steps": 3, "prompts_per_step": 32, "samples_per_prompt": 8, "micro_batch_size": 32,
+                      "kl_coef": 0.01, "dynamic_sampling": "off",
+                      "select": {"min_pass_rate": 0.0, "max_pass_rate": 1.0}})
     raw["distill"].update({"student": str(student), "max_new_tokens": new_tokens, "micro_batch_size": 32})
     for phase in ("warmup", "on_policy"):
         raw["distill"][phase].update({"steps": 2, "prompts_per_step": 16, "samples_per_prompt": 4})
-    raw["evaluate"].update({"num_samples": 4, "sample_prompts": 16, "ks": [1, 2, 4], "bootstrap": 200,
+    raw["evaluate"].update({"samples_per_prompt": 4, "sample_prompts": 16, "ks": [1, 2, 4], "bootstrap": 200,
                             "benchmarks": [src("math500", "math", 16)]})
     for sec in (raw["rollout"], raw["rl"], raw["evaluate"]):
         sec["sampling"]["max_new_tokens"] = new_tokens

@@ -43,10 +43,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from posttrain import grpo, modeling  # noqa: E402
 from posttrain import metrics as M  # noqa: E402
+from posttrain import modeling  # noqa: E402
 from posttrain.config import Params, load_params  # noqa: E402
 from posttrain.rewards import Sample, correct  # noqa: E402
+from posttrain.rl import select  # noqa: E402
 from posttrain.rollout import BACKENDS, SamplingParams, sample_rows  # noqa: E402
 from posttrain.runner import setup  # noqa: E402
 from posttrain.schema import read_parquet, read_problems  # noqa: E402
@@ -91,7 +92,7 @@ def arm_ours(params: Params, args: argparse.Namespace, out: Path) -> dict[str, A
     res = rl.run(params, inputs, outs)
     rss = peak_rss_mb()
     log = list(csv.DictReader((outs["report_dir"] / "train_log.csv").open()))
-    g, b = params.rl.group_size, params.rl.prompts_per_step
+    g, b = params.rl.samples_per_prompt, params.rl.prompts_per_step
     loop_s = res["seconds"]
     tokens = sum(float(r["response_len"]) for r in log) * b * g
     n = len(log)
@@ -113,9 +114,9 @@ def arm_trl(params: Params, args: argparse.Namespace, out: Path) -> dict[str, An
     from trl import GRPOConfig, GRPOTrainer
 
     cfg = params.rl
-    g, b = cfg.group_size, cfg.prompts_per_step
+    g, b = cfg.samples_per_prompt, cfg.prompts_per_step
     inputs, _ = rl.paths(params)
-    prompts = grpo.PROMPT_SELECTIONS[cfg.select.strategy](read_problems(inputs["train"]),
+    prompts = select.PROMPT_SELECTIONS[cfg.select.strategy](read_problems(inputs["train"]),
                                                           read_parquet(inputs["pass_rates"]), cfg.select)
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": p["prompt"]}], "answer": p["answer"],
                              "task": p["task"]} for p in prompts])
@@ -241,7 +242,7 @@ def main() -> None:
                       f"pass@1 {res['pass1_same_steps']['pass@1']:.3f}", file=sys.stderr, flush=True)
 
     by = {a: [r for r in results if r["arm"] == a] for a in ("ours", "trl")}
-    print(f"\nRL loop vs trl.GRPOTrainer: B={p.rl.prompts_per_step} G={p.rl.group_size} "
+    print(f"\nRL loop vs trl.GRPOTrainer: B={p.rl.prompts_per_step} G={p.rl.samples_per_prompt} "
           f"max_new_tokens={p.rl.sampling.max_new_tokens} steps={args.steps} repeats={args.repeats} "
           f"(torch threads {torch.get_num_threads()}, CPU)")
     print("| arm | samples/s | tokens/s | s/step | gen | reward | logprob recompute | update | peak RSS MB "
@@ -262,7 +263,7 @@ def main() -> None:
           f"{', '.join(f'{x:.2f}' for x in ratios)})")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"settings": {"steps": args.steps, "repeats": args.repeats,
-                                                        "B": p.rl.prompts_per_step, "G": p.rl.group_size,
+                                                        "B": p.rl.prompts_per_step, "G": p.rl.samples_per_prompt,
                                                         "max_new_tokens": p.rl.sampling.max_new_tokens},
                                            "runs": results, "ratio_samples_per_s": ratios}, indent=2))
 

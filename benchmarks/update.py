@@ -1,9 +1,9 @@
 """Seconds per RL policy update: padded vs packed micro-batches, on batches of two length profiles.
 
-One step's batch (``rl.prompts_per_step`` prompts x ``rl.group_size`` samples, T=1, up to
+One step's batch (``rl.prompts_per_step`` prompts x ``rl.samples_per_prompt`` samples, T=1, up to
 ``rl.sampling.max_new_tokens``) is sampled from the pipeline's SFT policy (``paths.sft_model``: short bare
 answers and long chains of thought mixed, lengths vary widely) and from the RL policy (``paths.rl_model``:
-almost always the full chain of thought, lengths close together). On each batch ``grpo.policy_update``
+almost always the full chain of thought, lengths close together). On each batch ``update.policy_update``
 runs with ``rl.pack`` off (right-padded, length-sorted micro-batches) and on (rows of twice the longest
 sequence), for micro-batches of 64 and 128 sequences, at lr 0 so every repeat sees the same weights.
 Reported: the median and min of ``--repeats`` timed updates after a warm-up, the share of real tokens in
@@ -28,32 +28,33 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from posttrain import grpo, modeling  # noqa: E402
+from posttrain import logprobs, modeling  # noqa: E402
 from posttrain.config import load_params  # noqa: E402
+from posttrain.rl import update  # noqa: E402
 from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids  # noqa: E402
 from posttrain.runner import setup  # noqa: E402
 from posttrain.schema import read_problems  # noqa: E402
 
 
-def sample_batch(model: Any, tok: Any, problems: list[dict[str, Any]], g: int, new: int) -> list[grpo.Seq]:
+def sample_batch(model: Any, tok: Any, problems: list[dict[str, Any]], g: int, new: int) -> list[logprobs.Seq]:
     ids = chat_prompt_ids(tok, [p["prompt"] for p in problems])
     out = BACKENDS["hf"](model.eval(), tok, 256).generate(ids, g, SamplingParams(1.0, 1.0, new, 0))
     # alternating advantages: the update's cost does not depend on their values
-    return [grpo.Seq(p, c.token_ids, c.logprobs, 1.0 if j % 2 else -1.0)
+    return [logprobs.Seq(p, c.token_ids, c.logprobs, 1.0 if j % 2 else -1.0)
             for p, grp in zip(ids, out, strict=True) for j, c in enumerate(grp)]
 
 
-def seq_len(s: grpo.Seq) -> int:
+def seq_len(s: logprobs.Seq) -> int:
     return len(s.prompt_ids) + len(s.completion_ids)
 
 
-def layout(seqs: list[grpo.Seq], pad_id: int, pack: bool, micro: int) -> tuple[float, list[str]]:
+def layout(seqs: list[logprobs.Seq], pad_id: int, pack: bool, micro: int) -> tuple[float, list[str]]:
     """The model input ``policy_update`` builds: share of real tokens in it, rows x width per micro-batch."""
     order = seqs if pack else sorted(seqs, key=seq_len)
     numel, shapes = 0, []
     for i in range(0, len(order), micro):
         part = order[i : i + micro]
-        ids = grpo.batch_tensors(part, pad_id, torch.device("cpu"), pack)["ids"]
+        ids = logprobs.batch_tensors(part, pad_id, torch.device("cpu"), pack)["ids"]
         numel += ids.numel()
         shapes.append("x".join(map(str, ids.shape)))
     return sum(map(seq_len, seqs)) / numel, shapes
@@ -75,7 +76,7 @@ def main() -> None:
     for policy in ("sft_model", "rl_model"):
         model = modeling.load_model(getattr(params.paths, policy), params.model.dtype, torch.device("cpu"))
         torch.set_num_threads(params.runtime.generate_threads)
-        seqs = sample_batch(model, tok, problems, cfg.group_size, cfg.sampling.max_new_tokens)
+        seqs = sample_batch(model, tok, problems, cfg.samples_per_prompt, cfg.sampling.max_new_tokens)
         torch.set_num_threads(params.runtime.train_threads)
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=0.0)
@@ -85,7 +86,7 @@ def main() -> None:
             for pack, micro in variants:
                 c = cfg.model_copy(update={"pack": pack, "micro_batch_size": micro, "epochs": 1, "minibatches": 1})
                 t = time.perf_counter()
-                grpo.policy_update(model, opt, seqs, c, tok.pad_token_id)
+                update.policy_update(model, opt, seqs, c, tok.pad_token_id)
                 if rep:  # the first round is the warm-up
                     times[(pack, micro)].append(time.perf_counter() - t)
         lens = [seq_len(s) for s in seqs]
@@ -95,7 +96,7 @@ def main() -> None:
                             "median_s": statistics.median(times[(pack, micro)]), "min_s": min(times[(pack, micro)]),
                             "fill": fill, "input_shapes": shapes,
                             "mean_len": statistics.mean(lens), "min_len": min(lens), "max_len": max(lens)})
-    print(f"\nRL policy update, {cfg.prompts_per_step}x{cfg.group_size} sequences, torch threads "
+    print(f"\nRL policy update, {cfg.prompts_per_step}x{cfg.samples_per_prompt} sequences, torch threads "
           f"{params.runtime.train_threads}, median (min) of {args.repeats}")
     print("| batch from | lengths mean (min-max) | pack | micro-batch | input rows x width | fill | update s |")
     print("|---|---|---|---:|---|---:|---|")

@@ -45,15 +45,16 @@ RESULTS = REPO / "experiments" / "results"
 # The harder task: a of 3..5 digits (the default 2..4 saturates: RL 98.5% greedy); room for the longer chain
 DIFFICULTY = {"task.min_digits": 3, "task.max_digits": 5, "rollout.sampling.max_new_tokens": 96,
               "rl.sampling.max_new_tokens": 96, "evaluate.sampling.max_new_tokens": 96,
-              "distill.max_new_tokens": 96, "evaluate.num_samples": 64, "evaluate.ks": "[1,2,4,8,16,32,64]"}
+              "distill.max_new_tokens": 96, "evaluate.samples_per_prompt": 64, "evaluate.ks": "[1,2,4,8,16,32,64]"}
 # every knob an arm touches, at its default, so one run's -S never leaks into the next (dvc exp run edits
 # the workspace's params.yaml)
 DEFAULTS = {"rl.advantage": "grpo", "rl.dynamic_sampling": "skip", "rl.token_select": "all", "rl.token_rho": 0.2,
-            "rl.steps": 40, "rl.group_size": 8, "rl.kl_coef": 0.0, "rl.ref_reset": "null", "rl.entropy_coef": 0.0,
+            "rl.steps": 40, "rl.samples_per_prompt": 8, "rl.kl_coef": 0.0, "rl.ref_reset": "null",
+            "rl.entropy_coef": 0.0,
             "rl.prior_budget": 0, "rl.select.strategy": "pass_band", "rl.select.top_k": 1,
             "distill.seed": 0, "distill.teacher": "models/rl", "distill.warmup.steps": 10,
             "distill.on_policy.steps": 30, "distill.grpo_steps": 0}
-K256 = {"evaluate.num_samples": 256, "evaluate.ks": "[1,2,4,8,16,32,64,128,256]"}  # pass@k to 256
+K256 = {"evaluate.samples_per_prompt": 256, "evaluate.ks": "[1,2,4,8,16,32,64,128,256]"}  # pass@k to 256
 SFT_BASE = {"name": "sft", "over": {}, "target": "evaluate@sft", "model": "sft"}
 
 # An experiment: arms (name -> -S overrides; the name is the run's, so an arm two experiments share is one
@@ -103,8 +104,8 @@ EXPERIMENTS: dict[str, dict[str, Any]] = {
     "prior": {
         "paper": "V0.5 / Reinforce-Ada: prior-fused baseline, adaptive rollout budget",
         "setting": "stable at group size 4 (accuracy vs samples spent)",
-        "arms": {"grpo": {}, "grpo_g4": {"rl.group_size": 4},
-                 "prior_g4": {"rl.group_size": 4, "rl.advantage": "prior_fused", "rl.dynamic_sampling": "off",
+        "arms": {"grpo": {}, "grpo_g4": {"rl.samples_per_prompt": 4},
+                 "prior_g4": {"rl.samples_per_prompt": 4, "rl.advantage": "prior_fused", "rl.dynamic_sampling": "off",
                               "rl.prior_budget": 16}},
         "claims": [("prior-fused G=4 > GRPO G=4 (pass@1)", "gt_k1", "prior_g4", "grpo_g4"),
                    ("prior-fused G=4 ~ GRPO G=8 (pass@1)", "approx_k1", "prior_g4", "grpo")],
@@ -235,7 +236,7 @@ def samples_spent(rec: dict[str, Any]) -> int | None:
     o = rec["overrides"]
     if "rl.seed" not in o or o.get("rl.dynamic_sampling") == "refill" or o.get("rl.prior_budget", 0):
         return None
-    return int(o.get("rl.steps", 40)) * 16 * int(o.get("rl.group_size", 8))
+    return int(o.get("rl.steps", 40)) * 16 * int(o.get("rl.samples_per_prompt", 8))
 
 
 def plot(exp: str, curves: dict[str, dict[str, list[float]]], ks: list[int], path: Path,

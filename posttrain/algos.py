@@ -103,7 +103,7 @@ def w_reinforce(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None
 # rollouts per prompt (G = 4) the group mean is a noisy baseline; a prior of the prompt's mean reward is fused
 # with it when a test says the two agree. V0.5's prior is a generalist value model; ours is the pipeline's own
 # measurement of the prompt: the reward stage's mean reward of the SFT policy over its G samples, then
-# updated after every step (grpo.PriorState). The test and the update rule are ours (the paper's abstract
+# updated after every step (rl.select.PriorState). The test and the update rule are ours (the paper's abstract
 # names neither): a two-proportion z-test, evidence that ages by half per step.
 PRIOR_Z = 1.96  # |z| above this: the prior disagrees with the group (rejected), the group mean alone is used
 
@@ -285,14 +285,8 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 # Per-token KL *loss* terms. KL-in-reward (REINFORCE++ / RLOO style, ``rl.kl_reward_coef``) uses k1 = logp - ref
-# of the sampled tokens, detached, in ``grpo.kl_shaped_rewards``; k1 as a loss has zero expected gradient.
+# of the sampled tokens, detached, in ``rl.update.kl_shaped_rewards``; k1 as a loss has zero expected gradient.
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k2": kl_k2, "k3": kl_k3}
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-token entropy of softmax(logits). logits: [B, T, V] -> [B, T]"""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
 
 
 # ---------------------------------------------------------------------------------------- distillation

@@ -1,7 +1,7 @@
 """Teacher -> student distillation updates (the ``distill`` stage's algorithms).
 
-Both take ``grpo.Seq`` sequences (prompt ids + a sampled completion; the advantage field is unused) and
-one optimizer step over them, micro-batched with full-batch token-mean normalisation:
+Both take ``logprobs.Seq`` sequences (prompt ids + a sampled completion; the advantage field is unused) and
+make one optimizer step over them (``training.accumulate``) with full-batch token-mean normalisation:
 
 - ``divergence_update``: per-token divergence between the student's and the teacher's next-token
   distributions at every completion position (``algos.DIVERGENCES``: forward KL for the warmup on teacher
@@ -10,7 +10,7 @@ one optimizer step over them, micro-batched with full-batch token-mean normalisa
 - ``nll_update``: plain SFT on the sequences (hard targets: the warmup's "SFT on teacher samples").
 
 Under torchrun ``student`` is the training handle (``distributed.Dist.wrap``): each rank runs its share of
-the sequences, normalised by the global token count, every rank the same number of micro-batches.
+the sequences, normalised by the global token count (``training.accumulate``).
 
 Papers: Hinton et al. 2015 (KD, forward KL); Agarwal et al. 2024 (GKD: on-policy, generalized JSD);
 "Beyond GRPO and On-Policy Distillation: a sparse-to-dense reward principle" (forward-KL warmup, then
@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from posttrain import algos, distributed, logprobs
-from posttrain.grpo import Seq, batch_tensors
+from posttrain import algos, distributed, logprobs, training
+from posttrain.logprobs import Seq, batch_tensors
 
 
 def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: torch.optim.Optimizer,
@@ -64,25 +64,20 @@ def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: t
 
     n_tok = sum(len(s.completion_ids) for s in seqs)  # global: every rank holds every sequence
     sums = {"loss": 0.0, "forward_kl": 0.0, "reverse_kl": 0.0, "entropy": 0.0}
-    opt.zero_grad(set_to_none=True)
-    mine = d.shard(seqs)
-    chunks = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
-    n_micro = d.micro_count(len(chunks))
-    for k in range(n_micro):
-        real = k < len(chunks)  # else a zero-weight repeat so that every rank's collectives line up
-        t = batch_tensors(chunks[k] if real else (chunks or [list(seqs[:1])])[0], pad_id, device)
+
+    def loss_of(chunk: list[Seq], real: bool) -> torch.Tensor:
+        t = batch_tensors(chunk, pad_id, device)
         with torch.no_grad():
             th, _, _ = logprobs.hidden_at_targets(teacher, t)  # [N, H_teacher]
-        with d.grad_sync(student, k == n_micro - 1):
-            div, fkl, rkl, ent = distributed.forward(student, student_side, t, th)
-            loss = div.sum() * float(real) / max(n_tok, 1)  # token-mean over the whole batch
-            (loss * d.loss_scale).backward()
+        div, fkl, rkl, ent = distributed.forward(student, student_side, t, th)
+        loss = div.sum() / max(n_tok, 1)  # token-mean over the whole batch
         if real:
             sums["loss"] += float(loss.detach())
             for key, v in (("forward_kl", fkl), ("reverse_kl", rkl), ("entropy", ent)):
                 sums[key] += float(v.sum())
-    grad_norm = d.clip_grad_norm(student, max_grad_norm)
-    opt.step()
+        return loss
+
+    grad_norm = training.accumulate(student, opt, seqs, micro_batch_size, loss_of, max_grad_norm)
     sums = dict(zip(sums, d.sum(*sums.values()), strict=True))
     tok = max(n_tok, 1)
     return {"loss": sums["loss"], "forward_kl": sums["forward_kl"] / tok, "reverse_kl": sums["reverse_kl"] / tok,
@@ -97,22 +92,19 @@ def nll_update(student: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Seque
     device = next(student.parameters()).device
     n_tok = sum(len(s.completion_ids) for s in seqs)
     loss_sum, ent_sum = 0.0, 0.0
-    opt.zero_grad(set_to_none=True)
-    mine = d.shard(seqs)
-    chunks = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
-    n_micro = d.micro_count(len(chunks))
-    for k in range(n_micro):
-        real = k < len(chunks)
-        t = batch_tensors(chunks[k] if real else (chunks or [list(seqs[:1])])[0], pad_id, device)
-        m = t["mask"] if real else torch.zeros_like(t["mask"])
-        with d.grad_sync(student, k == n_micro - 1):
-            logp, ent = distributed.forward(student, logprobs.token_logp_entropy, t, temperature, "detached")
-            loss = algos.aggregate(-logp, m, "token-mean", len(seqs), n_tok, 1)
-            (loss * d.loss_scale).backward()
-        loss_sum += float(loss.detach())
-        ent_sum += float((ent.detach() * m).sum())
-    grad_norm = d.clip_grad_norm(student, max_grad_norm)
-    opt.step()
+
+    def loss_of(chunk: list[Seq], real: bool) -> torch.Tensor:
+        nonlocal loss_sum, ent_sum
+        t = batch_tensors(chunk, pad_id, device)
+        m = t["mask"]
+        logp, ent = distributed.forward(student, logprobs.token_logp_entropy, t, temperature, "detached")
+        loss = algos.aggregate(-logp, m, "token-mean", len(seqs), n_tok, 1)
+        if real:
+            loss_sum += float(loss.detach())
+            ent_sum += float((ent.detach() * m).sum())
+        return loss
+
+    grad_norm = training.accumulate(student, opt, seqs, micro_batch_size, loss_of, max_grad_norm)
     loss_sum, ent_sum = d.sum(loss_sum, ent_sum)
     return {"loss": loss_sum, "entropy": ent_sum / max(n_tok, 1), "grad_norm": grad_norm,
             "response_len": n_tok / max(len(seqs), 1)}

@@ -294,13 +294,3 @@ def resolve_device(pref: str) -> torch.device:
 def num_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
-
-def completion_logprobs(
-    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
-) -> torch.Tensor:
-    """Log-prob of each token given its prefix.
-
-    input_ids, attention_mask: [B, T]. Returns [B, T-1]: entry t is log p(input_ids[:, t+1] | <= t).
-    """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # [B, T-1, V]
-    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)

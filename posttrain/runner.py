@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from posttrain import seeds
 from posttrain.config import EXIT_CONFIG_ERROR, ConfigError, Params, load_params
 from posttrain.errors import StageError
 
@@ -133,7 +134,7 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
             params = params.model_copy(update={"tracking": params.tracking.model_copy(update={"enabled": False})})
     setup(params)
     if rank:
-        seed_everything(params.seed + 7919 * rank)  # dropout and other torch randomness differ per rank
+        seed_everything(seeds.process(params.seed, rank))  # dropout and other torch randomness differ per rank
     t0 = time.time()
     from posttrain.tracking import stage_run
 

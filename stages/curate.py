@@ -21,7 +21,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from posttrain import decontam
+from posttrain import decontam, seeds
 from posttrain.config import Curate, Params, SyntheticSource, Validation
 from posttrain.errors import StageError
 from posttrain.runner import stage_main
@@ -105,8 +105,8 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
 
     # 1. eval split: its own source (or the generator, seeded apart from training), validated, deduped
     eval_src = cfg.eval.source or SyntheticSource(name="arith_eval", num_rows=cfg.eval.rows * 2)
-    ev, ev_quarantine, ev_in, complaints = _collect([eval_src], task, kind, v, params.seed + 7919, prog, "eval",
-                                                    cfg.max_quarantined_frac)
+    ev, ev_quarantine, ev_in, complaints = _collect([eval_src], task, kind, v, seeds.eval_draw(params.seed), prog,
+                                                    "eval", cfg.max_quarantined_frac)
     ev, _ = dedup(ev, cfg.dedup.near_ngram, cfg.dedup.near_threshold)
     ev = ev[: cfg.eval.rows]
 

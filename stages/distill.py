@@ -15,7 +15,7 @@ B. On-policy distillation (``distill.on_policy``): the student samples (``studen
    the teacher the rest), the teacher scores the same tokens, loss = per-token reverse KL (or forward KL,
    or generalized JSD with ``beta``).
 C. Optional student GRPO (``distill.grpo_steps``) with the ``rl`` section's algorithm, through the same
-   ``grpo.collect_step`` / ``grpo.policy_update`` as the rl stage.
+   ``rl.collect.collect_step`` / ``rl.update.update_from_groups`` as the rl stage.
 With warmup and on-policy steps at 0 and ``grpo_steps`` > 0 this stage is "direct GRPO on the student".
 
 Several processes (``runtime.distributed``): the same command relaunches under torchrun; the student is the
@@ -38,10 +38,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from posttrain import distillation, distributed, grpo, modeling, plots, training
+from posttrain import checkpoint, distillation, distributed, modeling, plots, seeds, training
 from posttrain.config import Params
 from posttrain.errors import StageError
+from posttrain.logprobs import Seq
 from posttrain.rewards import is_correct, score_rows
+from posttrain.rl import collect, select, update
 from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids, generator, sample_rows
 from posttrain.runner import stage_main
 from posttrain.schema import atomic_path, read_problems, write_csv, write_json
@@ -51,8 +53,8 @@ LOG_FIELDS = ["step", "phase", "loss", "forward_kl", "reverse_kl", "entropy", "r
               "reward_mean", "grad_norm", "seconds"]
 
 
-def _seqs(rows: list[dict[str, Any]], prompt_ids: dict[str, list[int]]) -> list[grpo.Seq]:
-    return [grpo.Seq(prompt_ids[r["prompt_id"]], list(r["token_ids"]), list(r["logprobs"]), 0.0) for r in rows]
+def _seqs(rows: list[dict[str, Any]], prompt_ids: dict[str, list[int]]) -> list[Seq]:
+    return [Seq(prompt_ids[r["prompt_id"]], list(r["token_ids"]), list(r["logprobs"]), 0.0) for r in rows]
 
 
 def _pass_rate(rows: list[dict[str, Any]]) -> float | None:
@@ -79,7 +81,8 @@ def _student(params: Params, tok: Any, teacher: Any, device: torch.device) -> An
                                       revision=cfg.student_revision,
                                       attn_implementation=params.model.attn_implementation)
     else:
-        student = modeling.build_tiny_model(cfg.student, tok, params.seed + 1, vocab_size=teacher.config.vocab_size)
+        student = modeling.build_tiny_model(cfg.student, tok, seeds.student_init(params.seed),
+                                           vocab_size=teacher.config.vocab_size)
     common = min(student.config.vocab_size, teacher.config.vocab_size)
     if len(tok) > common:
         raise StageError(f"distill: the tokenizer has {len(tok)} tokens but the student's or teacher's LM head "
@@ -109,8 +112,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     # 0. the student's cold start: the teacher's own SFT recipe
     demos = read_problems(inputs["demos"])
     torch.set_num_threads(rt.train_threads)
-    fp0 = training.fingerprint("student-sft", params.sft, cfg.student, cfg.student_revision, params.model.lora,
-                               params.seed, training.file_digest(inputs["demos"]))
+    fp0 = checkpoint.fingerprint("student-sft", params.sft, cfg.student, cfg.student_revision, params.model.lora,
+                               params.seed, checkpoint.file_digest(inputs["demos"]))
     amp = functools.partial(modeling.autocast, params.model.dtype, device)  # mixed precision (no-op in fp32)
     with amp():
         res = training.sft_train(student, tok, demos, params.sft, params.seed, out["checkpoints"] / "sft", fp0,
@@ -126,12 +129,12 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     prompt_ids = dict(zip([p["id"] for p in prompts], chat_prompt_ids(tok, [p["prompt"] for p in prompts]),
                           strict=True))
     phases = ["warmup"] * cfg.warmup.steps + ["on_policy"] * cfg.on_policy.steps + ["grpo"] * cfg.grpo_steps
-    opt = torch.optim.AdamW(modeling.trainable_params(student), lr=cfg.warmup.lr, betas=(0.9, 0.99))
-    fp = training.fingerprint(cfg, params.rl, params.reward, params.seed, fp0,
+    opt = training.adamw(student.parameters(), cfg.warmup.lr, training.ONLINE_WEIGHT_DECAY, training.ONLINE_BETAS)
+    fp = checkpoint.fingerprint(cfg, params.rl, params.reward, params.seed, fp0,
                               modeling.checkpoint_digest(inputs["teacher"]), sorted(prompt_ids))
     d_seed = params.seed + cfg.seed  # distill.seed: seeds of a distillation arm (the cold start stays fixed)
-    cursor = grpo.PromptCursor(len(prompts), d_seed + 2)
-    start, log_rows, cursor.pos = training.restore_loop_state(out["checkpoints"], fp, student, opt)
+    cursor = select.PromptCursor(len(prompts), seeds.distill_cursor(d_seed))
+    start, log_rows, cursor.pos = checkpoint.restore_loop_state(out["checkpoints"], fp, student, opt)
     s_backend = BACKENDS[params.rollout.backend](d.plain(student), tok, params.rl.generate_batch_size,
                                                  params.rollout.vllm)
     t_backend = BACKENDS[params.rollout.backend](teacher, tok, params.rl.generate_batch_size, params.rollout.vllm)
@@ -140,7 +143,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     for step in tqdm(range(start, len(phases)), initial=start, total=len(phases), desc="distill",
                      disable=not rt.progress):
         phase, t0 = phases[step], time.time()
-        seed = d_seed * 1_000_003 + 7 * step + 3
+        seed = seeds.distill_step(d_seed, step)
         torch.set_num_threads(rt.generate_threads)
         student.eval()
         s_backend.load_weights(d.plain(student), f"student@{step}")  # FSDP2 copy refreshed / vLLM synced
@@ -149,14 +152,14 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
             for g in opt.param_groups:
                 g["lr"] = params.rl.lr
             with amp():
-                sb = grpo.collect_step(s_backend, tok, prompts, cursor, params.rl, specs, seed,
+                sb = collect.collect_step(s_backend, tok, prompts, cursor, params.rl, specs, seed,
                                        policy=f"student@{step}")
             first = [r for grp in sb.sampled[: params.rl.prompts_per_step] for r in grp]
             torch.set_num_threads(rt.train_threads)
             s_backend.release()
             student.train()
             with amp():
-                m, _ = grpo.update_from_groups(student, opt, sb.groups, params.rl, prompt_ids, tok.pad_token_id,
+                m, _ = update.update_from_groups(student, opt, sb.groups, params.rl, prompt_ids, tok.pad_token_id,
                                                seed=seed)
             scorable = [r["reward"] for r in first if r["reward"] is not None]
             row.update({"loss": m.get("loss"), "entropy": m.get("entropy"), "grad_norm": m.get("grad_norm"),
@@ -168,7 +171,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
             for g in opt.param_groups:
                 g["lr"] = pc.lr
             batch = [prompts[i] for i in cursor.take(pc.prompts_per_step)]
-            sp = SamplingParams(cfg.temperature, 1.0, cfg.max_new_tokens, seed + 1_000_033 * d.rank)
+            sp = SamplingParams(cfg.temperature, 1.0, cfg.max_new_tokens, seeds.rank(seed, d.rank))
             n_student = 0 if phase == "warmup" else round(cfg.on_policy.student_frac * len(batch))
             rows = []
             with amp():  # each rank samples its share of each part; every rank then holds all the rows
@@ -201,7 +204,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                          for k in LOG_FIELDS})
         done = step + 1
         if done % cfg.checkpoint_every == 0 and done < len(phases):
-            training.save_loop_state(out["checkpoints"], done, fp, cursor.pos, student, opt, log_rows)
+            checkpoint.save_loop_state(out["checkpoints"], done, fp, cursor.pos, student, opt, log_rows)
     elapsed = time.time() - t_run
 
     student.eval()

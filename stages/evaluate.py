@@ -11,7 +11,7 @@ Outputs: ``paths.eval_report_dir/models/<name>/``: ``summary.json`` (``{split: {
 ``generations.parquet`` (every completion with its extracted answer and verdict, for audit);
 ``metrics/evaluate/<name>.json`` (the summary, for ``dvc metrics show``/``diff``).
 
-Per split: greedy accuracy (Wilson interval); ``num_samples`` samples per prompt at ``evaluate.sampling``
+Per split: greedy accuracy (Wilson interval); ``samples_per_prompt`` samples per prompt at ``evaluate.sampling``
 give sampled pass@1 (mean over samples), unbiased pass@k, maj@k (mean majority-vote correctness over the
 disjoint blocks of k samples), mean completion length and the share cut at ``max_new_tokens`` (bootstrap
 intervals over problems). A problem whose gold answer cannot be parsed is unscorable: counted, and left out
@@ -108,13 +108,13 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
     gen_rows: list[dict[str, Any]] = []
     model = modeling.load_model(str(inputs["model"]), params.model.dtype, device)
     tok = modeling.load_tokenizer(str(inputs["model"]))
-    backend = BACKENDS[cfg.backend](model, tok, cfg.batch_size, params.rollout.vllm)
+    backend = BACKENDS[cfg.backend](model, tok, cfg.generate_batch_size, params.rollout.vllm)
     for split, probs in tqdm(splits.items(), desc=f"evaluate {name}", disable=not params.runtime.progress):
         t0 = time.time()
         ids = chat_prompt_ids(tok, [p["prompt"] for p in probs])
         greedy = backend.generate(ids, 1, greedy_sp)
         n_s = len(ids) if cfg.sample_prompts is None else min(cfg.sample_prompts, len(ids))
-        samples = backend.generate(ids[:n_s], cfg.num_samples, sample_sp) + [[]] * (len(ids) - n_s)
+        samples = backend.generate(ids[:n_s], cfg.samples_per_prompt, sample_sp) + [[]] * (len(ids) - n_s)
         per, unscorable = [], 0
         for p, g, ss in zip(probs, greedy, samples, strict=True):
             row, verdicts = score_problem(p, g[0], ss, cfg.ks)

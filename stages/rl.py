@@ -8,16 +8,18 @@ rewards, advantages and whether each sample entered the update, so any update ca
 ``checkpoints/step_N`` for ``rl.save_steps``; ``paths.rl_report_dir/train_log.csv`` (per-step metrics for
 ``dvc plots``); ``metrics/rl.json``.
 
-Each step samples ``prompts_per_step`` prompts x ``group_size`` completions with the same ``sample_rows``
-as the rollout stage, scores them with the same ``score_rows`` as the reward stage, applies DAPO dynamic
-sampling (``rl.dynamic_sampling``), computes advantages (``rl.advantage``) and runs ``policy_update``.
+The walk goes down the ``posttrain.rl`` package: ``select`` picks the prompts (``rl.select``) and orders them,
+then each step ``collect`` samples ``prompts_per_step`` prompts x ``samples_per_prompt`` completions with the
+same ``sample_rows`` as the rollout stage, scores them with the same ``score_rows`` as the reward stage and
+applies DAPO dynamic sampling (``rl.dynamic_sampling``), and ``update`` computes advantages (``rl.advantage``)
+and runs the policy update (``training.accumulate`` per minibatch).
 Every ``checkpoint_every`` steps a resumable checkpoint (model, optimizer, RNG, step, prompt cursor, log)
 goes to ``paths.rl_checkpoints`` together with the shards so far (not DVC outs, so a re-run after a crash
 finds them and continues without repeating or skipping a step).
 
 Several processes (``runtime.distributed``): the same command relaunches under torchrun; each rank generates
 and scores its share of every step's prompts (whole groups), every rank sees the whole step, each trains on its
-share of every minibatch, gradients all-reduced (``posttrain.grpo``); rank 0 writes shards and outputs.
+share of every minibatch, gradients all-reduced (``training.accumulate``); rank 0 writes shards and outputs.
 
 Run: ``dvc repro rl`` or ``python -m stages.rl [--params params.yaml]``.
 """
@@ -36,10 +38,11 @@ import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
-from posttrain import distributed, grpo, modeling, plots, training
+from posttrain import checkpoint, distributed, modeling, plots, seeds, training
 from posttrain.config import Params
 from posttrain.errors import StageError
 from posttrain.rewards import is_correct
+from posttrain.rl import collect, select, update
 from posttrain.rollout import BACKENDS, chat_prompt_ids, generator
 from posttrain.runner import stage_main
 from posttrain.schema import (
@@ -62,11 +65,11 @@ LOG_FIELDS = ["step", "updated", "reward_mean", "pass_rate", "zero_var_frac", "g
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Train. ``inputs``: train, pass_rates, policy. ``out``: model, rl_dir, checkpoints, report_dir, metrics."""
-    cfg, g, b = params.rl, params.rl.group_size, params.rl.prompts_per_step
+    cfg, g, b = params.rl, params.rl.samples_per_prompt, params.rl.prompts_per_step
     rt, d = params.runtime, distributed.current()
     device = modeling.resolve_device(rt.device)
     problems, rates = read_problems(inputs["train"]), read_parquet(inputs["pass_rates"])
-    prompts = grpo.PROMPT_SELECTIONS[cfg.select.strategy](problems, rates, cfg.select)
+    prompts = select.PROMPT_SELECTIONS[cfg.select.strategy](problems, rates, cfg.select)
     if not prompts:
         raise StageError(f"no prompt has an SFT pass rate in [{cfg.select.min_pass_rate}, "
                          f"{cfg.select.max_pass_rate}] (rl.select); see the reward audit")
@@ -79,24 +82,24 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         ref = model if modeling.is_lora(model) else modeling.load_model(str(inputs["policy"]), params.model.dtype,
                                                                         device)
     model = d.wrap(model)  # the training handle (the model itself in one process)
-    opt = torch.optim.AdamW(modeling.trainable_params(model), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                            betas=(0.9, 0.99))
+    opt = training.adamw(model.parameters(), cfg.lr, cfg.weight_decay, training.ONLINE_BETAS)
     backend = BACKENDS[params.rollout.backend](d.plain(model), tok, cfg.generate_batch_size, params.rollout.vllm)
     policy0 = modeling.checkpoint_digest(inputs["policy"])
     prompt_ids = dict(zip([p["id"] for p in prompts], chat_prompt_ids(tok, [p["prompt"] for p in prompts]),
                           strict=True))
 
     ckpt_dir, shard_tmp = out["checkpoints"], out["checkpoints"] / "shards"
-    fp = training.fingerprint(cfg, params.reward, params.rollout.backend, params.model.lora, params.seed, policy0,
-                              sorted(prompt_ids))
+    m = params.model  # what changes the result: not rl.steps, save_steps, max_idle_steps (config.NOT_RESULT)
+    fp = checkpoint.fingerprint(cfg, params.reward, params.rollout.backend, m.lora, m.dtype, m.attn_implementation,
+                                params.seed, policy0, sorted(prompt_ids))
     rl_seed = params.seed + cfg.seed  # rl.seed: seeds of an RL arm on the same upstream (curate, sft)
-    cursor = grpo.PromptCursor(len(prompts), rl_seed)
+    cursor = select.PromptCursor(len(prompts), rl_seed)
     moving_ref = ref if cfg.ref_reset is not None else None  # a reference that resets is checkpointed too
-    prior = grpo.PriorState.from_rates(rates)  # per-prompt priors (rl.advantage prior_fused), checkpointed
+    prior = select.PriorState.from_rates(rates)  # per-prompt priors (rl.advantage prior_fused), checkpointed
     saved: dict[str, Any] = {}
-    start, log_rows, cursor.pos = training.restore_loop_state(ckpt_dir, fp, model, opt, moving_ref, saved)
+    start, log_rows, cursor.pos = checkpoint.restore_loop_state(ckpt_dir, fp, model, opt, moving_ref, saved)
     if "prior" in saved:
-        prior = grpo.PriorState(**saved["prior"])
+        prior = select.PriorState(**saved["prior"])
     for stale in shard_tmp.glob("step_*.parquet") if d.main else []:  # shards after the checkpoint are redone
         if int(stale.stem.split("_")[1]) > start:
             stale.unlink()
@@ -112,9 +115,9 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         # the generation engine samples from this step's weights: FSDP2's full copy is refreshed from the shards,
         # vLLM's engine gets them copied in (the hf backend samples with the model itself: nothing to do)
         backend.load_weights(d.plain(model), f"{policy0}@step{step}")
-        seed = rl_seed * 1_000_003 + step * 1009
+        seed = seeds.rl_step(rl_seed, step)
         with amp():
-            sb = grpo.collect_step(backend, tok, prompts, cursor, cfg, params.reward.rewards, seed,
+            sb = collect.collect_step(backend, tok, prompts, cursor, cfg, params.reward.rewards, seed,
                                    policy=f"{policy0}@step{step}", prior=prior)
         used = [row for grp in sb.groups for row in grp]
 
@@ -123,11 +126,11 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         model.train()
         t2 = time.time()
         with amp():
-            metrics, advs = grpo.update_from_groups(model, opt, sb.groups, cfg, prompt_ids, tok.pad_token_id, ref,
+            metrics, advs = update.update_from_groups(model, opt, sb.groups, cfg, prompt_ids, tok.pad_token_id, ref,
                                                     seed=seed, prior=prior)
         update_s = time.time() - t2
         if cfg.ref_reset is not None and (step + 1) % cfg.ref_reset.every == 0:
-            grpo.reset_reference(ref, d.plain(model), opt if cfg.ref_reset.optimizer else None)
+            update.reset_reference(ref, d.plain(model), opt if cfg.ref_reset.optimizer else None)
             log.info("step %d: reference reset to the current policy (rl.ref_reset)", step + 1)
         idle = 0 if metrics else idle + 1
         if idle:
@@ -170,7 +173,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                 with atomic_path(ckpt_dir / "saved" / f"step_{done}") as tmp:
                     modeling.save_checkpoint(saved, tok, tmp)
         if done % cfg.checkpoint_every == 0 and done < cfg.steps:
-            training.save_loop_state(ckpt_dir, done, fp, cursor.pos, model, opt, log_rows, moving_ref,
+            checkpoint.save_loop_state(ckpt_dir, done, fp, cursor.pos, model, opt, log_rows, moving_ref,
                                      {"prior": {"p": prior.p, "n": prior.n}})
     elapsed = time.time() - t_run
 

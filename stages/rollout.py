@@ -42,11 +42,11 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     device = modeling.resolve_device(params.runtime.device)
     model = modeling.load_model(str(inputs["policy"]), params.model.dtype, device)
     tok = modeling.load_tokenizer(str(inputs["policy"]))
-    backend = BACKENDS[cfg.backend](model, tok, cfg.batch_size, cfg.vllm)
+    backend = BACKENDS[cfg.backend](model, tok, cfg.generate_batch_size, cfg.vllm)
     sp = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens, params.seed)
-    rows, seconds = sample_rows(backend, tok, problems, cfg.group_size, sp,
+    rows, seconds = sample_rows(backend, tok, problems, cfg.samples_per_prompt, sp,
                                 policy=modeling.checkpoint_digest(inputs["policy"]),
-                                chunk_prompts=max(1, cfg.batch_size // cfg.group_size),
+                                chunk_prompts=max(1, cfg.generate_batch_size // cfg.samples_per_prompt),
                                 progress=params.runtime.progress)
     write_parquet(out["rollouts"], rows, ROLLOUT_SCHEMA)
     lengths = [len(r["token_ids"]) for r in rows]

@@ -28,7 +28,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from posttrain import distributed, modeling, plots, training
+from posttrain import checkpoint, distributed, modeling, plots, training
 from posttrain.config import Params
 from posttrain.runner import stage_main
 from posttrain.schema import atomic_path, read_problems, write_csv, write_json
@@ -50,7 +50,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     model = modeling.make_trainable(model, params.model.lora, params.model.gradient_checkpointing)
     model = d.wrap(model.to(device).train())
 
-    fp = training.fingerprint(params.sft, params.model, params.seed, training.file_digest(inputs["demos"]))
+    fp = checkpoint.fingerprint(params.sft, params.model, params.seed, checkpoint.file_digest(inputs["demos"]))
     with modeling.autocast(params.model.dtype, device):  # fp32 masters; bf16 compute when model.dtype says so
         res = training.sft_train(model, tok, demos, params.sft, params.seed, out["checkpoints"], fp,
                                  progress=params.runtime.progress)

@@ -39,12 +39,12 @@ def tiny_raw(root: Path | None) -> dict[str, Any]:
     p["sft"].update({"phases": [{"steps": 6, "cot_frac": 1.0}, {"steps": 2, "cot_frac": 0.5}],
                      "batch_size": 8, "micro_batch_size": 4, "warmup_steps": 2, "checkpoint_every": 3,
                      "log_every": 2})
-    p["rollout"].update({"num_prompts": 8, "group_size": 4, "batch_size": 64})
+    p["rollout"].update({"num_prompts": 8, "samples_per_prompt": 4, "generate_batch_size": 64})
     p["rollout"]["sampling"]["max_new_tokens"] = 24
     # an untrained tiny policy never solves the task: a length penalty gives groups reward variance
     p["reward"]["rewards"] = [{"name": "correct", "weight": 1.0},
                               {"name": "overlong", "weight": 1.0, "kwargs": {"buffer": 24}}]
-    p["rl"].update({"steps": 4, "prompts_per_step": 4, "group_size": 4, "micro_batch_size": 8,
+    p["rl"].update({"steps": 4, "prompts_per_step": 4, "samples_per_prompt": 4, "micro_batch_size": 8,
                     "checkpoint_every": 2, "select": {"min_pass_rate": 0.0, "max_pass_rate": 1.0}})
     p["rl"]["sampling"]["max_new_tokens"] = 24
     p["distill"]["teacher"] = p["paths"]["rl_model"]
@@ -53,7 +53,7 @@ def tiny_raw(root: Path | None) -> dict[str, Any]:
     for phase in ("warmup", "on_policy"):
         p["distill"][phase].update({"steps": 2, "prompts_per_step": 4, "samples_per_prompt": 2})
     p["distill"].update({"grpo_steps": 2, "max_new_tokens": 24, "micro_batch_size": 8, "checkpoint_every": 2})
-    p["evaluate"].update({"num_samples": 4, "ks": [1, 2, 4], "batch_size": 64, "bootstrap": 50})
+    p["evaluate"].update({"samples_per_prompt": 4, "ks": [1, 2, 4], "generate_batch_size": 64, "bootstrap": 50})
     p["evaluate"]["sampling"]["max_new_tokens"] = 24
     return p
 

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from posttrain import distillation, distributed, grpo, modeling
+from posttrain import distillation, distributed, logprobs, modeling
 from posttrain.config import Params, load_params
+from posttrain.rl import update
 from posttrain.rollout import chat_prompt_ids
 from posttrain.schema import read_parquet
 
@@ -33,7 +34,7 @@ def main(out: str, policy: str, shard: str, *params_files: str) -> None:
 def variant(dist: distributed.Dist, params: Params, policy: str, shard: str) -> dict:
     torch.set_num_threads(params.runtime.train_threads)
     torch.manual_seed(params.seed)  # as stage_main seeds a stage (LoRA adapters start from the same draw)
-    cfg, g = params.rl, params.rl.group_size
+    cfg, g = params.rl, params.rl.samples_per_prompt
     rows = read_parquet(Path(shard))
     groups = [rows[i : i + g] for i in range(0, len(rows), g)]
     tok = modeling.load_tokenizer(policy)
@@ -43,14 +44,14 @@ def variant(dist: distributed.Dist, params: Params, policy: str, shard: str) -> 
     prompt_ids = dict(zip(prompts, chat_prompt_ids(tok, list(prompts.values())), strict=True))
     model = dist.wrap(model)
     opt = torch.optim.AdamW(modeling.trainable_params(model), lr=cfg.lr, betas=(0.9, 0.99))
-    metrics, _ = grpo.update_from_groups(model, opt, groups, cfg, prompt_ids, tok.pad_token_id, ref, seed=7)
+    metrics, _ = update.update_from_groups(model, opt, groups, cfg, prompt_ids, tok.pad_token_id, ref, seed=7)
     teacher = dist.plain(model)
     updated = {k: v.clone() for k, v in teacher.state_dict().items()}
     with torch.no_grad():  # a teacher measurably unlike the student: the updated policy, its head scaled
         teacher.get_output_embeddings().weight.mul_(3.0)
     student = dist.wrap(modeling.load_policy(policy, params.model, torch.device("cpu")))
     s_opt = torch.optim.SGD(modeling.trainable_params(student), lr=1.0)  # weights move by the gradient itself
-    seqs = [grpo.Seq(prompt_ids[r["prompt_id"]], list(r["token_ids"]), list(r["logprobs"]), 0.0) for r in rows]
+    seqs = [logprobs.Seq(prompt_ids[r["prompt_id"]], list(r["token_ids"]), list(r["logprobs"]), 0.0) for r in rows]
     d_metrics = distillation.divergence_update(student, teacher, s_opt, seqs, "reverse_kl", 0.5, tok.pad_token_id,
                                                cfg.micro_batch_size)
     distilled = dist.plain(student)

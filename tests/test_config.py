@@ -23,7 +23,8 @@ def test_repo_params_validate():
     (lambda p: p.update(curate={**p["curate"], "sources": [{"kind": "file", "name": "x", "path": "nope.jsonl",
                                                             "format": "gsm8k"}]}),
      "curate.sources[0].path: Value error, file not found: nope.jsonl"),
-    (lambda p: p["evaluate"].update(ks=[1, 128]), "evaluate: Value error, every k must be in [1, num_samples=64]"),
+    (lambda p: p["evaluate"].update(ks=[1, 128]),
+     "evaluate.ks: Value error, every k must be in [1, samples_per_prompt=64]"),
     (lambda p: p.pop("sft"), "sft: Field required"),
     (lambda p: p["task"].update(kind="chess"), "task: Input tag 'chess'"),
     # combinations that would silently do the wrong thing (issue: correctness at real settings)
@@ -41,7 +42,8 @@ def test_repo_params_validate():
     # several processes: the global batch must split evenly; multi-node needs a rendezvous; no sharded LoRA
     (lambda p: p["runtime"].update(distributed={"nproc_per_node": 3}),
      "params: sft.batch_size: 64 must be a multiple of world size 3 (runtime.distributed) x sft.micro_batch_size"),
-    (lambda p: p["runtime"].update(distributed={"nnodes": 2}), "runtime.distributed: Value error, nnodes > 1 needs"),
+    (lambda p: p["runtime"].update(distributed={"nnodes": 2}),
+     "runtime.distributed.rdzv_endpoint: Value error, nnodes > 1 needs"),
     (lambda p: (p["runtime"].update(distributed={"nproc_per_node": 2, "strategy": "fsdp2"}),
                 p["model"].update(lora={"r": 4})), "params: runtime.distributed.strategy: fsdp2 with model.lora"),
 ])

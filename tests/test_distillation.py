@@ -2,7 +2,7 @@
 
 import torch
 
-from posttrain import distillation, grpo
+from posttrain import distillation, logprobs
 from posttrain.config import TinyModel
 from posttrain.modeling import build_char_tokenizer, build_tiny_model
 from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids
@@ -13,7 +13,7 @@ CFG = TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
 def _seqs(tok, model):
     ids = chat_prompt_ids(tok, ["12*3=", "47*7="])
     groups = BACKENDS["hf"](model.eval(), tok, 8).generate(ids, 2, SamplingParams(1.0, 1.0, 10, 0))
-    return [grpo.Seq(p, c.token_ids, c.logprobs, 0.0) for p, g in zip(ids, groups, strict=True) for c in g]
+    return [logprobs.Seq(p, c.token_ids, c.logprobs, 0.0) for p, g in zip(ids, groups, strict=True) for c in g]
 
 
 def test_divergence_update_reduces_the_divergence():
@@ -54,15 +54,15 @@ def test_distill_losses_score_the_sampling_temperature():
     student = build_tiny_model(CFG, tok, 0)
     ids = chat_prompt_ids(tok, ["12*3=", "47*7="])
     groups = BACKENDS["hf"](student.eval(), tok, 8).generate(ids, 2, SamplingParams(0.7, 1.0, 10, 0))
-    seqs = [grpo.Seq(p, c.token_ids, c.logprobs, 0.0) for p, g in zip(ids, groups, strict=True) for c in g]
-    hand = -sum(sum(s.sampler_logp) for s in seqs) / sum(len(s.completion_ids) for s in seqs)
+    seqs = [logprobs.Seq(p, c.token_ids, c.logprobs, 0.0) for p, g in zip(ids, groups, strict=True) for c in g]
+    hand = -sum(sum(s.logprobs) for s in seqs) / sum(len(s.completion_ids) for s in seqs)
     m = distillation.nll_update(student.train(), torch.optim.SGD(student.parameters(), lr=0.0), seqs,
                                 tok.pad_token_id, 8, temperature=0.7)
     assert abs(m["loss"] - hand) < 1e-4, (m["loss"], hand)
     m1 = distillation.nll_update(student, torch.optim.SGD(student.parameters(), lr=0.0), seqs, tok.pad_token_id, 8)
     assert abs(m1["loss"] - hand) > 1e-3  # at T = 1 another distribution (measured gap 0.0077 here)
     teacher = build_tiny_model(CFG, tok, 1).eval()
-    t = grpo.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"))
+    t = logprobs.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"))
     with torch.no_grad():
         s_lp, t_lp = (torch.log_softmax(m(input_ids=t["ids"], attention_mask=t["attn"]).logits[:, :-1] / 0.7, -1)
                       for m in (student, teacher))  # the full-logits reference

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from posttrain import distillation, grpo, logprobs, training
+from posttrain import distillation, logprobs, training
 from tests.realmodel import bpe_tokenizer, full_logp_entropy, qwen2
 
 V = 500  # a vocabulary larger than the tokenizer's (as real checkpoints pad theirs)
@@ -20,7 +20,7 @@ def _seqs(tok, n=5, seed=0):
     for i in range(n):
         p = tok(f"Natalia sold clips to {i * 7} friends")["input_ids"]
         c = torch.randint(0, len(tok), (3 + 2 * i,), generator=g).tolist()
-        out.append(grpo.Seq(p, c, [0.0] * len(c), 1.0 - 0.4 * i))
+        out.append(logprobs.Seq(p, c, [0.0] * len(c), 1.0 - 0.4 * i))
     return out
 
 
@@ -28,7 +28,7 @@ def _seqs(tok, n=5, seed=0):
 @pytest.mark.parametrize("tie", [False, True])
 def test_chunked_logp_entropy_and_grads_equal_full_logits(tok, pack, tie):
     seqs = _seqs(tok)
-    t = grpo.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"), pack=pack)
+    t = logprobs.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"), pack=pack)
     grads = []
     for fn in (lambda m: full_logp_entropy(m, t, 0.7),
                lambda m: logprobs.token_logp_entropy(m, t, 0.7, chunk=7)):  # 7: chunks end mid-sequence
@@ -47,7 +47,7 @@ def test_chunked_logp_entropy_and_grads_equal_full_logits(tok, pack, tie):
 def test_no_tensor_of_full_vocabulary_per_position_is_kept_for_backward(tok):
     """Autograd keeps no [*, V] tensor of more than one chunk's rows: the logits are recomputed per chunk in
     backward. The full path keeps [B, T-1, V] ones (checked as a control)."""
-    t = grpo.batch_tensors(_seqs(tok), tok.pad_token_id, torch.device("cpu"))
+    t = logprobs.batch_tensors(_seqs(tok), tok.pad_token_id, torch.device("cpu"))
     model = qwen2(tok, hidden=32, layers=2, vocab_size=V)
 
     def biggest_vocab_tensor(fn):
@@ -64,7 +64,7 @@ def test_no_tensor_of_full_vocabulary_per_position_is_kept_for_backward(tok):
 
 
 def test_entropy_modes(tok):
-    t = grpo.batch_tensors(_seqs(tok, 2), tok.pad_token_id, torch.device("cpu"))
+    t = logprobs.batch_tensors(_seqs(tok, 2), tok.pad_token_id, torch.device("cpu"))
     model = qwen2(tok, hidden=32, layers=1, vocab_size=V)
     _, ent = logprobs.token_logp_entropy(model, t, entropy="detached")
     assert not ent.requires_grad and ent.sum() > 0
@@ -89,7 +89,7 @@ def test_chunked_divergence_equals_full_logits(tok):
     """distill's divergence update (student and teacher of different widths, one vocabulary) gives the forward
     KL of the full distributions, and the same student gradient."""
     seqs = _seqs(tok)
-    t = grpo.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"))
+    t = logprobs.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"))
     teacher = qwen2(tok, hidden=48, layers=2, vocab_size=V, seed=1).eval()
     grads = []
     for lean in (False, True):

@@ -5,9 +5,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from posttrain import grpo, modeling
+from posttrain import logprobs, modeling
 from posttrain.config import LoraCfg, ModelCfg, PromptCfg, Rl, parse_params
 from posttrain.errors import ModelLoadError, StageError
+from posttrain.rl import update
 from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids
 from tests.realmodel import bpe_tokenizer, qwen2, save_folder
 
@@ -22,7 +23,7 @@ def tok():
 def _rl_batch(tok, model):
     ids = chat_prompt_ids(tok, ["What is 12 times 3?"])
     comps = BACKENDS["hf"](model.eval(), tok, 8).generate(ids, 2, SamplingParams(1.0, 1.0, 6, 0))[0]
-    return [grpo.Seq(ids[0], c.token_ids, c.logprobs, a) for c, a in zip(comps, [1.0, -1.0], strict=True)]
+    return [logprobs.Seq(ids[0], c.token_ids, c.logprobs, a) for c, a in zip(comps, [1.0, -1.0], strict=True)]
 
 
 def test_lora_trains_adapters_only_and_the_reference_is_the_base(tok, tmp_path):
@@ -35,19 +36,19 @@ def test_lora_trains_adapters_only_and_the_reference_is_the_base(tok, tmp_path):
     cfg = Rl(lr=1e-2, micro_batch_size=1, kl_coef=0.1)
     opt = torch.optim.AdamW(modeling.trainable_params(model), lr=cfg.lr)
     model.train()
-    m = grpo.policy_update(model, opt, seqs, cfg, tok.pad_token_id, ref_model=model)  # ref: the adapter-off policy
+    m = update.policy_update(model, opt, seqs, cfg, tok.pad_token_id, ref_model=model)  # ref: the adapter-off policy
     assert m["kl"] == pytest.approx(0.0, abs=1e-6)  # the adapter starts at B = 0: policy == reference
     base_now = model.get_base_model().state_dict()
     for k, v in before.items():  # every base weight untouched
         k2 = next(n for n in base_now if n.replace(".base_layer", "") == k)
         assert torch.equal(base_now[k2], v), k
     # the reference (adapter off) is exactly the base model; the policy moved
-    t = grpo.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"))
+    t = logprobs.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"))
     with torch.no_grad():
         with modeling.adapter_off(model):
-            ref_lp, _ = grpo.token_logp_entropy(model, t)
-        base_lp, _ = grpo.token_logp_entropy(base, t)
-        pol_lp, _ = grpo.token_logp_entropy(model, t)
+            ref_lp, _ = logprobs.token_logp_entropy(model, t)
+        base_lp, _ = logprobs.token_logp_entropy(base, t)
+        pol_lp, _ = logprobs.token_logp_entropy(model, t)
     assert torch.allclose(ref_lp, base_lp, atol=1e-6)
     assert (pol_lp - base_lp).abs().max() > 1e-3
     # saved merged: a plain folder from_pretrained loads, computing what the adapted policy computes
@@ -56,7 +57,7 @@ def test_lora_trains_adapters_only_and_the_reference_is_the_base(tok, tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
     assert not any("lora" in k for k in merged.state_dict())
     with torch.no_grad():
-        merged_lp, _ = grpo.token_logp_entropy(merged, t)
+        merged_lp, _ = logprobs.token_logp_entropy(merged, t)
     assert torch.allclose(merged_lp, pol_lp, atol=1e-5)
     assert modeling.is_lora(model)  # the merge ran on a copy
 

@@ -6,10 +6,16 @@ import pytest
 import torch
 
 from posttrain.config import TinyModel
-from posttrain.modeling import build_char_tokenizer, build_tiny_model, completion_logprobs
+from posttrain.modeling import build_char_tokenizer, build_tiny_model
 from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids
 
 AVAILABLE = ["hf"] + (["vllm"] if importlib.util.find_spec("vllm") and torch.cuda.is_available() else [])
+
+
+def completion_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The oracle: log p(input_ids[:, t+1] | <= t) from the full [B, T, V] logits of a plain forward. [B, T-1]"""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
 @pytest.fixture(scope="module")

@@ -183,18 +183,20 @@ def test_real_model_dag_on_gsm8k_with_lora(tmp_path):
                                                src("amc2023", "math", None)]
     raw["sft"].update({"phases": [{"steps": 3, "cot_frac": 1.0}], "batch_size": 8, "micro_batch_size": 4,
                        "warmup_steps": 1, "checkpoint_every": 2, "log_every": 1})
-    raw["rollout"].update({"group_size": 2, "batch_size": 256})  # num_prompts: null, as profiled: every prompt
+    # num_prompts: null, as profiled: every prompt
+    raw["rollout"].update({"samples_per_prompt": 2, "generate_batch_size": 256})
     raw["reward"]["rewards"].append({"name": "overlong", "weight": 1.0, "kwargs": {"buffer": 16}})
-    raw["rl"].update({"steps": 2, "prompts_per_step": 4, "group_size": 4, "micro_batch_size": 8, "kl_coef": 0.05,
-                      "dynamic_sampling": "off", "select": {"min_pass_rate": 0.0, "max_pass_rate": 1.0}})
+    raw["rl"].update({"steps": 2, "prompts_per_step": 4, "samples_per_prompt": 4, "micro_batch_size": 8,
+                      "kl_coef": 0.05, "dynamic_sampling": "off",
+                      "select": {"min_pass_rate": 0.0, "max_pass_rate": 1.0}})
     raw["distill"].update({"student": str(student), "max_new_tokens": 16, "micro_batch_size": 8, "grpo_steps": 0})
     for phase in ("warmup", "on_policy"):
         raw["distill"][phase].update({"steps": 1, "prompts_per_step": 2, "samples_per_prompt": 2})
     models = ("sft", "rl", "student")  # one evaluate@<name> stage each
     raw["evaluate"]["models"] = {m: raw["evaluate"]["models"][m] for m in models}
     raw["report"]["compare"] = [["sft", "rl"]]
-    raw["evaluate"].update({"num_samples": 2, "sample_prompts": 4, "ks": [1, 2], "bootstrap": 20, "batch_size": 64,
-                            "benchmarks": [src("math500", "math", 8)]})
+    raw["evaluate"].update({"samples_per_prompt": 2, "sample_prompts": 4, "ks": [1, 2], "bootstrap": 20,
+                            "generate_batch_size": 64, "benchmarks": [src("math500", "math", 8)]})
     for sec in (raw["rollout"], raw["rl"], raw["evaluate"]):
         sec["sampling"]["max_new_tokens"] = 16
     raw["tracking"]["enabled"] = True

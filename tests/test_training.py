@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain import training
+from posttrain import checkpoint, training
 from posttrain.config import Rl, Sft, TinyModel
 from posttrain.modeling import build_char_tokenizer, build_tiny_model
 
@@ -47,11 +47,11 @@ def test_sft_loss_is_the_token_mean_over_completion_tokens(tmp_path):
 
 
 def test_fingerprint_ignores_knobs_that_do_not_change_the_result():
-    base = training.fingerprint(Rl())
-    assert training.fingerprint(Rl(micro_batch_size=8, pack=True, checkpoint_every=3)) == base
-    assert training.fingerprint(Rl(lr=1e-5)) != base
-    assert training.fingerprint(Rl(generate_batch_size=64)) != base  # chunking seeds the samples
-    assert training.fingerprint(_sft(micro_batch_size=2, checkpoint_every=7)) == training.fingerprint(_sft())
+    base = checkpoint.fingerprint(Rl())
+    assert checkpoint.fingerprint(Rl(micro_batch_size=8, pack=True, checkpoint_every=3)) == base
+    assert checkpoint.fingerprint(Rl(lr=1e-5)) != base
+    assert checkpoint.fingerprint(Rl(generate_batch_size=64)) != base  # chunking seeds the samples
+    assert checkpoint.fingerprint(_sft(micro_batch_size=2, checkpoint_every=7)) == checkpoint.fingerprint(_sft())
 
 
 def test_resume_after_changing_micro_batch_size_gives_the_same_weights(tmp_path):
@@ -61,26 +61,26 @@ def test_resume_after_changing_micro_batch_size_gives_the_same_weights(tmp_path)
     demos = DEMOS * 4
     cfg = _sft(phases=[{"steps": 4, "cot_frac": 0.0}], batch_size=4, micro_batch_size=4, checkpoint_every=2)
     whole, tok = _model()
-    training.sft_train(whole, tok, demos, cfg, 0, tmp_path / "whole", training.fingerprint(cfg), progress=False)
+    training.sft_train(whole, tok, demos, cfg, 0, tmp_path / "whole", checkpoint.fingerprint(cfg), progress=False)
 
     # "killed" after step 2: a run of the first two steps leaves the step-2 checkpoint behind
     ck = tmp_path / "ck"
     killed, _ = _model()
-    training.sft_train(killed, tok, demos, cfg, 0, ck, training.fingerprint(cfg), progress=False)
+    training.sft_train(killed, tok, demos, cfg, 0, ck, checkpoint.fingerprint(cfg), progress=False)
     for p in sorted(ck.glob("step_*.pt"))[1:]:
         p.unlink()
     assert [p.name for p in ck.glob("step_*.pt")] == ["step_0000002.pt"]
 
     smaller = cfg.model_copy(update={"micro_batch_size": 1})
     resumed, _ = _model()
-    res = training.sft_train(resumed, tok, demos, smaller, 0, ck, training.fingerprint(smaller), progress=False)
+    res = training.sft_train(resumed, tok, demos, smaller, 0, ck, checkpoint.fingerprint(smaller), progress=False)
     assert res["start"] == 2
     for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
     other = cfg.model_copy(update={"lr": 1e-3})
     fresh, _ = _model()
-    res = training.sft_train(fresh, tok, demos, other, 0, ck, training.fingerprint(other), progress=False)
+    res = training.sft_train(fresh, tok, demos, other, 0, ck, checkpoint.fingerprint(other), progress=False)
     assert res["start"] == 0
     aside = list(tmp_path.glob("ck.stale-*"))
     assert len(aside) == 1 and (aside[0] / "step_0000002.pt").is_file()
@@ -88,7 +88,7 @@ def test_resume_after_changing_micro_batch_size_gives_the_same_weights(tmp_path)
 
 def test_stale_checkpoint_folder_name_says_what_it_was(tmp_path: Path):
     ck = tmp_path / "rl"
-    training.save_resumable(ck, 5, {"fingerprint": "aaaa", "step": 5})
-    assert training.load_resumable(ck, "bbbb") is None
+    checkpoint.save_resumable(ck, 5, {"fingerprint": "aaaa", "step": 5})
+    assert checkpoint.load_resumable(ck, "bbbb") is None
     (aside,) = tmp_path.glob("rl.stale-*")
     assert "aaaa" in aside.name and (aside / "step_0000005.pt").is_file()

@@ -25,6 +25,8 @@ from typing import Any, Protocol
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from posttrain import seeds
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -107,14 +109,15 @@ def sample_rows(backend: RolloutBackend, tokenizer: PreTrainedTokenizerBase, pro
     """``n`` completions per problem as rollout rows (``schema.ROLLOUT_SCHEMA``), and the seconds it took.
 
     The one rollout path: the rollout stage and every RL step call this. Prompts go in chunks so the
-    progress bar can show samples/s; chunk ``c`` is seeded ``sampling.seed + 7919 * c``.
+    progress bar can show samples/s; chunk ``c`` is seeded ``seeds.chunk(sampling.seed, c)``.
     """
     rows: list[dict[str, Any]] = []
     t0 = time.time()
     bar = tqdm(total=len(problems) * n, desc="rollout", unit="sample", disable=not progress)
     for c, start in enumerate(range(0, len(problems), chunk_prompts)):
         chunk = problems[start : start + chunk_prompts]
-        sp = SamplingParams(sampling.temperature, sampling.top_p, sampling.max_new_tokens, sampling.seed + 7919 * c)
+        sp = SamplingParams(sampling.temperature, sampling.top_p, sampling.max_new_tokens,
+                            seeds.chunk(sampling.seed, c))
         groups = backend.generate(chat_prompt_ids(tokenizer, [p["prompt"] for p in chunk]), n, sp)
         for p, group in zip(chunk, groups, strict=True):
             for j, comp in enumerate(group):

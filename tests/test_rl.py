@@ -5,25 +5,26 @@ import math
 import pytest
 import torch
 
-from posttrain import grpo
+from posttrain import checkpoint, logprobs
 from posttrain.config import Rl, TinyModel
 from posttrain.modeling import build_char_tokenizer, build_tiny_model
+from posttrain.rl import collect, select, update
 from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids
 
 
 def test_prompt_cursor_is_a_resumable_permutation_walk():
-    c = grpo.PromptCursor(5, seed=3)
+    c = select.PromptCursor(5, seed=3)
     first = c.take(5)
     assert sorted(first) == [0, 1, 2, 3, 4]  # one epoch visits every prompt once
     nxt = c.take(3)
-    resumed = grpo.PromptCursor(5, seed=3, pos=5)
+    resumed = select.PromptCursor(5, seed=3, pos=5)
     assert resumed.take(3) == nxt  # restoring pos continues exactly
 
 
 def test_zero_variance_groups():
     r = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 5.0]])
     valid = torch.tensor([[True, True, True], [True, True, True], [True, True, False]])
-    assert grpo.zero_variance(r, valid).tolist() == [True, False, True]  # the 5.0 is unscorable
+    assert collect.zero_variance(r, valid).tolist() == [True, False, True]  # the 5.0 is unscorable
 
 
 def _setup(**rl_overrides):
@@ -31,15 +32,15 @@ def _setup(**rl_overrides):
     model = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 0)
     ids = chat_prompt_ids(tok, ["12*3="])[0]
     comp = BACKENDS["hf"](model.eval(), tok, 8).generate([ids], 2, SamplingParams(1.0, 1.0, 8, 0))[0]
-    seqs = [grpo.Seq(ids, c.token_ids, c.logprobs, a) for c, a in zip(comp, [1.0, -1.0], strict=True)]
+    seqs = [logprobs.Seq(ids, c.token_ids, c.logprobs, a) for c, a in zip(comp, [1.0, -1.0], strict=True)]
     cfg = Rl(**{"lr": 1e-2, "micro_batch_size": 1, **rl_overrides})
     return tok, model, seqs, cfg
 
 
 @torch.no_grad()
 def _seq_logp(model, s):
-    t = grpo.batch_tensors([s], 0, torch.device("cpu"))
-    lp, _ = grpo.token_logp_entropy(model, t)
+    t = logprobs.batch_tensors([s], 0, torch.device("cpu"))
+    lp, _ = logprobs.token_logp_entropy(model, t)
     return float((lp * t["mask"]).sum())
 
 
@@ -47,7 +48,7 @@ def test_update_raises_positive_and_lowers_negative_advantage_sequences():
     tok, model, seqs, cfg = _setup()
     before = [_seq_logp(model, s) for s in seqs]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    m = grpo.policy_update(model.train(), opt, seqs, cfg, tok.pad_token_id)
+    m = update.policy_update(model.train(), opt, seqs, cfg, tok.pad_token_id)
     after = [_seq_logp(model, s) for s in seqs]
     assert after[0] > before[0] and after[1] < before[1]
     assert m["optimizer_steps"] == 1 and m["clipfrac"] == 0.0  # exactly on-policy: ratio 1
@@ -57,7 +58,7 @@ def test_update_raises_positive_and_lowers_negative_advantage_sequences():
 def test_off_policy_epochs_recompute_old_logprobs_and_clip():
     tok, model, seqs, cfg = _setup(epochs=3, minibatches=2, clip_eps_low=0.01, clip_eps_high=0.01)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    m = grpo.policy_update(model.train(), opt, seqs, cfg, tok.pad_token_id)
+    m = update.policy_update(model.train(), opt, seqs, cfg, tok.pad_token_id)
     assert m["optimizer_steps"] == 6
     assert all(s.old_logp is not None and len(s.old_logp) == len(s.completion_ids) for s in seqs)
     assert m["clipfrac"] > 0 and m["ratio_max"] > 1.0  # later minibatches move away from the old policy
@@ -74,15 +75,15 @@ def test_kl_term_pulls_the_policy_toward_the_reference():
 
     def mean_k3():
         with torch.no_grad():
-            t = grpo.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"))
-            lp, _ = grpo.token_logp_entropy(model, t)
-            rlp, _ = grpo.token_logp_entropy(ref, t)
+            t = logprobs.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"))
+            lp, _ = logprobs.token_logp_entropy(model, t)
+            rlp, _ = logprobs.token_logp_entropy(ref, t)
             d = rlp - lp
             return float(((d.exp() - d - 1) * t["mask"]).sum() / t["mask"].sum())
 
     before = mean_k3()
     cfg = Rl(lr=1e-3, micro_batch_size=1, kl_coef=1.0, kl_estimator="k3")
-    m = grpo.policy_update(model.train(), torch.optim.AdamW(model.parameters(), lr=cfg.lr), seqs, cfg,
+    m = update.policy_update(model.train(), torch.optim.AdamW(model.parameters(), lr=cfg.lr), seqs, cfg,
                            tok.pad_token_id, ref_model=ref)
     assert abs(m["kl"] - before) < 1e-5  # logged: the pre-step k3 mean
     assert before > 1e-3 and mean_k3() < before  # the step moved the policy toward the reference
@@ -103,7 +104,7 @@ def test_bf16_mixed_precision_update_moves_the_weights_like_fp32(tmp_path):
         m = modeling.load_model(str(tmp_path / "m"), dtype, trainable=trainable).train()
         w0 = torch.cat([p.detach().float().flatten().clone() for p in m.parameters()])
         with modeling.autocast(dtype, torch.device("cpu")):
-            grpo.policy_update(m, torch.optim.AdamW(m.parameters(), lr=cfg.lr), seqs, cfg, tok.pad_token_id)
+            update.policy_update(m, torch.optim.AdamW(m.parameters(), lr=cfg.lr), seqs, cfg, tok.pad_token_id)
         deltas.append(torch.cat([p.detach().float().flatten() for p in m.parameters()]) - w0)
     fp32, bf16, bf16_storage = deltas
 
@@ -123,10 +124,10 @@ def test_trainer_scores_the_sampling_temperature():
     tok, model, _, _ = _setup()
     ids = chat_prompt_ids(tok, ["12*3=", "7*8="])
     comps = BACKENDS["hf"](model.eval(), tok, 8).generate(ids, 3, SamplingParams(0.7, 1.0, 10, 0))
-    seqs = [grpo.Seq(p, c.token_ids, c.logprobs, 1.0 - j) for p, g in zip(ids, comps, strict=True)
+    seqs = [logprobs.Seq(p, c.token_ids, c.logprobs, 1.0 - j) for p, g in zip(ids, comps, strict=True)
             for j, c in enumerate(g)]
     cfg = Rl(lr=1e-2, micro_batch_size=2, sampling={"temperature": 0.7})
-    m = grpo.policy_update(model.train(), torch.optim.AdamW(model.parameters(), lr=cfg.lr), seqs, cfg,
+    m = update.policy_update(model.train(), torch.optim.AdamW(model.parameters(), lr=cfg.lr), seqs, cfg,
                            tok.pad_token_id)
     assert m["logprob_gap"] < 1e-5, m["logprob_gap"]
     assert m["ratio_max"] == 1.0 and m["clipfrac"] == 0.0
@@ -144,10 +145,10 @@ def test_dynamic_sampling_modes():
     specs = [SimpleNamespace(name="correct", weight=1.0, kwargs={})]
     out = {}
     for mode in ("off", "skip", "refill"):
-        cfg = Rl(prompts_per_step=3, group_size=2, dynamic_sampling=mode, max_refill_rounds=2,
+        cfg = Rl(prompts_per_step=3, samples_per_prompt=2, dynamic_sampling=mode, max_refill_rounds=2,
                  sampling={"max_new_tokens": 4})
-        cursor = grpo.PromptCursor(len(prompts), seed=0)
-        out[mode] = (grpo.collect_step(backend, tok, prompts, cursor, cfg, specs, seed=0, policy="p"), cursor.pos)
+        cursor = select.PromptCursor(len(prompts), seed=0)
+        out[mode] = (collect.collect_step(backend, tok, prompts, cursor, cfg, specs, seed=0, policy="p"), cursor.pos)
     assert [len(out[m][0].groups) for m in ("off", "skip", "refill")] == [3, 0, 0]
     assert out["skip"][0].zero_var_frac == 1.0 and out["skip"][0].rounds == 0
     refill, pos = out["refill"]
@@ -157,8 +158,8 @@ def test_dynamic_sampling_modes():
 def test_pack_rows_first_fit_decreasing():
     # lengths 5,4,3,3,2 into width 8: 5 -> row0 (3 left), 4 -> row1 (4 left), 3 -> row0 (0 left),
     # 3 -> row1 (1 left), 2 -> row2; a sequence wider than the rows gets its own row
-    assert grpo.pack_rows([3, 5, 2, 4, 3], 8) == [[1, 0], [3, 4], [2]]
-    assert grpo.pack_rows([9, 1], 4) == [[0], [1]]
+    assert logprobs.pack_rows([3, 5, 2, 4, 3], 8) == [[1, 0], [3, 4], [2]]
+    assert logprobs.pack_rows([9, 1], 4) == [[0], [1]]
 
 
 def test_packed_update_equals_padded_update():
@@ -168,16 +169,16 @@ def test_packed_update_equals_padded_update():
     model = build_tiny_model(TinyModel(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64), tok, 0)
     prompts = chat_prompt_ids(tok, ["12*3=", "4*5=", "123*7="])
     comps = BACKENDS["hf"](model.eval(), tok, 8).generate(prompts, 3, SamplingParams(1.0, 1.0, 12, 1))
-    seqs = [grpo.Seq(p, c.token_ids, c.logprobs, 1.0 - j) for p, g in zip(prompts, comps, strict=True)
+    seqs = [logprobs.Seq(p, c.token_ids, c.logprobs, 1.0 - j) for p, g in zip(prompts, comps, strict=True)
             for j, c in enumerate(g)]
     assert len({len(s.completion_ids) for s in seqs}) > 1
-    packed = grpo.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"), pack=True)
+    packed = logprobs.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"), pack=True)
     assert packed["ids"].shape[0] < len(seqs)  # several sequences share a row
-    padded = grpo.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"))
+    padded = logprobs.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"))
     grads = []
     for t in (padded, packed):
         model.zero_grad()
-        logp, ent = grpo.token_logp_entropy(model.train(), t)
+        logp, ent = logprobs.token_logp_entropy(model.train(), t)
         m = t["mask"]
         (-(logp * t["adv"][:, None] * m).sum() / m.sum()).backward()
         grads.append([p.grad.clone() for p in model.parameters()])
@@ -196,13 +197,13 @@ def test_policy_update_is_the_same_packed_or_padded():
 
     tok, model, seqs, _ = _setup()
     half = [len(s.completion_ids) // 2 + 1 for s in seqs]
-    seqs += [grpo.Seq(s.prompt_ids, s.completion_ids[:h], s.sampler_logp[:h], -s.adv)
+    seqs += [logprobs.Seq(s.prompt_ids, s.completion_ids[:h], s.logprobs[:h], -s.adv)
              for s, h in zip(seqs, half, strict=True)]  # unequal lengths, so packing has something to do
     results = []
     for pack in (False, True):
         m = copy.deepcopy(model).train()
         cfg = Rl(lr=1e-2, micro_batch_size=3, minibatches=2, pack=pack)
-        out = grpo.policy_update(m, torch.optim.AdamW(m.parameters(), lr=cfg.lr), copy.deepcopy(seqs), cfg,
+        out = update.policy_update(m, torch.optim.AdamW(m.parameters(), lr=cfg.lr), copy.deepcopy(seqs), cfg,
                                  tok.pad_token_id)
         results.append((out, [p.detach() for p in m.parameters()]))
     (m0, w0), (m1, w1) = results
@@ -215,7 +216,7 @@ def test_policy_update_is_the_same_packed_or_padded():
 
 def test_kl_in_the_reward_hand_values():
     # r - coef * sum_t (sampler logp_t - ref logp_t): 1 - 0.1 * ((-0.5 + 0.7) + (-1.0 + 0.6)) = 1 - 0.1 * (-0.2) = 1.02
-    shaped = grpo.kl_shaped_rewards([1.0, 0.0], [[-0.5, -1.0], [-2.0]], [[-0.7, -0.6], [-1.0]], 0.1)
+    shaped = update.kl_shaped_rewards([1.0, 0.0], [[-0.5, -1.0], [-2.0]], [[-0.7, -0.6], [-1.0]], 0.1)
     assert shaped == pytest.approx([1.02, 0.1])  # second: 0 - 0.1 * (-2.0 + 1.0) = 0.1
 
 
@@ -225,20 +226,20 @@ def test_kl_in_the_reward_separates_a_group_of_equal_rewards():
     advantage. GRPO on two values is +-1/sqrt(2) = +-0.707107 whatever their gap (unbiased std = gap/sqrt 2)."""
     tok, model, seqs, _ = _setup()
     ref = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 1).eval()
-    rows = [{"prompt_id": "p", "sample": j, "reward": 1.0, "token_ids": s.completion_ids, "logprobs": s.sampler_logp}
+    rows = [{"prompt_id": "p", "sample": j, "reward": 1.0, "token_ids": s.completion_ids, "logprobs": s.logprobs}
             for j, s in enumerate(seqs)]
     prompt_ids = {"p": seqs[0].prompt_ids}
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    _, plain = grpo.update_from_groups(model, opt, [rows], Rl(group_size=2), prompt_ids, tok.pad_token_id)
+    _, plain = update.update_from_groups(model, opt, [rows], Rl(samples_per_prompt=2), prompt_ids, tok.pad_token_id)
     assert list(plain.values()) == [0.0, 0.0]
-    m, shaped = grpo.update_from_groups(model, opt, [rows], Rl(group_size=2, kl_reward_coef=0.1), prompt_ids,
+    m, shaped = update.update_from_groups(model, opt, [rows], Rl(samples_per_prompt=2, kl_reward_coef=0.1), prompt_ids,
                                         tok.pad_token_id, ref_model=ref)
     k1 = []
     for s in seqs:
-        t = grpo.batch_tensors([s], tok.pad_token_id, torch.device("cpu"))
+        t = logprobs.batch_tensors([s], tok.pad_token_id, torch.device("cpu"))
         with torch.no_grad():
-            rlp, _ = grpo.token_logp_entropy(ref, t)
-        k1.append(sum(s.sampler_logp) - float((rlp * t["mask"]).sum()))
+            rlp, _ = logprobs.token_logp_entropy(ref, t)
+        k1.append(sum(s.logprobs) - float((rlp * t["mask"]).sum()))
     assert k1[0] != pytest.approx(k1[1])
     expect = [0.707107, -0.707107] if k1[0] < k1[1] else [-0.707107, 0.707107]
     assert [shaped[("p", 0)], shaped[("p", 1)]] == pytest.approx(expect, abs=1e-4)
@@ -250,7 +251,7 @@ def _grads(model, seqs, cfg, tok):
 
     m = copy.deepcopy(model).train()
     opt = torch.optim.SGD(m.parameters(), lr=0.0)  # gradients only
-    metrics = grpo.policy_update(m, opt, seqs, cfg, tok.pad_token_id)
+    metrics = update.policy_update(m, opt, seqs, cfg, tok.pad_token_id)
     return [p.grad.clone() for p in m.parameters() if p.grad is not None], metrics
 
 
@@ -262,10 +263,10 @@ def test_truncated_importance_sampling_reweights_the_policy_gradient():
     # a sampler that agrees with the trainer: every weight is exp(0) = 1, the same gradient
     with torch.no_grad():
         for s in seqs:
-            t = grpo.batch_tensors([s], 0, torch.device("cpu"))
-            lp, _ = grpo.token_logp_entropy(model, t)
+            t = logprobs.batch_tensors([s], 0, torch.device("cpu"))
+            lp, _ = logprobs.token_logp_entropy(model, t)
             p = len(s.prompt_ids)
-            s.sampler_logp = lp[0, p - 1 : p - 1 + len(s.completion_ids)].tolist()
+            s.logprobs = lp[0, p - 1 : p - 1 + len(s.completion_ids)].tolist()
     same, m = _grads(model, seqs, cfg.model_copy(update={"tis": Tis(mode="token", cap=3.0)}), tok)
     for a, b in zip(plain, same, strict=True):
         torch.testing.assert_close(a, b)
@@ -273,7 +274,7 @@ def test_truncated_importance_sampling_reweights_the_policy_gradient():
     # a sampler that gave every token half the trainer's probability: weight 2 per token (under the cap of 3), so
     # the policy-gradient loss and its gradient double; with a cap of 1.5 they are x1.5 and every token is capped
     for s in seqs:
-        s.sampler_logp = [x - math.log(2) for x in s.sampler_logp]
+        s.logprobs = [x - math.log(2) for x in s.logprobs]
     for cap, factor in ((3.0, 2.0), (1.5, 1.5)):
         got, m = _grads(model, seqs, cfg.model_copy(update={"tis": Tis(mode="token", cap=cap)}), tok)
         for a, b in zip(plain, got, strict=True):
@@ -289,7 +290,7 @@ def test_entropy_token_selection_restricts_the_policy_gradient_to_the_chosen_tok
     def step(**kw):
         tok, model, seqs, cfg = _setup(**kw)
         w0 = [p.detach().clone() for p in model.parameters()]
-        m = grpo.policy_update(model.train(), torch.optim.SGD(model.parameters(), lr=0.1), seqs, cfg,
+        m = update.policy_update(model.train(), torch.optim.SGD(model.parameters(), lr=0.1), seqs, cfg,
                                tok.pad_token_id)
         moved = max(float((p.detach() - q).abs().max()) for p, q in zip(model.parameters(), w0, strict=True))
         return moved, seqs, m, model
@@ -318,37 +319,36 @@ def test_1_shot_prompt_selection_by_reward_variance_by_hand():
              {"prompt_id": "p2", "pass_rate": 0.3}, {"prompt_id": "p3", "pass_rate": None},
              {"prompt_id": "p4", "pass_rate": 0.0}]
     band = RlSelect(min_pass_rate=0.01, max_pass_rate=0.99)
-    assert [p["id"] for p in grpo.PROMPT_SELECTIONS["pass_band"](problems, rates, band)] == ["p0", "p1", "p2"]
+    assert [p["id"] for p in select.PROMPT_SELECTIONS["pass_band"](problems, rates, band)] == ["p0", "p1", "p2"]
     # variances p(1 - p): p0 0.25, p1 0.09, p2 0.21 (p3 unmeasured, p4 outside the band)
     top2 = RlSelect(strategy="top_variance", top_k=2)
-    assert [p["id"] for p in grpo.PROMPT_SELECTIONS["top_variance"](problems, rates, top2)] == ["p0", "p2"]
+    assert [p["id"] for p in select.PROMPT_SELECTIONS["top_variance"](problems, rates, top2)] == ["p0", "p2"]
     top1 = RlSelect(strategy="top_variance", top_k=1)
-    assert [p["id"] for p in grpo.PROMPT_SELECTIONS["top_variance"](problems, rates, top1)] == ["p0"]
+    assert [p["id"] for p in select.PROMPT_SELECTIONS["top_variance"](problems, rates, top1)] == ["p0"]
 
 
 def test_reference_reset_moves_the_kl_anchor_to_the_policy_and_clears_the_optimizer(tmp_path):
     """ProRL: after a reset the reference equals the policy (the KL is 0 again), Adam's state is gone, and a
     checkpoint carries the moved reference so a resumed run continues from it."""
-    from posttrain import training
 
     tok, model, seqs, _ = _setup()
     ref = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 1).eval()
     cfg = Rl(lr=1e-3, micro_batch_size=1, kl_coef=1.0, ref_reset={"every": 1, "optimizer": True})
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    m = grpo.policy_update(model.train(), opt, seqs, cfg, tok.pad_token_id, ref_model=ref)
+    m = update.policy_update(model.train(), opt, seqs, cfg, tok.pad_token_id, ref_model=ref)
     assert m["kl"] > 1e-3 and opt.state  # a different reference: a KL; Adam has moments
-    grpo.reset_reference(ref, model, opt)
+    update.reset_reference(ref, model, opt)
     assert not opt.state
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q) and p.data_ptr() != q.data_ptr()  # a copy, not the same tensors
     for s in seqs:
         s.ref_logp = None
-    m = grpo.policy_update(model.train(), opt, seqs, cfg, tok.pad_token_id, ref_model=ref)
+    m = update.policy_update(model.train(), opt, seqs, cfg, tok.pad_token_id, ref_model=ref)
     assert m["kl"] < 1e-9  # k3 of identical distributions
 
-    training.save_loop_state(tmp_path, 1, "fp", 0, model, opt, [], ref)
+    checkpoint.save_loop_state(tmp_path, 1, "fp", 0, model, opt, [], ref)
     fresh = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 2)
-    training.restore_loop_state(tmp_path, "fp", model, opt, fresh)
+    checkpoint.restore_loop_state(tmp_path, "fp", model, opt, fresh)
     assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), fresh.parameters(), strict=True))
 
 
@@ -363,19 +363,18 @@ def test_reference_reset_needs_a_reference_and_no_lora():
     raw["rl"].update({"kl_coef": 0.1, "ref_reset": {"every": 5}})
     parse_params(raw)
     raw["model"]["lora"] = {"r": 4, "alpha": 8}
-    with pytest.raises(ConfigError, match="rl.ref_reset with model.lora"):
+    with pytest.raises(ConfigError, match="rl.ref_reset: with model.lora"):
         parse_params(raw)
 
 
 def test_prior_state_starts_from_the_reward_stage_and_is_updated_each_step(tmp_path):
-    from posttrain import training
 
-    prior = grpo.PriorState.from_rates([{"prompt_id": "a", "mean_reward": 0.5, "scorable": 8},
+    prior = select.PriorState.from_rates([{"prompt_id": "a", "mean_reward": 0.5, "scorable": 8},
                                         {"prompt_id": "b", "mean_reward": 0.1, "scorable": 20},
                                         {"prompt_id": "c", "mean_reward": None, "scorable": 0}])
     rows = [{"prompt_id": pid, "reward": x} for pid, rs in (("a", [1, 0, 0, 0]), ("b", [1, 1, 1, 1]),
                                                                ("c", [1, 0, 1, 0])) for x in rs]
-    adv = grpo.group_advantages(rows, 4, "prior_fused", prior)
+    adv = update.group_advantages(rows, 4, "prior_fused", prior)
     assert adv[:4] == pytest.approx([7 / 12, -5 / 12, -5 / 12, -5 / 12], abs=1e-6)  # test_algos: by hand
     assert adv[8:] == pytest.approx([0.5, -0.5, 0.5, -0.5])  # c has no prior: its group mean
     # a accepted: (5/12, (8 + 4) * 0.5 = 6); b rejected: (1.0, 4 * 0.5 = 2); c: (0.5, 2)
@@ -383,10 +382,10 @@ def test_prior_state_starts_from_the_reward_stage_and_is_updated_each_step(tmp_p
 
     tok, model, _, _ = _setup()
     opt = torch.optim.AdamW(model.parameters())
-    training.save_loop_state(tmp_path, 1, "fp", 0, model, opt, [], extra={"prior": {"p": prior.p, "n": prior.n}})
+    checkpoint.save_loop_state(tmp_path, 1, "fp", 0, model, opt, [], extra={"prior": {"p": prior.p, "n": prior.n}})
     saved: dict = {}
-    training.restore_loop_state(tmp_path, "fp", model, opt, extra=saved)
-    assert grpo.PriorState(**saved["prior"]) == prior  # a resumed run continues from the same priors
+    checkpoint.restore_loop_state(tmp_path, "fp", model, opt, extra=saved)
+    assert select.PriorState(**saved["prior"]) == prior  # a resumed run continues from the same priors
 
 
 def test_adaptive_budget_refreshes_rejected_priors_with_fresh_samples():
@@ -398,7 +397,7 @@ def test_adaptive_budget_refreshes_rejected_priors_with_fresh_samples():
     recorded after the first round's groups and not trained on."""
     from types import SimpleNamespace
 
-    prior = grpo.PriorState({"a": 0.1, "b": 0.5}, {"a": 20.0, "b": 8.0})
+    prior = select.PriorState({"a": 0.1, "b": 0.5}, {"a": 20.0, "b": 8.0})
     rows = [{"prompt_id": pid, "sample": j, "reward": x} for pid, rs in (("a", [1, 1, 1, 1]), ("b", [1, 0, 0, 0]))
             for j, x in enumerate(rs)]
     asked = []
@@ -407,20 +406,20 @@ def test_adaptive_budget_refreshes_rejected_priors_with_fresh_samples():
         asked.extend(p["id"] for p in problems)
         return [{"prompt_id": p["id"], "sample": j, "reward": x} for p in problems for j, x in enumerate([1, 1, 0, 1])]
 
-    extra = grpo.refresh_priors(prior, rows, 4, 5, sample, {"a": {"id": "a"}, "b": {"id": "b"}})
+    extra = collect.refresh_priors(prior, rows, 4, 5, sample, {"a": {"id": "a"}, "b": {"id": "b"}})
     assert asked == ["a"] and [x["sample"] for x in extra[0]] == [4, 5, 6, 7]
     assert (prior.p["a"], prior.n["a"]) == (0.75, 4.0) and (prior.p["b"], prior.n["b"]) == (0.5, 8.0)
-    assert grpo.refresh_priors(prior, rows, 4, 0, sample, {}) == []  # no budget: nothing sampled
+    assert collect.refresh_priors(prior, rows, 4, 0, sample, {}) == []  # no budget: nothing sampled
 
     tok = build_char_tokenizer()
     model = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 0)
     prompts = [{"id": f"p{i}", "prompt": f"{10 + i}*3=", "answer": str((10 + i) * 3), "task": "arith"}
                for i in range(6)]
     specs = [SimpleNamespace(name="correct", weight=1.0, kwargs={})]
-    prior = grpo.PriorState({p["id"]: 0.9 for p in prompts}, {p["id"]: 8.0 for p in prompts})
-    cfg = Rl(prompts_per_step=3, group_size=2, dynamic_sampling="off", advantage="prior_fused", prior_budget=4,
+    prior = select.PriorState({p["id"]: 0.9 for p in prompts}, {p["id"]: 8.0 for p in prompts})
+    cfg = Rl(prompts_per_step=3, samples_per_prompt=2, dynamic_sampling="off", advantage="prior_fused", prior_budget=4,
              sampling={"max_new_tokens": 4})
-    sb = grpo.collect_step(BACKENDS["hf"](model.eval(), tok, 64), tok, prompts, grpo.PromptCursor(6, 0), cfg,
+    sb = collect.collect_step(BACKENDS["hf"](model.eval(), tok, 64), tok, prompts, select.PromptCursor(6, 0), cfg,
                            specs, seed=0, policy="p", prior=prior)
     assert len(sb.groups) == 3 and len(sb.sampled) == 3 + 2  # budget 4 = two extra groups of G = 2
     assert sb.sampled[:3] == sb.groups and all(x["sample"] in (2, 3) for grp in sb.sampled[3:] for x in grp)

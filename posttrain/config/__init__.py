@@ -1,0 +1,43 @@
+"""Typed models of ``params.yaml``: one module per params section, every field documented where declared.
+
+``load_params`` / ``parse_params`` validate a file or mapping (``params.py``); the section models are
+re-exported here so ``from posttrain.config import Rl`` works. Torch-free (an import-linter contract): the
+registry names a section validates against live in ``names.py``.
+"""
+
+from posttrain.config.base import EXIT_CONFIG_ERROR, NOT_RESULT, ConfigError, Refusal, Section
+from posttrain.config.curate import (
+    BenchmarkSpec,
+    Curate,
+    CurateEval,
+    Decontam,
+    Dedup,
+    FileSource,
+    HubSource,
+    SourceSpec,
+    SyntheticSource,
+    Validation,
+)
+from posttrain.config.distill import Distill, DistillOnPolicy, DistillPhase, DistillWarmup
+from posttrain.config.evaluate import Evaluate, Report
+from posttrain.config.model import LoraCfg, ModelCfg, PromptCfg, TinyModel
+from posttrain.config.params import Params, load_params, parse_params, read_yaml, stage_metrics
+from posttrain.config.paths import Paths
+from posttrain.config.prefect import PrefectCfg
+from posttrain.config.reward import Reward, RewardSpec
+from posttrain.config.rl import BATCH_BASELINE, KL_IN_REWARD, RefReset, Rl, RlSampling, RlSelect, Tis
+from posttrain.config.rollout import Rollout, Sampling, VLLMOptions
+from posttrain.config.runtime import Distributed, Runtime
+from posttrain.config.sft import Sft, SftPhase
+from posttrain.config.task import ArithTask, MathTask, TaskSpec
+from posttrain.config.tracking import TrackingCfg
+
+__all__ = [
+    "ArithTask", "BATCH_BASELINE", "BenchmarkSpec", "ConfigError", "Curate", "CurateEval", "Decontam", "Dedup",
+    "Distill", "DistillOnPolicy", "DistillPhase", "DistillWarmup", "Distributed", "EXIT_CONFIG_ERROR", "Evaluate",
+    "FileSource", "HubSource", "KL_IN_REWARD", "LoraCfg", "MathTask", "ModelCfg", "NOT_RESULT", "Params", "Paths",
+    "PrefectCfg", "PromptCfg", "RefReset", "Refusal", "Report", "Reward", "RewardSpec", "Rl", "RlSampling",
+    "RlSelect", "Rollout", "Runtime", "Sampling", "Section", "Sft", "SftPhase", "SourceSpec", "SyntheticSource",
+    "TaskSpec", "Tis", "TinyModel", "TrackingCfg", "VLLMOptions", "Validation", "load_params", "parse_params",
+    "read_yaml", "stage_metrics",
+]

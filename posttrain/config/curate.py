@@ -1,0 +1,120 @@
+"""``curate:``: where problems come from, validation, deduplication, decontamination and the splits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+
+from posttrain.config.base import Section
+
+
+class SyntheticSource(Section):
+    """Problems drawn from the task generator (``task`` must be ``arith``)."""
+
+    kind: Literal["synthetic"] = "synthetic"
+    name: str = Field("arith", description="source name recorded in every row's `source`")
+    num_rows: int = Field(4000, ge=1, description="rows to generate (duplicates are then removed)")
+
+
+class FileSource(Section):
+    """A local JSONL or Parquet file, read line by line (JSONL) so malformed rows are quarantined."""
+
+    kind: Literal["file"] = "file"
+    name: str = Field(description="source name recorded in every row's `source`")
+    path: str = Field(description="path to .jsonl/.json/.parquet, relative to the repo root")
+    format: Literal["gsm8k", "math", "generic"] = Field(
+        description="gsm8k: question/answer with '#### n'; math: problem/answer (or solution with \\boxed{}); "
+        "generic: prompt/answer[/solution]"
+    )
+    limit: int | None = Field(None, ge=1, description="read at most this many rows")
+
+    @field_validator("path")
+    @classmethod
+    def _exists(cls, v: str) -> str:
+        if not Path(v).is_file():
+            raise ValueError(f"file not found: {v}")
+        return v
+
+
+class HubSource(Section):
+    """A dataset loaded by ``datasets.load_dataset(hub_id, config, split=split)``."""
+
+    kind: Literal["hub"] = "hub"
+    name: str = Field(description="source name recorded in every row's `source`")
+    hub_id: str = Field(description="e.g. openai/gsm8k")
+    config: str | None = Field(None, description="dataset config name, e.g. 'main'")
+    split: str = Field("train", description="split to load")
+    revision: str | None = Field(None, description="dataset revision (commit sha, tag or branch): pin a sha for a "
+                                 "reproducible run; recorded in the curate report and MLflow")
+    format: Literal["gsm8k", "math", "generic"] = Field(description="see FileSource.format")
+    limit: int | None = Field(None, ge=1, description="read at most this many rows")
+
+
+SourceSpec = Annotated[SyntheticSource | FileSource | HubSource, Field(discriminator="kind")]
+BenchmarkSpec = Annotated[FileSource | HubSource, Field(discriminator="kind")]
+
+
+class Decontam(Section):
+    """Word n-gram overlap of training rows with the eval split and benchmarks (in both directions)."""
+
+    ngram: int = Field(8, ge=1, description="word n-gram size; texts shorter than n words form one n-gram")
+    threshold: float = Field(
+        0.5, gt=0, le=1,
+        description="flag a row when the share of its n-grams found in a benchmark item, or the share of a "
+        "benchmark item's n-grams found in the row, reaches this",
+    )
+    boilerplate_frac: float = Field(
+        0.2, gt=0, le=1,
+        description="n-grams present in more than this share of a benchmark's items (shared instructions "
+        "such as 'put your final answer within \\boxed{}') are not indexed",
+    )
+    benchmarks: list[BenchmarkSpec] = Field(
+        default_factory=list,
+        description="benchmark sets to decontaminate against; the held-out eval split is always included",
+    )
+    max_contaminated_frac: float | None = Field(
+        None, ge=0, le=1, description="fail the stage when more than this share of rows is contaminated"
+    )
+
+
+class Dedup(Section):
+    """Exact (normalised text) and near (n-gram overlap) duplicates among the training rows."""
+
+    near_ngram: int = Field(5, ge=1, description="n-gram size for near-duplicate detection")
+    near_threshold: float = Field(0.8, gt=0, le=1, description="n-gram overlap at which a row is a near-duplicate")
+
+
+class Validation(Section):
+    """Rows outside these bounds are quarantined with a reason, never silently dropped."""
+
+    min_prompt_chars: int = Field(3, ge=1, description="shorter prompts are quarantined")
+    max_prompt_chars: int = Field(4000, ge=1, description="longer prompts are quarantined (absurd length)")
+    max_answer_chars: int = Field(200, ge=1, description="longer gold answers are quarantined")
+
+
+class CurateEval(Section):
+    """The held-out eval split. Training rows are always decontaminated against it."""
+
+    source: SourceSpec | None = Field(
+        None, description="where eval problems come from; None = the task generator (task arith only), "
+        "seeded apart from the training draw"
+    )
+    rows: int = Field(200, ge=1, description="eval rows kept (after validation and dedup). Not named `size`: "
+                      "DVC's run-cache key drops every key named size or nfiles (dvc_data's Meta fields), so a "
+                      "changed `size` param would restore the old outputs")
+
+
+class Curate(Section):
+    """The curate stage: sources -> validated, deduplicated, decontaminated SFT / RL / eval splits."""
+
+    sources: list[SourceSpec] = Field(min_length=1, description="where training problems come from")
+    max_quarantined_frac: float = Field(0.5, ge=0, le=1, description="fail the stage when a source (training or "
+                                        "eval) has more than this share of its rows quarantined: a wrong format "
+                                        "or file, not a few bad rows")
+    eval: CurateEval = Field(default_factory=CurateEval)
+    sft_size: int = Field(2000, ge=0, description="rows set aside, with solutions, as SFT demonstrations")
+    dedup: Dedup = Field(default_factory=Dedup)
+    decontam: Decontam = Field(default_factory=Decontam)
+    validation: Validation = Field(default_factory=Validation)

@@ -1,0 +1,66 @@
+"""``distill:``: teacher -> student through the sparse-to-dense bridge (cold start, forward-KL warmup,
+on-policy distillation, optional student GRPO)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from posttrain.config import names
+from posttrain.config.base import NOT_RESULT, Section
+from posttrain.config.model import TinyModel
+
+
+class DistillPhase(Section):
+    """Shared knobs of the warmup (A) and on-policy (B) phases."""
+
+    steps: int = Field(0, ge=0, description="optimizer steps in this phase (0 = skip the phase)")
+    prompts_per_step: int = Field(16, ge=1, description="training prompts per step")
+    samples_per_prompt: int = Field(4, ge=1, description="completions per prompt")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate (constant)")
+
+
+class DistillWarmup(DistillPhase):
+    """Phase A: the student learns from the teacher's own samples (forward KL)."""
+
+    targets: Literal["soft", "hard"] = Field(
+        "soft", description="soft: token-level forward KL to the teacher's distributions; hard: SFT on the samples")
+    filter_correct: bool = Field(False, description="keep only teacher samples the task verifier accepts "
+                                 "(rejection sampling)")
+
+
+class DistillOnPolicy(DistillPhase):
+    """Phase B: on-policy distillation: the student samples, the teacher scores the same tokens."""
+
+    divergence: Literal[names.DIVERGENCES] = Field(
+        "reverse_kl", description="per-token divergence (posttrain.algos.DIVERGENCES)")
+    beta: float = Field(0.5, ge=0, le=1, description="generalized JSD interpolation (0 = forward, 1 = reverse KL)")
+    student_frac: float = Field(1.0, ge=0, le=1, description="share of prompts sampled by the student; the rest "
+                                "are sampled by the teacher")
+
+
+class Distill(Section):
+    """The distill stage: a teacher checkpoint into a smaller student through its own cold start, then phases
+    A (warmup), B (on-policy distillation) and optionally C (student GRPO with the rl section)."""
+
+    teacher: str = Field(description="teacher checkpoint (a paths.* alias); must share the student's tokenizer")
+    student: TinyModel | str = Field(
+        default_factory=lambda: TinyModel(num_layers=2),
+        description="a size (a fresh Llama built like model.tiny, with the teacher's tokenizer and vocabulary "
+        "size) or a pretrained model: a local HF folder or hub id (e.g. a smaller model of the teacher's family). "
+        "Either way the student first gets its own cold start (the sft recipe); model.lora applies to it too")
+    student_revision: str | None = Field(None, description="hub revision of a pretrained student")
+    seed: int = Field(0, ge=0, description="added to the pipeline seed for phases A-C's sampling and prompt order "
+                      "(not the student's init or cold start): seeds of a distillation arm on one teacher")
+    warmup: DistillWarmup = Field(default_factory=DistillWarmup)
+    on_policy: DistillOnPolicy = Field(default_factory=DistillOnPolicy)
+    grpo_steps: int = Field(0, ge=0, description="phase C: student GRPO after the bridge, with the rl section's "
+                            "algorithm settings (0 = off)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of phases A and B; the divergences "
+                               "compare student and teacher distributions of logits / temperature")
+    max_new_tokens: int = Field(80, ge=1)
+    micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward",
+                                  json_schema_extra=NOT_RESULT)
+    checkpoint_every: int = Field(10, ge=1, description="resumable checkpoint every N steps of phases A-C",
+                                  json_schema_extra=NOT_RESULT)

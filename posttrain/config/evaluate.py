@@ -1,0 +1,48 @@
+"""``evaluate:`` (one evaluate@<name> stage per model) and ``report:`` (every model side by side)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from posttrain.config import names
+from posttrain.config.base import Refusal, Section
+from posttrain.config.curate import BenchmarkSpec
+from posttrain.config.rollout import Sampling
+
+
+class Evaluate(Section):
+    """One evaluate@<name> stage per model: greedy accuracy, sampled pass@k and maj@k, with intervals."""
+
+    models: dict[str, str] = Field(
+        min_length=1,
+        description="name -> checkpoint path, each evaluated by its own DVC stage evaluate@<name> (a dep: so an "
+        "experiment re-evaluates only the models whose inputs changed) and shown side by side in this order by "
+        "the report stage. `python -m stages.evaluate --model NAME` also takes a hub id; dvc repro needs paths",
+    )
+    backend: Literal[names.BACKENDS] = Field("hf", description="rollout backend used for generation")
+    samples_per_prompt: int = Field(8, ge=1, description="samples per prompt for pass@k / maj@k")
+    ks: list[int] = Field(default_factory=lambda: [1, 4, 8], description="k values for pass@k and maj@k")
+    sampling: Sampling = Field(default_factory=Sampling, description="sampled decoding (greedy is always run)")
+    generate_batch_size: int = Field(256, ge=1, description="sequences per generate() call")
+    limit: int | None = Field(None, ge=1, description="evaluate at most this many prompts per split")
+    sample_prompts: int | None = Field(None, ge=1, description="sampled metrics (pass@k, maj@k) on the first N "
+                                       "prompts of each split only (greedy runs on all); None = all")
+    benchmarks: list[BenchmarkSpec] = Field(default_factory=list, description="extra benchmark files/hub sets")
+    bootstrap: int = Field(1000, ge=10, description="bootstrap resamples for 95% intervals")
+
+    @model_validator(mode="after")
+    def _rules(self) -> Evaluate:
+        bad = [k for k in self.ks if k < 1 or k > self.samples_per_prompt]
+        if bad:
+            raise Refusal("ks", f"every k must be in [1, samples_per_prompt={self.samples_per_prompt}], got {bad}")
+        return self
+
+
+class Report(Section):
+    """The side-by-side report over every evaluate@<name> stage's results (stages/report.py)."""
+
+    compare: list[tuple[str, str]] = Field(default_factory=list, description="model pairs (names of "
+                                           "evaluate.models) given paired differences and checked for a pass@k "
+                                           "crossing (e.g. [sft, rl])")

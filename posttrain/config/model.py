@@ -1,0 +1,96 @@
+"""``model:``: the policy's architecture or checkpoint, precision, LoRA and prompt format."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from posttrain.config.base import Refusal, Section
+
+
+class TinyModel(Section):
+    """Size of the Llama-architecture model built from a config when ``model.base`` is ``tiny``."""
+
+    hidden_size: int = Field(128, ge=8, description="width (d_model)")
+    num_layers: int = Field(4, ge=1, description="decoder layers")
+    num_heads: int = Field(4, ge=1, description="attention heads (hidden_size must divide evenly)")
+    intermediate_size: int = Field(512, ge=8, description="SwiGLU MLP width")
+    max_position_embeddings: int = Field(256, ge=16, description="longest prompt + completion, in tokens")
+
+    @model_validator(mode="after")
+    def _heads(self) -> TinyModel:
+        if self.hidden_size % self.num_heads:
+            raise Refusal("hidden_size", "must be divisible by num_heads")
+        return self
+
+
+class LoraCfg(Section):
+    """LoRA adapters (``peft``) on the trained model: SFT, RL and distill train only these; the saved model is
+    the merged HF folder (``from_pretrained`` and vLLM load it as is), the adapter is kept in its ``adapter/``."""
+
+    r: int = Field(16, ge=1, description="adapter rank")
+    alpha: int = Field(32, ge=1, description="scaling numerator (the update is alpha / r * B A)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input (0: the RL ratio of an "
+                           "on-policy step stays exactly 1)")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names to adapt (e.g. [q_proj, k_proj, v_proj, o_proj]) or "
+        "'all-linear' (every linear layer but the LM head)")
+
+
+class PromptCfg(Section):
+    """How a problem becomes the model's input, and where generation stops. Applied once, when the base
+    policy (or a pretrained student) is loaded: the chat template and the stop tokens are written into the
+    model folder (tokenizer_config.json, generation_config.json), so every model descending from it, and
+    vLLM or ``from_pretrained`` users of it, prompt and stop the same way."""
+
+    system: str | None = Field(None, description="system message put first in every conversation (the chat "
+                               "template must render system messages)")
+    instruction: str = Field("", description="appended to every user prompt, e.g. '\\nPlease reason step by "
+                             "step, and put your final answer within \\boxed{}.' for the math task")
+    template: str | None = Field(None, description="for a model without a chat template: a plain prompt with "
+                                 "'{prompt}', e.g. 'Question: {prompt}\\nAnswer:' (the completion follows, then "
+                                 "EOS). A model with neither is refused")
+    stop: list[str] = Field([], description="extra stops: a string that is one token (e.g. '<|im_end|>') "
+                            "becomes a stop token id beside generation_config's EOS ids; any other string stops "
+                            "generation when the decoded completion contains it (cut from the text)")
+
+    @field_validator("template")
+    @classmethod
+    def _has_slot(cls, v: str | None) -> str | None:
+        if v is not None and v.count("{prompt}") != 1:
+            raise ValueError("must contain '{prompt}' exactly once")
+        return v
+
+
+class ModelCfg(Section):
+    """The policy: a tiny Llama built from a config or a pretrained checkpoint, its precision, LoRA, prompt."""
+
+    base: str = Field(
+        "tiny",
+        description="'tiny' builds a fresh Llama from model.tiny + a character tokenizer; otherwise a local "
+        "HF folder or a hub id (needs the hub; with HF_HUB_OFFLINE=1 a hub id fails fast)",
+    )
+    revision: str | None = Field(None, description="hub revision (commit sha, tag or branch) of model.base: pin "
+                                 "a commit sha for a reproducible run; recorded in MLflow and the lineage")
+    tiny: TinyModel = Field(default_factory=TinyModel, description="used only when base == 'tiny'")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="compute dtype. Training keeps fp32 master weights and optimizer state and runs "
+        "forward/backward under torch.autocast in this dtype (mixed precision); inference-only models (evaluate, "
+        "the rollout stage, a distillation teacher, a KL reference) are loaded in it. With LoRA the frozen base "
+        "is stored in this dtype and the adapters in fp32")
+    lora: LoraCfg | None = Field(None, description="null: full fine-tuning; else train LoRA adapters")
+    gradient_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in "
+                                         "backward (less memory, ~30% more compute)")
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="attention kernel passed to from_pretrained (flash_attention_2 needs the package "
+        "and a GPU)")
+    prompt: PromptCfg = Field(default_factory=PromptCfg)
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        if v == "float16":
+            raise ValueError("float16 needs loss scaling, which this pipeline does not do (its gradients "
+                             "underflow silently); use bfloat16 (same memory, fp32's exponent range) or float32")
+        return v

@@ -1,0 +1,33 @@
+"""The names each registry answers to, as torch-free tuples: what ``params.yaml`` may name.
+
+The registries themselves (``posttrain.algos``, ``posttrain.rewards``, ``posttrain.rl.select``,
+``posttrain.rollout``) import torch, transformers or math-verify; validating a params file must not, so the
+config checks names against these tuples and ``tests/test_config.py`` asserts each tuple equals its registry's
+keys (a registry that gains a function without its name here fails that test, not a user's run).
+"""
+
+from __future__ import annotations
+
+REWARDS = ("correct", "math_verify", "format", "overlong")  # posttrain.rewards.REWARDS
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "grpo_batch_std", "psr", "nsr", "w_reinforce",
+              "prior_fused")  # posttrain.algos.ADVANTAGES
+POLICY_LOSSES = ("ppo_clip", "vanilla_pg")  # posttrain.algos.POLICY_LOSSES
+TOKEN_SELECTIONS = ("all", "top_entropy", "bottom_entropy")  # posttrain.algos.TOKEN_SELECTIONS
+PROMPT_SELECTIONS = ("pass_band", "top_variance")  # posttrain.rl.select.PROMPT_SELECTIONS
+KL_ESTIMATORS = ("k2", "k3")  # posttrain.algos.KL_ESTIMATORS
+TIS = ("token", "sequence")  # posttrain.algos.TIS
+DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")  # posttrain.algos.DIVERGENCES
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # posttrain.algos.AGGREGATIONS
+BACKENDS = ("hf", "vllm")  # posttrain.rollout.BACKENDS
+
+# DAG order, as in dvc.yaml; evaluate runs once per model (evaluate@<name>, a foreach stage)
+STAGES = ("curate", "sft", "rollout", "reward", "rl", "distill", "evaluate", "report")
+
+# Keys renamed so that one concept has one name; the old key is refused naming the new one.
+RENAMED = {
+    "rollout.batch_size": "rollout.generate_batch_size",
+    "evaluate.batch_size": "evaluate.generate_batch_size",
+    "rollout.group_size": "rollout.samples_per_prompt",
+    "rl.group_size": "rl.samples_per_prompt",
+    "evaluate.num_samples": "evaluate.samples_per_prompt",
+}

@@ -1,0 +1,163 @@
+"""The root of ``params.yaml``: every section, the rules across sections, and loading with one-line errors.
+
+Every section is a pydantic model with ``extra="forbid"``: an unknown key, a wrong type, an out-of-range value,
+a refused combination or a missing input file fails in :func:`load_params` before any work, with a
+:class:`ConfigError` whose message names the key path (``sft.lr: ...``). Stage ``main()`` functions and the
+CLI turn that error into one line on stderr and exit code 2. A key renamed so that one concept has one name
+(``names.RENAMED``) is refused naming its new name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError, model_validator
+
+from posttrain.config import names
+from posttrain.config.base import ConfigError, Refusal, Section
+from posttrain.config.curate import Curate, SyntheticSource
+from posttrain.config.distill import Distill
+from posttrain.config.evaluate import Evaluate, Report
+from posttrain.config.model import ModelCfg
+from posttrain.config.paths import Paths
+from posttrain.config.prefect import PrefectCfg
+from posttrain.config.reward import Reward
+from posttrain.config.rl import Rl
+from posttrain.config.rollout import Rollout
+from posttrain.config.runtime import Runtime
+from posttrain.config.sft import Sft
+from posttrain.config.task import ArithTask, TaskSpec
+from posttrain.config.tracking import TrackingCfg
+
+
+class Params(Section):
+    """Everything a run of the pipeline is: one section per stage, plus the shared ones."""
+
+    seed: int = Field(0, description="one seed for data generation, init, sampling and shuffling")
+    paths: Paths
+    runtime: Runtime = Field(default_factory=Runtime)
+    task: TaskSpec = Field(default_factory=ArithTask)
+    model: ModelCfg = Field(default_factory=ModelCfg)
+    curate: Curate
+    sft: Sft
+    rollout: Rollout
+    reward: Reward
+    rl: Rl
+    distill: Distill
+    evaluate: Evaluate
+    report: Report = Field(default_factory=Report)
+    prefect: PrefectCfg = Field(default_factory=PrefectCfg)
+    tracking: TrackingCfg = Field(default_factory=TrackingCfg)
+
+    @model_validator(mode="after")
+    def _cross(self) -> Params:
+        """Rules across sections (each section's own rules are in its ``_rules``)."""
+        synthetic = any(isinstance(s, SyntheticSource) for s in self.curate.sources)
+        if (synthetic or self.curate.eval.source is None) and self.task.kind != "arith":
+            raise Refusal("curate", "the synthetic generator (a synthetic source, or eval.source unset) needs "
+                          "task.kind == 'arith'")
+        unknown = sorted({m for pair in self.report.compare for m in pair} - set(self.evaluate.models))
+        if unknown:
+            raise Refusal("report.compare", f"{unknown} not in evaluate.models {list(self.evaluate.models)}")
+        if self.rl.ref_reset is not None and self.model.lora is not None:
+            raise Refusal("rl.ref_reset", "with model.lora is not supported: the LoRA policy's reference is its "
+                          "frozen base (adapter off), which a reset would have to overwrite with the merge")
+        d = self.runtime.distributed
+        if d.world_size > 1:
+            if d.strategy == "fsdp2" and self.model.lora is not None:
+                raise Refusal("runtime.distributed.strategy", "fsdp2 with model.lora is not supported; use ddp "
+                              "(LoRA's frozen base needs no sharding of gradients or optimizer state)")
+            if self.sft.batch_size % (d.world_size * self.sft.micro_batch_size):
+                raise Refusal("sft.batch_size", f"{self.sft.batch_size} must be a multiple of world size "
+                              f"{d.world_size} (runtime.distributed) x sft.micro_batch_size "
+                              f"{self.sft.micro_batch_size}")
+        return self
+
+
+def stage_metrics(metrics_dir: str | Path, stage: str) -> Path:
+    """A stage's metrics file: ``metrics/<stage>.json``; of one foreach instance ``metrics/<stage>/<key>.json``
+    (``evaluate@sft`` -> ``metrics/evaluate/sft.json``)."""
+    return Path(metrics_dir) / f"{stage.replace('@', '/')}.json"
+
+
+_UNION_TAGS = {"synthetic", "file", "hub", "arith", "math"}
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    """``('curate', 'sources', 0, 'file', 'path')`` -> ``curate.sources[0].path`` (union tags dropped)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _UNION_TAGS or "[" in str(part):
+            continue  # discriminated-union branch names are not keys of the file
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "<root>"
+
+
+def _describe(err: dict[str, Any]) -> str:
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif "input" in err and err["type"] not in {"missing"} and not isinstance(err["input"], dict | list):
+        msg = f"{msg}, got {err['input']!r}"
+    return msg
+
+
+def _renamed(raw: dict[str, Any]) -> str | None:
+    """The first old key of ``names.RENAMED`` present in ``raw``, as 'old: renamed to new'."""
+    for old, new in names.RENAMED.items():
+        node: Any = raw
+        for part in old.split("."):
+            node = node.get(part, KeyError) if isinstance(node, dict) else KeyError
+        if node is not KeyError:
+            return f"{old}: renamed to {new}"
+    return None
+
+
+def parse_params(raw: dict[str, Any], origin: str = "params") -> Params:
+    """Validate a params mapping; raise :class:`ConfigError` naming the first bad key path."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{origin}: expected a mapping at the top level")
+    renamed = _renamed(raw)
+    if renamed:
+        raise ConfigError(f"{origin}: {renamed}")
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as e:
+        errs = e.errors()
+        first = errs[0]
+        more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
+        where, what = _loc(first["loc"]), _describe(first)
+        refusal = (first.get("ctx") or {}).get("error")
+        if isinstance(refusal, Refusal):  # a section's cross-field rule: name the field it refuses
+            if where == "<root>":
+                raise ConfigError(f"{origin}: {refusal.key}: {refusal}{more}") from None
+            raise ConfigError(f"{origin}: {where}.{refusal.key}: Value error, {refusal}{more}") from None
+        if where == "<root>":  # a check across sections: its message starts with the key it names
+            raise ConfigError(f"{origin}: {what.removeprefix('Value error, ')}{more}") from None
+        raise ConfigError(f"{origin}: {where}: {what}{more}") from None
+
+
+def read_yaml(text: str) -> Any:
+    """Params YAML as DVC reads and writes it: YAML 1.2 (ruamel), where ``off``/``yes``/``no`` are strings.
+    (PyYAML's 1.1 reads ``off`` as false: ``dvc exp run -S rl.dynamic_sampling=off`` writes it unquoted.)"""
+    from ruamel.yaml import YAML
+
+    return YAML(typ="safe", pure=True).load(text)
+
+
+def load_params(path: str | Path = "params.yaml") -> Params:
+    """Read and validate ``params.yaml``. Raises :class:`ConfigError` (one line) on any problem."""
+    from ruamel.yaml import YAMLError
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: file not found")
+    try:
+        raw = read_yaml(p.read_text())
+    except YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
+    return parse_params(raw or {}, origin=str(p))

@@ -1,0 +1,43 @@
+"""``prefect:``: how ``flows/pipeline.py`` schedules the stages. No stage reads it (no dvc.yaml param)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from posttrain.config import names
+from posttrain.config.base import Section
+
+
+class PrefectCfg(Section):
+    """How ``flows/pipeline.py`` schedules the stages (read by the flow, by no stage: no dvc.yaml param)."""
+
+    resources: dict[str, Literal["cpu", "gpu"]] = Field(
+        default_factory=lambda: {"curate": "cpu", "sft": "gpu", "rollout": "gpu", "reward": "cpu", "rl": "gpu",
+                                 "distill": "gpu", "evaluate": "gpu"},
+        description="resource class per stage: a 'gpu' stage runs as a stage-flow deployment on gpu_pool "
+        "when the pipeline runs with routing on; a 'cpu' stage runs in the pipeline's own flow run",
+    )
+    cpu_pool: str = Field("cpu", description="work pool of the pipeline deployment (and of cpu stages)")
+    gpu_pool: str = Field("gpu", description="work pool of the stage deployment that gpu stages run on")
+    retries: int = Field(1, ge=0, description="retries of a failed stage task (a retry resumes from the "
+                         "stage's own checkpoints; DVC skips what is already up to date)")
+    retry_delay_s: float = Field(5.0, ge=0, description="seconds between retries")
+    dvc_remote: str | None = Field(None, description="DVC remote a worker in another checkout pulls a "
+                                   "stage's deps from and pushes its outs to (None: workers share this checkout); "
+                                   "the pipeline's params (overrides included) are sent to the worker")
+    gpu_python: str | None = Field(None, description="the interpreter a gpu worker runs gpu stages with (e.g. "
+                                   ".venv-gpu/bin/python from `make setup-gpu`: CUDA torch + vLLM, no prefect), "
+                                   "relative to the worker's checkout; null: the worker's own")
+    workspace_wait_s: float = Field(3600.0, ge=0, description="a pipeline run waits this long for another run "
+                                    "in the same checkout to finish (one run per workspace: overrides rewrite "
+                                    "params.yaml), then refuses naming it; 0 = refuse at once")
+
+    @field_validator("resources")
+    @classmethod
+    def _stages(cls, v: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(v) - set(names.STAGES))
+        if unknown:
+            raise ValueError(f"unknown stage(s) {unknown}; stages are {list(names.STAGES)}")
+        return {s: v.get(s, "cpu") for s in names.STAGES}

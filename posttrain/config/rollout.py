@@ -1,0 +1,52 @@
+"""``rollout:``: G samples per training prompt from the SFT policy, and the sampling knobs every generating
+stage shares (``Sampling``; the vllm engine's settings, ``VLLMOptions``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from posttrain.config import names
+from posttrain.config.base import NOT_RESULT, Section
+
+
+class Sampling(Section):
+    """Sampled decoding: temperature, then top-p, up to ``max_new_tokens``."""
+
+    temperature: float = Field(1.0, ge=0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens whose "
+                         "probability reaches top_p (1 = the whole distribution)")
+    max_new_tokens: int = Field(96, ge=1, description="longest completion, in tokens")
+
+
+class VLLMOptions(Section):
+    """The vllm backend's engine (posttrain/rollout/vllm.py); the hf backend ignores it. None of it changes
+    which tokens are sampled: it is left out of DVC params and checkpoint fingerprints."""
+
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="share of GPU memory the engine may "
+                                          "take (weights + KV cache); colocated with the trainer in rl/distill, "
+                                          "so leave room for the update", json_schema_extra=NOT_RESULT)
+    sleep_level: Literal[0, 1, 2] = Field(1, description="during each update the engine sleeps: 1 offloads its "
+                                          "weights to CPU, 2 discards them (reloaded at the next sync), 0 never "
+                                          "sleeps", json_schema_extra=NOT_RESULT)
+    max_model_len: int | None = Field(None, ge=1, description="context length the KV cache is sized for; None: "
+                                      "the model config's", json_schema_extra=NOT_RESULT)
+    enforce_eager: bool = Field(False, description="no CUDA graphs (faster start, slower decode)",
+                                json_schema_extra=NOT_RESULT)
+
+
+class Rollout(Section):
+    """The rollout stage: the SFT policy's samples whose pass rates pick RL's prompts."""
+
+    backend: Literal[names.BACKENDS] = Field("hf", description="rollout backend (vllm: GPU-worker environment)")
+    num_prompts: int | None = Field(
+        512, ge=1, description="train prompts to score (a seeded shuffle's first N). RL selects its prompts by "
+        "these pass rates, so only scored prompts can reach RL: null scores the whole training split (the "
+        "real-run profile); the tiny default scores 512 to keep the CPU run short")
+    samples_per_prompt: int = Field(8, ge=1, description="G: completions per prompt")
+    sampling: Sampling = Field(default_factory=Sampling)
+    generate_batch_size: int = Field(256, ge=1, description="sequences per generate() call (part of the result: "
+                                     "each chunk of prompts is seeded by its index)")
+    vllm: VLLMOptions = Field(default_factory=VLLMOptions, description="engine settings of the vllm backend "
+                              "(used by every stage that generates with it)")

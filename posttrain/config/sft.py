@@ -1,0 +1,44 @@
+"""``sft:``: the cold-start supervised fine-tuning (phases, batch, optimizer, checkpoints)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from posttrain.config.base import NOT_RESULT, Refusal, Section
+
+
+class SftPhase(Section):
+    """One phase of the cold start. The default mixed-format cold start is two phases: full chain-of-thought
+    demos, then a short phase whose demos are mostly bare answers (``4738*7=`` -> ``answer: 33166``).
+    The model then answers directly by default (often wrong) but can still reason when it samples a CoT:
+    exactly what RL can reinforce (an SFT model merely stopped early gives GRPO nothing to work with)."""
+
+    steps: int = Field(ge=1, description="optimizer steps in this phase")
+    cot_frac: float = Field(1.0, ge=0, le=1, description="share of demos shown with their full solution; "
+                            "the rest show the bare final answer")
+
+
+class Sft(Section):
+    """The sft stage (and the distillation student's cold start, which uses the same recipe)."""
+
+    phases: list[SftPhase] = Field(min_length=1, description="run in order; the LR schedule spans all phases")
+    batch_size: int = Field(64, ge=1, description="sequences per optimizer step (micro_batch * accumulation)")
+    micro_batch_size: int = Field(64, ge=1, description="sequences per forward pass (gradient accumulation "
+                                  "up to batch_size; exact token-mean either way)", json_schema_extra=NOT_RESULT)
+    lr: float = Field(2e-3, gt=0, description="peak AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(20, ge=0, description="linear warmup, then cosine decay to 0")
+    max_grad_norm: float = Field(1.0, gt=0)
+    checkpoint_every: int = Field(100, ge=1, description="save a resumable checkpoint every N steps",
+                                  json_schema_extra=NOT_RESULT)
+    log_every: int = Field(10, ge=1, description="write a training-log row every N steps")
+
+    @model_validator(mode="after")
+    def _micro(self) -> Sft:
+        if self.batch_size % self.micro_batch_size:
+            raise Refusal("batch_size", "must be a multiple of micro_batch_size")
+        return self
+
+    @property
+    def total_steps(self) -> int:
+        return sum(p.steps for p in self.phases)

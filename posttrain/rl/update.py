@@ -1,0 +1,202 @@
+"""The GRPO-family policy update on one step's groups.
+
+- ``update_from_groups``: rewards (optionally KL-shaped, RLOO / REINFORCE++) -> advantages through the
+  ADVANTAGES registry (unscorable samples get no advantage and no loss) -> ``policy_update``.
+- ``policy_update``: epochs x minibatches of optimizer steps, each one ``training.accumulate`` over the
+  minibatch's sequences (exact gradient accumulation via ``algos.aggregate``); PPO-style ratios against old
+  log-probs (recomputed by the trainer when the update is not exactly on-policy), optional token selection,
+  truncated importance sampling, KL to a frozen reference and entropy bonus. Returns the step's metrics (clip
+  fraction, KL, entropy, sampler-vs-trainer log-prob gap, ...).
+- ``reset_reference``: ProRL's reference resets.
+
+Under torchrun the minibatches are global; each rank runs its share of every minibatch, normalised by the
+global counts, gradients all-reduced (``training.accumulate``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from posttrain import algos, distributed, training
+from posttrain.config import Rl
+from posttrain.logprobs import Seq, batch_tensors, fill, token_logp_entropy
+from posttrain.modeling import adapter_off
+from posttrain.rl.collect import reward_matrix
+from posttrain.rl.select import PriorState
+
+
+def group_advantages(rows: Sequence[dict[str, Any]], g: int, name: str, prior: PriorState | None = None
+                     ) -> list[float]:
+    """Advantages of ``rows`` (G consecutive per prompt) by ``algos.ADVANTAGES[name]``; with ``prior`` its
+    per-prompt (p, n) is passed in, then updated with these groups."""
+    r, valid = reward_matrix(rows, g)
+    ids = [rows[k * g]["prompt_id"] for k in range(len(rows) // g)]
+    adv = algos.ADVANTAGES[name](r, valid, None if prior is None else prior.tensor(ids)).flatten().tolist()
+    if prior is not None:
+        prior.update(ids, r, valid)
+    return adv
+
+
+def select_tokens(seqs: Sequence[Seq], name: str, rho: float) -> float:
+    """Set each sequence's ``pg_mask`` by ``algos.TOKEN_SELECTIONS[name]`` over every completion token of the
+    batch (its ``entropy`` filled); returns the share of tokens kept."""
+    flat = torch.tensor([e for s in seqs for e in s.entropy])
+    keep = algos.TOKEN_SELECTIONS[name](flat, rho).float().tolist()
+    at = 0
+    for s in seqs:
+        s.pg_mask, at = keep[at : at + len(s.completion_ids)], at + len(s.completion_ids)
+    return sum(keep) / max(len(keep), 1)
+
+
+def kl_shaped_rewards(rewards: Sequence[float], sampler_logp: Sequence[Sequence[float]],
+                      ref_logp: Sequence[Sequence[float]], coef: float) -> list[float]:
+    """KL in the reward (RLOO, Ahmadian et al. 2024; REINFORCE++, Hu 2025): r - coef * sum_t k1_t with
+    k1_t = sampler logp_t - ref logp_t of each sampled token (a constant for the gradient: it enters through
+    the advantage). Sequence level: REINFORCE++'s per-token returns give the first token exactly this; later
+    tokens there also drop the KL of their prefix, which is not modelled here."""
+    return [r - coef * (sum(s) - sum(q)) for r, s, q in zip(rewards, sampler_logp, ref_logp, strict=True)]
+
+
+def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequence[Seq], cfg: Rl, pad_id: int,
+                  ref_model: torch.nn.Module | None = None, seed: int = 0) -> dict[str, float]:
+    """Optimise the policy on one rollout batch; returns averaged metrics. See module docstring.
+
+    Every forward scores logits / ``cfg.sampling.temperature``. ``ref_model`` is used for the KL loss
+    (``cfg.kl_coef`` > 0); reference log-probs already on the sequences are not recomputed. A LoRA (peft)
+    ``ref_model`` scores with its adapter disabled: passing the LoRA policy itself makes its frozen base the
+    reference.
+
+    ``model`` is the training handle (``distributed.Dist.wrap``; the model itself in one process); each
+    minibatch is one ``training.accumulate`` step."""
+    d = distributed.current()
+    device = next(model.parameters()).device
+    temp = cfg.sampling.temperature
+    loss_fn = algos.POLICY_LOSSES[cfg.policy_loss]
+    loss_cfg = algos.LossCfg(cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip)
+    kl_fn = algos.KL_ESTIMATORS[cfg.kl_estimator]
+    tis_fn = algos.TIS[cfg.tis.mode] if cfg.tis is not None else None
+    use_kl = ref_model is not None and cfg.kl_coef > 0
+    norm_len = cfg.sampling.max_new_tokens
+    on_policy = cfg.epochs * cfg.minibatches == 1  # then old log-probs come from the update's own forward
+    selecting = cfg.token_select != "all"  # token selection needs the sampling policy's entropies first
+    if not on_policy or selecting:
+        fill(d.plain(model), seqs, "old_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp, with_entropy=selecting)
+    pg_tokens = select_tokens(seqs, cfg.token_select, cfg.token_rho) if selecting else 1.0
+    if use_kl and any(s.ref_logp is None for s in seqs):
+        with adapter_off(ref_model):
+            fill(ref_model, seqs, "ref_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp)
+
+    sums = {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "gap": 0.0, "tis_capped": 0.0}
+    ratio_max, tokens, gap_tokens, n_opt = 0.0, 0.0, 0.0, 0
+    gen = torch.Generator().manual_seed(seed)
+    for epoch in range(cfg.epochs):
+        order = torch.randperm(len(seqs), generator=gen).tolist() if not on_policy else list(range(len(seqs)))
+        for mb in np.array_split(np.asarray(order, dtype=int), cfg.minibatches):
+            mb_seqs = [seqs[i] for i in mb.tolist()]
+            if not mb_seqs:
+                continue
+            n_tok = sum(len(s.completion_ids) for s in mb_seqs)
+            if not cfg.pack:  # similar lengths share a micro-batch (less padding); exact: aggregate() is order-free
+                mb_seqs.sort(key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
+
+            def loss_of(chunk: list[Seq], real: bool, n_seqs: int = len(mb_seqs), n_tok: int = n_tok,
+                        first_pass: bool = epoch == 0) -> torch.Tensor:
+                nonlocal ratio_max, tokens, gap_tokens
+                t = batch_tensors(chunk, pad_id, device, cfg.pack)
+                m = t["mask"]
+                logp, ent = distributed.forward(model, token_logp_entropy, t, temp,
+                                                "grad" if cfg.entropy_coef else "detached")
+                old_logp = logp.detach() if on_policy else t["old_logp"]
+                loss_tok, clipped = loss_fn(logp, old_logp, t["adv"], loss_cfg)  # [b, T-1]
+                loss_tok = loss_tok * t["pg_mask"]  # token selection (1 everywhere with token_select: all)
+                if tis_fn is not None:  # the policy-gradient term only, not the KL or entropy terms
+                    w = tis_fn(old_logp, t["logprobs"], m, cfg.tis.cap)
+                    loss_tok = loss_tok * w
+                    if real:
+                        sums["tis_capped"] += float(((w >= cfg.tis.cap) & (m > 0)).sum())
+                if use_kl:
+                    kl = kl_fn(logp, t["ref_logp"])
+                    loss_tok = loss_tok + cfg.kl_coef * kl
+                    if real:
+                        sums["kl"] += float((kl.detach() * m).sum())
+                if cfg.entropy_coef:
+                    loss_tok = loss_tok - cfg.entropy_coef * ent
+                loss = algos.aggregate(loss_tok, m, cfg.loss_agg, n_seqs, n_tok, norm_len)
+                if real:
+                    sums["loss"] += float(loss.detach())
+                    sums["clipfrac"] += float((clipped.float() * m).sum())
+                    sums["entropy"] += float((ent.detach() * m).sum())
+                    log_ratio = (logp.detach() - old_logp).clamp(-algos.LOG_RATIO_CLAMP, algos.LOG_RATIO_CLAMP)
+                    ratio_max = max(ratio_max, float((torch.exp(log_ratio) * m).max()))
+                    tokens += float(m.sum())
+                    if first_pass:  # sampler vs trainer log-prob of the same tokens, before any update
+                        sums["gap"] += float(((old_logp - t["logprobs"]).abs() * m).sum())
+                        gap_tokens += float(m.sum())
+                return loss
+
+            sums["grad_norm"] += training.accumulate(model, opt, mb_seqs, cfg.micro_batch_size, loss_of,
+                                                     cfg.max_grad_norm)
+            n_opt += 1
+    keys = ("loss", "clipfrac", "kl", "entropy", "gap", "tis_capped")  # every rank's share -> the batch's totals
+    *totals, tokens, gap_tokens = d.sum(*(sums[k] for k in keys), tokens, gap_tokens)
+    sums |= dict(zip(keys, totals, strict=True))
+    ratio_max = d.max(ratio_max)
+    tokens, n = max(tokens, 1.0), max(n_opt, 1)
+    return {"loss": sums["loss"] / n, "clipfrac": sums["clipfrac"] / tokens, "kl": sums["kl"] / tokens,
+            "entropy": sums["entropy"] / tokens, "ratio_max": ratio_max, "grad_norm": sums["grad_norm"] / n,
+            "logprob_gap": sums["gap"] / max(gap_tokens, 1.0), "tis_capped": sums["tis_capped"] / tokens,
+            "pg_tokens": pg_tokens, "optimizer_steps": n_opt}
+
+
+def update_from_groups(model: torch.nn.Module, opt: torch.optim.Optimizer, groups: Sequence[Sequence[dict[str, Any]]],
+                       cfg: Rl, prompt_ids: dict[str, list[int]], pad_id: int,
+                       ref_model: torch.nn.Module | None = None, seed: int = 0, prior: PriorState | None = None
+                       ) -> tuple[dict[str, float], dict[tuple[str, int], float]]:
+    """Advantages over ``groups`` (``cfg.advantage``; ``prior``: per-prompt priors, read and updated), then
+    ``policy_update`` on the scorable samples.
+
+    With ``cfg.kl_reward_coef`` > 0 the rewards are first shaped by the KL to ``ref_model``
+    (:func:`kl_shaped_rewards`). Returns the update's metrics ({} when nothing was scorable) and each
+    sample's advantage keyed by (prompt_id, sample). Unscorable samples get an advantage of 0 and never
+    enter the loss.
+    """
+    rows = [r for grp in groups for r in grp]
+    if not rows:
+        return {}, {}
+    scorable = [r for r in rows if r["reward"] is not None]
+    seqs = [Seq(prompt_ids[r["prompt_id"]], list(r["token_ids"]), list(r["logprobs"]), 0.0) for r in scorable]
+    kl_reward = None
+    if cfg.kl_reward_coef > 0 and seqs:
+        if ref_model is None:
+            raise ValueError("rl.kl_reward_coef > 0 needs the reference model")
+        with adapter_off(ref_model):
+            fill(ref_model, seqs, "ref_logp", pad_id, cfg.micro_batch_size, cfg.pack, cfg.sampling.temperature)
+        shaped = kl_shaped_rewards([r["reward"] for r in scorable], [s.logprobs for s in seqs],
+                                   [s.ref_logp for s in seqs], cfg.kl_reward_coef)
+        new = {(r["prompt_id"], r["sample"]): v for r, v in zip(scorable, shaped, strict=True)}
+        rows = [{**r, "reward": new.get((r["prompt_id"], r["sample"]))} for r in rows]
+        kl_reward = float(np.mean([sum(s.logprobs) - sum(s.ref_logp) for s in seqs]))
+    adv = group_advantages(rows, cfg.samples_per_prompt, cfg.advantage, prior)
+    advs = {(r["prompt_id"], r["sample"]): a for r, a in zip(rows, adv, strict=True)}
+    for s, r in zip(seqs, scorable, strict=True):
+        s.adv = advs[(r["prompt_id"], r["sample"])]
+    if not seqs:
+        return {}, advs
+    metrics = policy_update(model, opt, seqs, cfg, pad_id, ref_model, seed=seed)
+    if kl_reward is not None:
+        metrics["kl_seq"] = kl_reward  # mean per-sequence k1 sum that entered the rewards
+    return metrics, advs
+
+
+def reset_reference(ref: torch.nn.Module, policy: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> None:
+    """ProRL (Liu et al. 2025): a hard reset of the KL anchor to the current policy, ref <- policy (a full,
+    unwrapped model), so the KL penalty restarts from 0 and stops pulling toward a policy long left behind;
+    with ``opt`` the optimizer's state (Adam moments, step counts) is cleared too."""
+    with torch.no_grad():
+        ref.load_state_dict(policy.state_dict())
+    if opt is not None:
+        opt.state.clear()
