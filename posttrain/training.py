@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_sc
 
 from posttrain import checkpoint, distributed, logprobs, seeds
 from posttrain.tasks import get_task
+from posttrain.trainlog import TrainLog
 
 IGNORE = -100
 log = logging.getLogger("posttrain.training")
@@ -135,32 +136,9 @@ def step_batch(seed: int, step: int, n_examples: int, batch_size: int, cot_frac:
 SFT_LOG_FIELDS = ["step", "phase", "loss", "lr", "grad_norm", "cot_frac"]
 
 
-class StepLog(Protocol):
-    """Where a training loop's logged rows go (``posttrain.tracking.TrainLog``: the CSV and MLflow, live)."""
-
-    rows: list[dict[str, Any]]
-
-    def resume(self, rows: list[dict[str, Any]]) -> None: ...
-
-    def append(self, row: dict[str, Any]) -> None: ...
-
-
-class MemoryLog:
-    """A ``StepLog`` that only keeps the rows (tests, and callers that write them elsewhere)."""
-
-    def __init__(self) -> None:
-        self.rows: list[dict[str, Any]] = []
-
-    def resume(self, rows: list[dict[str, Any]]) -> None:
-        self.rows = list(rows)
-
-    def append(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-
-
 def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Sequence[dict[str, Any]], cfg: Any,
               seed: int, ckpt_dir: Path, fp: str, progress: bool = True, desc: str = "sft",
-              log_to: StepLog | None = None) -> dict[str, Any]:
+              log_to: TrainLog | None = None) -> dict[str, Any]:
     """Supervised fine-tuning on demonstrations with the phases of ``cfg`` (``config.Sft``), resumable.
 
     Loss on completion tokens only, token-mean over the whole batch (exact under gradient accumulation);
@@ -168,14 +146,15 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
     full solution and the rest with the bare answer (the mixed-format cold start). Batches are a pure
     function of (seed, step); every ``checkpoint_every`` steps a resumable checkpoint with fingerprint
     ``fp`` goes to ``ckpt_dir``, and a call that finds one resumes from it. Every ``log_every`` steps a row
-    (SFT_LOG_FIELDS) goes to ``log_to`` as it is made (a resumed run first gets the checkpoint's rows).
+    (SFT_LOG_FIELDS) goes to ``log_to`` (its CSV and MLflow, live) as it is made; a resumed run's log starts
+    from the checkpoint's rows.
     Under torchrun ``model`` is the ``distributed.Dist.wrap`` handle (see ``accumulate``): the weights equal a
     one-process run's up to reduction order.
     Returns ``{"log": rows, "start": resumed step, "seconds": ..., "tokens": ...}``.
     """
     d = distributed.current()
     device = next(model.parameters()).device
-    log_to = log_to if log_to is not None else MemoryLog()
+    log_to = log_to if log_to is not None else TrainLog(None, SFT_LOG_FIELDS)
     model.train()
     # both renderings of each demo: full solution (cot) and bare answer (direct)
     enc = {style: [encode_sft(tok, x["prompt"], get_task(x["task"]).render(x["prompt"], x["answer"],

@@ -46,7 +46,8 @@ from posttrain.rewards import is_correct, score_rows
 from posttrain.rl import collect, select, update
 from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids, generator, sample_rows
 from posttrain.runner import stage_main
-from posttrain.schema import atomic_path, read_problems, write_csv, write_json
+from posttrain.schema import atomic_path, read_problems, write_json
+from posttrain.trainlog import TrainLog
 
 log = logging.getLogger("distill")
 LOG_FIELDS = ["step", "phase", "loss", "forward_kl", "reverse_kl", "entropy", "response_len", "sample_pass_rate",
@@ -96,9 +97,6 @@ def _student(params: Params, tok: Any, teacher: Any, device: torch.device) -> An
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Distill. ``inputs``: demos, train, teacher. ``out``: student_sft, student, checkpoints, report_dir, metrics."""
     cfg, rt, d = params.distill, params.runtime, distributed.current()
-    if cfg.grpo_steps and (params.rl.kl_coef > 0 or params.rl.kl_reward_coef > 0):
-        raise StageError("distill.grpo_steps > 0 with rl.kl_coef or rl.kl_reward_coef > 0: phase C has no KL "
-                         "reference yet; set both to 0 or distill.grpo_steps: 0")
     device = modeling.resolve_device(rt.device)
     tok = modeling.load_tokenizer(str(inputs["teacher"]))
     teacher = modeling.load_model(str(inputs["teacher"]), params.model.dtype, device)
@@ -117,7 +115,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     amp = functools.partial(modeling.autocast, params.model.dtype, device)  # mixed precision (no-op in fp32)
     with amp():
         res = training.sft_train(student, tok, demos, params.sft, params.seed, out["checkpoints"] / "sft", fp0,
-                                 progress=rt.progress, desc="student sft")
+                                 progress=rt.progress, desc="student sft",
+                                 log_to=TrainLog(None, training.SFT_LOG_FIELDS, name="student_sft"))  # MLflow only
     cold = d.plain(student)
     if d.main:
         with atomic_path(out["student_sft"]) as tmp:
@@ -134,7 +133,10 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                               modeling.checkpoint_digest(inputs["teacher"]), sorted(prompt_ids))
     d_seed = params.seed + cfg.seed  # distill.seed: seeds of a distillation arm (the cold start stays fixed)
     cursor = select.PromptCursor(len(prompts), seeds.distill_cursor(d_seed))
-    start, log_rows, cursor.pos = checkpoint.restore_loop_state(out["checkpoints"], fp, student, opt)
+    start, restored, cursor.pos = checkpoint.restore_loop_state(out["checkpoints"], fp, student, opt)
+    train_log = TrainLog(out["report_dir"] / "train_log.csv" if d.main else None, LOG_FIELDS)  # live: CSV + MLflow
+    train_log.resume(restored)
+    log_rows = train_log.rows
     s_backend = BACKENDS[params.rollout.backend](d.plain(student), tok, params.rl.generate_batch_size,
                                                  params.rollout.vllm)
     t_backend = BACKENDS[params.rollout.backend](teacher, tok, params.rl.generate_batch_size, params.rollout.vllm)
@@ -200,8 +202,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                                                            temperature=cfg.temperature)
                 row.update(m)
         row["seconds"] = round(time.time() - t0, 3)
-        log_rows.append({k: (float(f"{row[k]:.5g}") if isinstance(row.get(k), float) else row.get(k))
-                         for k in LOG_FIELDS})
+        train_log.append({k: (float(f"{row[k]:.5g}") if isinstance(row.get(k), float) else row.get(k))
+                          for k in LOG_FIELDS})
         done = step + 1
         if done % cfg.checkpoint_every == 0 and done < len(phases):
             checkpoint.save_loop_state(out["checkpoints"], done, fp, cursor.pos, student, opt, log_rows)
@@ -213,7 +215,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         return {"steps": len(phases), "rank": d.rank}
     with atomic_path(out["student"]) as tmp:
         modeling.save_checkpoint(final, tok, tmp)
-    write_csv(out["report_dir"] / "train_log.csv", log_rows, LOG_FIELDS)
+    train_log.close()
     if log_rows:
         plots.training_curves(log_rows, "step", ["reverse_kl", "forward_kl", "entropy", "sample_pass_rate"],
                               "distill (A: warmup, B: on-policy" + (", C: grpo)" if cfg.grpo_steps else ")"),

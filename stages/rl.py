@@ -51,10 +51,10 @@ from posttrain.schema import (
     atomic_path,
     read_parquet,
     read_problems,
-    write_csv,
     write_json,
     write_parquet,
 )
+from posttrain.trainlog import TrainLog
 
 log = logging.getLogger("rl")
 LOG_FIELDS = ["step", "updated", "reward_mean", "pass_rate", "zero_var_frac", "groups_used", "refill_rounds", "loss",
@@ -97,7 +97,10 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     moving_ref = ref if cfg.ref_reset is not None else None  # a reference that resets is checkpointed too
     prior = select.PriorState.from_rates(rates)  # per-prompt priors (rl.advantage prior_fused), checkpointed
     saved: dict[str, Any] = {}
-    start, log_rows, cursor.pos = checkpoint.restore_loop_state(ckpt_dir, fp, model, opt, moving_ref, saved)
+    start, restored, cursor.pos = checkpoint.restore_loop_state(ckpt_dir, fp, model, opt, moving_ref, saved)
+    train_log = TrainLog(out["report_dir"] / "train_log.csv" if d.main else None, LOG_FIELDS)  # live: CSV + MLflow
+    train_log.resume(restored)
+    log_rows = train_log.rows
     if "prior" in saved:
         prior = select.PriorState(**saved["prior"])
     for stale in shard_tmp.glob("step_*.parquet") if d.main else []:  # shards after the checkpoint are redone
@@ -153,7 +156,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         scorable = [row for row in first_rows if row["reward"] is not None]
         correct = [is_correct(row["rewards"]) for row in scorable]
         step_s = time.time() - t0
-        log_rows.append({
+        train_log.append({
             "step": step + 1, "updated": int(bool(metrics)),
             "reward_mean": round(float(np.mean([row["reward"] for row in scorable])), 4) if scorable else None,
             "pass_rate": round(float(np.mean([bool(c) for c in correct])), 4) if correct else None,
@@ -189,7 +192,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         shutil.copytree(shard_tmp, tmp / "shards")
         if (ckpt_dir / "saved").is_dir():
             shutil.copytree(ckpt_dir / "saved", tmp / "checkpoints")
-    write_csv(out["report_dir"] / "train_log.csv", log_rows, LOG_FIELDS)
+    train_log.close()
     plots.training_curves(log_rows, "step", ["reward_mean", "zero_var_frac", "response_len", "entropy"],
                           f"rl ({cfg.advantage}, lr {cfg.lr})", out["report_dir"] / "curves.png")
     last = [r for r in log_rows[-5:] if r["reward_mean"] is not None]

@@ -31,7 +31,8 @@ from typing import Any
 from posttrain import checkpoint, distributed, modeling, plots, training
 from posttrain.config import Params
 from posttrain.runner import stage_main
-from posttrain.schema import atomic_path, read_problems, write_csv, write_json
+from posttrain.schema import atomic_path, read_problems, write_json
+from posttrain.trainlog import TrainLog
 
 log = logging.getLogger("sft")
 
@@ -52,8 +53,9 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
 
     fp = checkpoint.fingerprint(params.sft, params.model, params.seed, checkpoint.file_digest(inputs["demos"]))
     with modeling.autocast(params.model.dtype, device):  # fp32 masters; bf16 compute when model.dtype says so
+        train_log = TrainLog(out["report_dir"] / "train_log.csv" if d.main else None, training.SFT_LOG_FIELDS)
         res = training.sft_train(model, tok, demos, params.sft, params.seed, out["checkpoints"], fp,
-                                 progress=params.runtime.progress)
+                                 progress=params.runtime.progress, log_to=train_log)
     log_rows, start, elapsed = res["log"], res["start"], res["seconds"]
     total = params.sft.total_steps
 
@@ -70,7 +72,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         return metrics
     with atomic_path(out["model"]) as tmp:
         modeling.save_checkpoint(final, tok, tmp)
-    write_csv(out["report_dir"] / "train_log.csv", log_rows, training.SFT_LOG_FIELDS)
+    train_log.close()
     plots.training_curves(log_rows, "step", ["loss", "lr", "grad_norm"], "sft", out["report_dir"] / "curves.png")
     write_json(out["metrics"], metrics)
     shutil.rmtree(out["checkpoints"], ignore_errors=True)  # finished: the checkpoint is the output now

@@ -361,6 +361,7 @@ def test_reference_reset_needs_a_reference_and_no_lora():
         Rl(ref_reset={"every": 5})
     raw = tiny_raw(None)
     raw["rl"].update({"kl_coef": 0.1, "ref_reset": {"every": 5}})
+    raw["distill"]["grpo_steps"] = 0  # phase C has no KL reference (refused)
     parse_params(raw)
     raw["model"]["lora"] = {"r": 4, "alpha": 8}
     with pytest.raises(ConfigError, match="rl.ref_reset: with model.lora"):

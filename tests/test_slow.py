@@ -38,11 +38,13 @@ def _wait_for_checkpoint_then_kill(proc: subprocess.Popen, ckpt: Path) -> int:
     return max(int(p.stem.split("_")[1]) for p in ckpt.glob("step_*.pt"))
 
 
-def _straight_and_killed(tmp_path: Path, stage: str, upstream: tuple[str, ...], edit, model: str
-                         ) -> tuple[dict[str, dict], int]:
+def _straight_and_killed(tmp_path: Path, stage: str, upstream: tuple[str, ...], edit, model: str,
+                         before_kill=None, after_kill=None) -> tuple[dict[str, dict], int]:
     """Two copies of a tiny config (``edit`` applied): upstream stages in both, ``stage`` straight through in
-    one and SIGKILLed after its first resumable checkpoint then re-run in the other. Returns each copy's
-    metrics/<stage>.json and the step the killed run had checkpointed."""
+    one and SIGKILLed after its first resumable checkpoint then re-run in the other. ``before_kill`` edits the
+    killed copy's params for its first (killed) run only; ``after_kill(root, killed_at)`` looks at the killed
+    copy right after the kill. Returns each copy's metrics/<stage>.json and the step the killed run had
+    checkpointed."""
     runs = {}
     for name in ("straight", "killed"):
         root = tmp_path / name
@@ -59,18 +61,52 @@ def _straight_and_killed(tmp_path: Path, stage: str, upstream: tuple[str, ...], 
     runs = {name: root / "params.yaml" for name, (root, _) in runs.items()}
     assert _stage(stage, runs["straight"]).wait() == 0
 
+    final = runs["killed"].read_text()
+    if before_kill is not None:
+        raw = yaml.safe_load(final)
+        before_kill(raw)
+        runs["killed"].write_text(yaml.safe_dump(raw))
     proc = _stage(stage, runs["killed"])
     killed_at = _wait_for_checkpoint_then_kill(proc, tmp_path / "killed" / "checkpoints" / stage)
     assert killed_at > 0 and not (tmp_path / "killed" / "models" / model).exists()
+    if after_kill is not None:
+        after_kill(tmp_path / "killed", killed_at)
+    runs["killed"].write_text(final)
     assert _stage(stage, runs["killed"]).wait() == 0
     m = {n: json.loads((tmp_path / n / "metrics" / f"{stage}.json").read_text()) for n in runs}
     assert m["killed"]["resumed_from_step"] >= killed_at
     return m, killed_at
 
 
+def _live_rows_survive_the_kill(root: Path, killed_at: int) -> None:
+    """Live telemetry: the killed run's train log has every step up to the kill, in the CSV and in its MLflow
+    run (still RUNNING: nobody ended it), at most the row being logged at the kill missing from MLflow."""
+    from mlflow import MlflowClient
+
+    lines = (root / "reports" / "rl" / "train_log.csv").read_text().splitlines()
+    steps = [int(line.split(",")[0]) for line in lines[1:]]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= killed_at
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("posttrain").experiment_id],
+                                "attributes.run_name = 'rl'")
+    assert run.info.status == "RUNNING"
+    logged = sorted(m.step for m in client.get_metric_history(run.info.run_id, "reward_mean"))
+    assert logged == steps[: len(logged)] and len(logged) >= len(steps) - 1, (logged, steps)
+
+
 def test_rl_sigkill_then_rerun_resumes_without_repeating_or_skipping_steps(tmp_path):
-    m, killed_at = _straight_and_killed(tmp_path, "rl", ("curate", "sft", "rollout", "reward"),
-                                        lambda raw: raw["rl"].update({"steps": 30, "checkpoint_every": 5}), "rl")
+    """A killed run resumes exactly (same shards, same final reward), its per-step rows up to the kill are in
+    the CSV and in MLflow (live telemetry), and a run killed while it had fewer ``rl.steps`` continues when
+    re-run with more instead of starting over (``rl.steps`` is not part of the fingerprint)."""
+
+    def edit(raw: dict) -> None:
+        raw["rl"].update({"steps": 30, "checkpoint_every": 5})
+        root = Path(raw["paths"]["metrics_dir"]).parent  # each copy its own store
+        raw["tracking"] = {"enabled": True, "uri": f"sqlite:///{root / 'mlflow.db'}"}
+
+    m, killed_at = _straight_and_killed(tmp_path, "rl", ("curate", "sft", "rollout", "reward"), edit, "rl",
+                                        before_kill=lambda raw: raw["rl"].update({"steps": 12}),
+                                        after_kill=_live_rows_survive_the_kill)
     runs = ("straight", "killed")
     assert m["killed"]["shards"] == m["straight"]["shards"] == 30
     assert m["killed"]["final_reward"] == m["straight"]["final_reward"]

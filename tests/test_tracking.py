@@ -10,6 +10,7 @@ from conftest import tiny_raw
 
 from posttrain import tracking
 from posttrain.config import parse_params
+from posttrain.tracking import records, store
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -38,8 +39,8 @@ def _free_port() -> int:
 
 def test_send_logs_one_batched_run_with_everything_and_registers_the_model(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = tracking._client(uri)
-    parent = client.create_run(tracking._experiment_id(client, "t", tmp_path)).info.run_id
+    client = store._client(uri)
+    parent = client.create_run(store._experiment_id(client, "t", tmp_path)).info.run_id
     rid = tracking.send(_record(tmp_path, parent=parent), uri, tmp_path)
     run = client.get_run(rid)
     assert run.info.run_name == "rl" and run.data.tags["mlflow.parentRunId"] == parent
@@ -72,7 +73,7 @@ def test_unreachable_store_keeps_the_run_in_the_outbox_and_sync_replays_it_whole
     raw["tracking"] = {"enabled": True, "uri": f"http://127.0.0.1:{_free_port()}", "experiment": "t", "outbox": "box"}
     params = parse_params(raw)
     rec = _record(tmp_path)
-    monkeypatch.setattr(tracking, "build_record", lambda *a, **k: rec)
+    monkeypatch.setattr(records, "build_record", lambda *a, **k: rec)
     with tracking.stage_run("rl", params, tmp_path):  # the stage itself succeeds
         pass
     boxed = list((tmp_path / "box").glob("*/record.json"))
@@ -82,7 +83,7 @@ def test_unreachable_store_keeps_the_run_in_the_outbox_and_sync_replays_it_whole
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     assert tracking.sync(tmp_path / "box", uri, tmp_path) == (1, 0)
     assert not list((tmp_path / "box").glob("*/record.json"))
-    client = tracking._client(uri)
+    client = store._client(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
     assert len(client.get_metric_history(run.info.run_id, "reward_mean")) == 250  # nothing lost
     art = Path(client.download_artifacts(run.info.run_id, "rl/report.md", str(tmp_path / "dl")))
@@ -158,7 +159,7 @@ def test_server_killed_mid_stage_then_outbox_sync_loses_nothing(tmp_path):
         again = subprocess.run([sys.executable, "-m", "dvc", "repro", "--force", "--single-item", "sft"], cwd=repo,
                                env=env, capture_output=True, text=True)  # the same stage, server up all along
         assert again.returncode == 0, again.stderr[-2000:]
-        client = tracking._client(uri)
+        client = store._client(uri)
         runs = client.search_runs([client.get_experiment_by_name("posttrain").experiment_id],
                                   filter_string="attributes.run_name = 'sft'", order_by=["attributes.start_time ASC"])
         assert len(runs) == 2
@@ -203,7 +204,7 @@ def test_a_failing_outbox_never_hides_the_stage_error(tmp_path, monkeypatch):
     raw = tiny_raw(tmp_path)
     raw["tracking"] = {"enabled": True, "uri": f"http://127.0.0.1:{_free_port()}", "experiment": "t", "outbox": "box"}
     params = parse_params(raw)
-    monkeypatch.setattr(tracking, "build_record", lambda *a, **k: _record(tmp_path))
+    monkeypatch.setattr(records, "build_record", lambda *a, **k: _record(tmp_path))
     (tmp_path / "box").write_text("a file where the outbox folder should be")  # to_outbox cannot write
     with pytest.raises(StageError, match="the stage's own error"):
         with tracking.stage_run("rl", params, tmp_path):
@@ -220,3 +221,37 @@ def test_lineage_pins_name_hub_inputs_and_their_revisions():
     assert pins(params) == {"model.base": "Qwen/Qwen2.5-1.5B", "model.revision": None,  # unpinned: shown as such
                             "curate.sources.0.hub_id": "openai/gsm8k", "curate.sources.0.revision": "e53f048"}
     assert pins({"model": {"base": "tiny", "revision": None}}) == {}  # built, not fetched
+
+
+def test_train_log_rows_reach_the_csv_and_the_mlflow_run_while_the_stage_runs(tmp_path):
+    """Live telemetry: each TrainLog row is in the CSV and in the stage's MLflow run before the stage ends; the
+    end-of-stage record fills the same run without logging them twice; a resumed log re-sends its rows."""
+    from posttrain.trainlog import TrainLog
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    raw = tiny_raw(tmp_path)
+    raw["tracking"] = {"enabled": True, "uri": uri, "experiment": "t"}
+    params = parse_params(raw)
+    csv = tmp_path / "reports" / "rl" / "train_log.csv"
+    client = store._client(uri)
+    with tracking.stage_run("rl", params, tmp_path):
+        log = TrainLog(csv, ["step", "loss", "phase"])
+        log.append({"step": 1, "loss": 0.5, "phase": "warmup"})
+        log.append({"step": 2, "loss": 0.25, "phase": "warmup"})
+        assert csv.read_text().splitlines() == ["step,loss,phase", "1,0.5,warmup", "2,0.25,warmup"]
+        (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+        assert run.info.status == "RUNNING"
+        assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [(1, 0.5), (2, 0.25)]
+        log.close()
+    run = client.get_run(run.info.run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["dvc.stage"] == "rl"
+    assert len(client.get_metric_history(run.info.run_id, "loss")) == 2  # not logged again by the record
+    assert "phase" not in run.data.metrics  # a text column is no metric
+
+    with tracking.stage_run("rl", params, tmp_path):  # a resumed run: the checkpoint's rows, then new ones
+        log = TrainLog(csv, ["step", "loss", "phase"])
+        log.resume([{"step": 1, "loss": 0.5, "phase": "warmup"}])
+        log.append({"step": 2, "loss": 0.3, "phase": "warmup"})
+    assert csv.read_text().splitlines() == ["step,loss,phase", "1,0.5,warmup", "2,0.3,warmup"]
+    newest = client.search_runs([client.get_experiment_by_name("t").experiment_id], order_by=["start_time DESC"])[0]
+    assert [(m.step, m.value) for m in client.get_metric_history(newest.info.run_id, "loss")] == [(1, 0.5), (2, 0.3)]

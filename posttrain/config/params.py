@@ -57,6 +57,9 @@ class Params(Section):
         if (synthetic or self.curate.eval.source is None) and self.task.kind != "arith":
             raise Refusal("curate", "the synthetic generator (a synthetic source, or eval.source unset) needs "
                           "task.kind == 'arith'")
+        if self.distill.grpo_steps and (self.rl.kl_coef > 0 or self.rl.kl_reward_coef > 0):
+            raise Refusal("distill.grpo_steps", "> 0 with rl.kl_coef or rl.kl_reward_coef > 0: phase C has no KL "
+                          "reference yet; set both to 0 or distill.grpo_steps: 0")
         unknown = sorted({m for pair in self.report.compare for m in pair} - set(self.evaluate.models))
         if unknown:
             raise Refusal("report.compare", f"{unknown} not in evaluate.models {list(self.evaluate.models)}")

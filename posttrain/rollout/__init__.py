@@ -19,50 +19,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from posttrain import seeds
+from posttrain.rollout.base import Completion, RolloutBackend, SamplingParams, chat_prompt_ids
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    max_new_tokens: int = 96
-    seed: int = 0
-
-
-@dataclass
-class Completion:
-    text: str
-    token_ids: list[int]  # generated tokens, EOS included when finish_reason == "stop"
-    logprobs: list[float]  # sampler log-prob of each generated token, same length as token_ids
-    finish_reason: str  # "stop" (EOS) | "length" (max_new_tokens)
-
-
-class RolloutBackend(Protocol):
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
-        ...
-
-    def load_weights(self, model: Any, version: str) -> None:
-        ...
-
-    def release(self) -> None:
-        ...
-
-
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[int]]:
-    """Token ids of each user prompt rendered with the tokenizer's chat template + generation prompt."""
-    out = []
-    for p in prompts:
-        enc = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                            tokenize=True)
-        out.append(list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc))
-    return out
+__all__ = ["BACKENDS", "Completion", "RolloutBackend", "SamplingParams", "chat_prompt_ids", "generator",
+           "sample_rows"]
 
 
 def _hf(model: Any, tokenizer: PreTrainedTokenizerBase, batch_size: int, vllm_options: Any = None

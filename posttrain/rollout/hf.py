@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from posttrain.modeling import stop_ids
-from posttrain.rollout import Completion, SamplingParams
+from posttrain.rollout.base import Completion, SamplingParams
 
 
 def sample_next(logits: torch.Tensor, s: SamplingParams, gen: torch.Generator | None

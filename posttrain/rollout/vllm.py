@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import torch
 
-from posttrain.rollout import Completion, SamplingParams
+from posttrain.rollout.base import Completion, SamplingParams
 
 
 class Engine(Protocol):

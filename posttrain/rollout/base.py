@@ -1,0 +1,47 @@
+"""The rollout contract every backend implements: sampling parameters, one completion, the backend Protocol,
+and chat-formatted prompt ids (so no backend adds a second BOS). The backends (``hf.py``, ``vllm.py``) import
+these; the registry (``posttrain.rollout``) imports the backends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    max_new_tokens: int = 96
+    seed: int = 0
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]  # generated tokens, EOS included when finish_reason == "stop"
+    logprobs: list[float]  # sampler log-prob of each generated token, same length as token_ids
+    finish_reason: str  # "stop" (EOS) | "length" (max_new_tokens)
+
+
+class RolloutBackend(Protocol):
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
+        ...
+
+    def load_weights(self, model: Any, version: str) -> None:
+        ...
+
+    def release(self) -> None:
+        ...
+
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[int]]:
+    """Token ids of each user prompt rendered with the tokenizer's chat template + generation prompt."""
+    out = []
+    for p in prompts:
+        enc = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                            tokenize=True)
+        out.append(list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc))
+    return out

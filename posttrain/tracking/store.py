@@ -1,0 +1,152 @@
+"""MLflow I/O: the client, a stage run opened at its start, a :class:`~posttrain.tracking.records.StageRecord`
+sent as one batched fill of that run (or of a new one), and the pipeline's parent run.
+
+Default store: ``sqlite:///<absolute repo path>/mlflow.db`` with artifacts in ``<repo>/mlartifacts``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from posttrain.config import Params
+from posttrain.tracking.champion import promote, register
+from posttrain.tracking.records import StageRecord, _git
+
+log = logging.getLogger("tracking")
+
+
+def store_uri(params: Params, root: Path) -> str:
+    return params.tracking.uri or f"sqlite:///{(root / 'mlflow.db').resolve()}"
+
+
+def _client(uri: str) -> Any:
+    """An ``MlflowClient`` for tracking and registry at ``uri``; a down server fails fast (to the outbox)."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a down server fails fast, to the outbox
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def _experiment_id(client: Any, name: str, root: Path | None) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    loc = (root / "mlartifacts").resolve().as_uri() if root is not None else None
+    return client.create_experiment(name, artifact_location=loc)
+
+
+def open_run(uri: str, experiment: str, stage: str, start_ms: int, parent: str | None, root: Path | None) -> str:
+    """Create the stage's run at its start (so its per-step metrics can be logged live); returns its id."""
+    c = _client(uri)
+    tags = {"mlflow.runName": stage, "dvc.stage": stage}
+    if parent:
+        tags["mlflow.parentRunId"] = parent
+    return c.create_run(_experiment_id(c, experiment, root), start_time=start_ms, tags=tags,
+                        run_name=stage).info.run_id
+
+
+def send(rec: StageRecord, uri: str, root: Path | None) -> str:
+    """Log ``rec`` to MLflow (batched) and register its models; returns the run id.
+
+    The run opened at the stage's start (``rec.run_id``) is filled with everything but the metrics it already
+    has (``rec.sent``); without one (the store was down at the start, or the run is not in this store) a new
+    run gets all of it. A new run that fails half-way is deleted, so the outbox's replay logs it whole; the
+    live run is kept (its curves), and the replay fills it."""
+    from mlflow.exceptions import MlflowException
+
+    c = _client(uri)
+    run = None
+    if rec.run_id:
+        try:
+            run = c.get_run(rec.run_id)
+        except MlflowException:
+            run = None
+    if run is not None:
+        sent = {(k, int(step)) for k, step in rec.sent}
+        _fill(c, run, rec, uri, [m for m in rec.metrics if (m[0], int(m[2])) not in sent], rec.tags)
+        return run.info.run_id
+    tags = {"mlflow.runName": rec.stage, **rec.tags}
+    if rec.parent:
+        tags["mlflow.parentRunId"] = rec.parent
+    run = c.create_run(_experiment_id(c, rec.experiment, root), start_time=rec.start_ms, tags=tags,
+                       run_name=rec.stage)
+    rid = run.info.run_id
+    try:
+        _fill(c, run, rec, uri, rec.metrics, {})  # tags were set at creation
+    except Exception:
+        try:  # no half-logged run stays behind: the replay from the outbox logs it whole
+            c.delete_run(rid)
+        except Exception:
+            pass
+        raise
+    return rid
+
+
+def metric_key(k: str) -> str:
+    """MLflow metric names allow letters, digits, ``_-. :/``: ``pass@1`` -> ``pass_at_1``."""
+    return re.sub(r"[^A-Za-z0-9_\-. :/]", "_", k.replace("@", "_at_"))
+
+
+def _fill(client: Any, run: Any, rec: StageRecord, uri: str, metrics: list[tuple[str, float, int]],
+          tags: dict[str, str]) -> None:
+    """Params, ``tags``, ``metrics``, datasets, artifacts, registered models and evaluations of ``rec`` into
+    ``run``, then end it with the stage's status."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
+
+    rid = run.info.run_id
+    params = [Param(k, v[:6000]) for k, v in rec.params.items()]
+    entries = [Metric(metric_key(k), v, rec.end_ms, s) for k, v, s in metrics]
+    for i in range(0, max(len(params), 1), 100):
+        client.log_batch(rid, params=params[i : i + 100])
+    if tags:
+        client.log_batch(rid, tags=[RunTag(k, v) for k, v in tags.items()])
+    for i in range(0, len(entries), 1000):
+        client.log_batch(rid, metrics=entries[i : i + 1000])
+    if rec.datasets:
+        client.log_inputs(rid, datasets=[DatasetInput(Dataset(d["name"], d["digest"], "local", d["source"]),
+                                                      [InputTag("mlflow.data.context", rec.stage)])
+                                         for d in rec.datasets])
+    for a in rec.artifacts:
+        p = Path(a)
+        if p.is_dir():
+            client.log_artifacts(rid, str(p), artifact_path=p.name)
+        elif p.is_file():
+            client.log_artifact(rid, str(p), artifact_path=p.parent.name)
+    remote = uri.startswith(("http://", "https://", "databricks"))
+    for m in rec.models:
+        if remote:  # a server accepts only sources inside the run's artifacts: upload the folder there
+            name = Path(m["source"]).name
+            client.log_artifacts(rid, m["source"], artifact_path=f"model/{name}")
+            m = {**m, "source": f"{run.info.artifact_uri}/model/{name}"}
+        register(client, m, rid)
+    for e in rec.evals:
+        promote(client, e)
+    client.set_terminated(rid, rec.status, end_time=rec.end_ms)
+
+
+def start_parent(params: Params, root: Path, name: str, tags: dict[str, str] | None = None) -> str | None:
+    """Create a parent run for one pipeline invocation; None (with a warning) when the store is down."""
+    if not params.tracking.enabled:
+        return None
+    try:
+        client = _client(store_uri(params, root))
+        exp_id = _experiment_id(client, params.tracking.experiment, root)
+        run = client.create_run(exp_id, tags={"mlflow.runName": name, "git.commit": _git(root, "rev-parse", "HEAD"),
+                                              **(tags or {})}, run_name=name)
+        return run.info.run_id
+    except Exception as e:
+        log.warning("no parent run (tracking store unreachable: %s)", type(e).__name__)
+        return None
+
+
+def end_parent(params: Params, root: Path, run_id: str | None, ok: bool) -> None:
+    if run_id:
+        try:
+            _client(store_uri(params, root)).set_terminated(run_id, "FINISHED" if ok else "FAILED")
+        except Exception as e:
+            log.warning("could not close parent run %s: %s", run_id, e)
