@@ -47,7 +47,7 @@ def full_token_logp_entropy(model, t, temperature=1.0, entropy="grad", chunk=0):
 def full_divergence_update(student, teacher, opt, seqs, divergence, beta, pad_id, micro, max_grad_norm=1.0,
                            temperature=1.0):
     """The replaced distill update: both models' [B, T, V] logits."""
-    from posttrain import algos
+    from posttrain import divergences
 
     device = next(student.parameters()).device
     n_tok = sum(len(s.completion_ids) for s in seqs)
@@ -59,7 +59,7 @@ def full_divergence_update(student, teacher, opt, seqs, divergence, beta, pad_id
                                        / temperature, -1)
         s_logp = torch.log_softmax(student(input_ids=t["ids"], attention_mask=t["attn"]).logits[:, :-1].float()
                                    / temperature, -1)
-        div = algos.DIVERGENCES[divergence](s_logp, t_logp, beta)
+        div = divergences.DIVERGENCES[divergence](s_logp, t_logp, beta)
         (div * t["mask"]).sum().div(n_tok).backward()
     torch.nn.utils.clip_grad_norm_(student.parameters(), max_grad_norm)
     opt.step()

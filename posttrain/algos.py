@@ -1,4 +1,4 @@
-"""ADVANTAGES, POLICY_LOSSES and TOKEN_SELECTIONS registries, loss aggregation and KL estimators.
+"""ADVANTAGES, POLICY_LOSSES, TOKEN_SELECTIONS, TIS and KL_ESTIMATORS registries, and loss aggregation.
 
 Names follow the papers: ``logp`` (current policy), ``old_logp`` (behaviour policy), ``ref_logp`` (frozen
 reference), ``ratio = exp(logp - old_logp)``, ``adv``, ``mask`` (1 on completion tokens). Shapes in
@@ -287,39 +287,3 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 # Per-token KL *loss* terms. KL-in-reward (REINFORCE++ / RLOO style, ``rl.kl_reward_coef``) uses k1 = logp - ref
 # of the sampled tokens, detached, in ``rl.update.kl_shaped_rewards``; k1 as a loss has zero expected gradient.
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k2": kl_k2, "k3": kl_k3}
-
-
-# ---------------------------------------------------------------------------------------- distillation
-# Per-token divergences between student and teacher next-token distributions (one signature):
-# fn(s_logp [B, T, V], t_logp [B, T, V], beta) -> [B, T], both arguments log-softmaxed over V.
-
-
-def forward_kl(s_logp: torch.Tensor, t_logp: torch.Tensor, beta: float = 0.0) -> torch.Tensor:
-    """KL(teacher || student) = sum_v p_T (log p_T - log p_S): mode-covering (classic KD, Hinton et al.)."""
-    return (t_logp.exp() * (t_logp - s_logp)).sum(-1)
-
-
-def reverse_kl(s_logp: torch.Tensor, t_logp: torch.Tensor, beta: float = 0.0) -> torch.Tensor:
-    """KL(student || teacher) = sum_v p_S (log p_S - log p_T): mode-seeking; on student samples this is
-    on-policy distillation (Agarwal et al. 2024, GKD; Lu et al. 2025, on-policy distillation)."""
-    return (s_logp.exp() * (s_logp - t_logp)).sum(-1)
-
-
-def generalized_jsd(s_logp: torch.Tensor, t_logp: torch.Tensor, beta: float = 0.5) -> torch.Tensor:
-    """GKD's generalized JSD (Agarwal et al. 2024), with TRL's convention for beta:
-    beta * KL(T || M) + (1 - beta) * KL(S || M), M = beta * T + (1 - beta) * S;
-    beta = 0 is forward KL and beta = 1 reverse KL exactly (the formula itself tends to 0 at both ends)."""
-    if beta <= 0.0:
-        return forward_kl(s_logp, t_logp)
-    if beta >= 1.0:
-        return reverse_kl(s_logp, t_logp)
-    m_logp = torch.logsumexp(torch.stack([t_logp + torch.log(torch.tensor(beta)),
-                                          s_logp + torch.log(torch.tensor(1.0 - beta))]), dim=0)
-    kl_t = (t_logp.exp() * (t_logp - m_logp)).sum(-1)
-    kl_s = (s_logp.exp() * (s_logp - m_logp)).sum(-1)
-    return beta * kl_t + (1.0 - beta) * kl_s
-
-
-DIVERGENCES: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
-    "forward_kl": forward_kl, "reverse_kl": reverse_kl, "jsd": generalized_jsd,
-}

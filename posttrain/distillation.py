@@ -4,7 +4,7 @@ Both take ``logprobs.Seq`` sequences (prompt ids + a sampled completion; the adv
 make one optimizer step over them (``training.accumulate``) with full-batch token-mean normalisation:
 
 - ``divergence_update``: per-token divergence between the student's and the teacher's next-token
-  distributions at every completion position (``algos.DIVERGENCES``: forward KL for the warmup on teacher
+  distributions at every completion position (``divergences.DIVERGENCES``: forward KL for the warmup on teacher
   samples, reverse KL / generalized JSD for on-policy distillation on student samples). The teacher is
   frozen (no grad).
 - ``nll_update``: plain SFT on the sequences (hard targets: the warmup's "SFT on teacher samples").
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from posttrain import algos, distributed, logprobs, training
+from posttrain import algos, distributed, divergences, logprobs, training
 from posttrain.logprobs import Seq, batch_tensors
 
 
@@ -41,7 +41,7 @@ def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: t
     """
     d = distributed.current()
     device = next(student.parameters()).device
-    fn = algos.DIVERGENCES[divergence]
+    fn = divergences.DIVERGENCES[divergence]
     _, t_head = logprobs.decoder_and_head(teacher)
 
     def student_side(model: torch.nn.Module, t: dict[str, torch.Tensor], th: torch.Tensor
@@ -56,7 +56,7 @@ def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: t
                 t_logp = torch.log_softmax(t_head(th)[:, :n_vocab].float() / temperature, -1)
             div = fn(s_logp, t_logp, beta)  # [c]
             with torch.no_grad():
-                return (div, algos.forward_kl(s_logp, t_logp), algos.reverse_kl(s_logp, t_logp),
+                return (div, divergences.forward_kl(s_logp, t_logp), divergences.reverse_kl(s_logp, t_logp),
                         -(s_logp.exp() * s_logp).sum(-1))
 
         sh, _, _ = logprobs.hidden_at_targets(model, t)  # [N, H_student]

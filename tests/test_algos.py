@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from posttrain import algos
+from posttrain import algos, divergences
 from posttrain.algos import ADVANTAGES, LossCfg, aggregate, ppo_clip
 
 R = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
@@ -186,23 +186,23 @@ T = torch.log(torch.tensor([[[0.25, 0.75]]]))
 
 def test_forward_and_reverse_kl_hand_values():
     # KL(T||S) = 0.25 ln(0.25/0.5) + 0.75 ln(0.75/0.5) = -0.173287 + 0.304099
-    assert algos.forward_kl(S, T).item() == pytest.approx(0.130812, abs=1e-6)
+    assert divergences.forward_kl(S, T).item() == pytest.approx(0.130812, abs=1e-6)
     # KL(S||T) = 0.5 ln(0.5/0.25) + 0.5 ln(0.5/0.75) = 0.346574 - 0.202733
-    assert algos.reverse_kl(S, T).item() == pytest.approx(0.143841, abs=1e-6)
+    assert divergences.reverse_kl(S, T).item() == pytest.approx(0.143841, abs=1e-6)
 
 
 def test_generalized_jsd_hand_values():
     # beta 0.5: M = [0.375, 0.625]; KL(T||M) = 0.035375, KL(S||M) = 0.032269; JSD = (0.035375 + 0.032269) / 2
-    assert algos.generalized_jsd(S, T, 0.5).item() == pytest.approx(0.033822, abs=1e-6)
-    assert algos.generalized_jsd(S, T, 0.0).item() == pytest.approx(algos.forward_kl(S, T).item())
-    assert algos.generalized_jsd(S, T, 1.0).item() == pytest.approx(algos.reverse_kl(S, T).item())
+    assert divergences.generalized_jsd(S, T, 0.5).item() == pytest.approx(0.033822, abs=1e-6)
+    assert divergences.generalized_jsd(S, T, 0.0).item() == pytest.approx(divergences.forward_kl(S, T).item())
+    assert divergences.generalized_jsd(S, T, 1.0).item() == pytest.approx(divergences.reverse_kl(S, T).item())
 
 
-@pytest.mark.parametrize("name", sorted(algos.DIVERGENCES))
+@pytest.mark.parametrize("name", sorted(divergences.DIVERGENCES))
 def test_identical_student_and_teacher_give_zero_loss_and_gradient(name):
     logits = torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(0))
     s = logits.clone().requires_grad_()
-    loss = algos.DIVERGENCES[name](torch.log_softmax(s, -1), torch.log_softmax(logits, -1), 0.5).sum()
+    loss = divergences.DIVERGENCES[name](torch.log_softmax(s, -1), torch.log_softmax(logits, -1), 0.5).sum()
     loss.backward()
     assert abs(loss.item()) < 1e-6
     assert s.grad.abs().max().item() < 1e-6

@@ -114,7 +114,8 @@ def _minimal() -> dict:
     raw = repo_params()
     return {"paths": raw["paths"], "curate": {"sources": raw["curate"]["sources"]},
             "sft": {"phases": raw["sft"]["phases"]}, "rollout": {}, "reward": {"rewards": raw["reward"]["rewards"]},
-            "rl": {}, "distill": {"teacher": raw["distill"]["teacher"]}, "evaluate": {"models": raw["evaluate"]["models"]}}
+            "rl": {}, "distill": {"teacher": raw["distill"]["teacher"]},
+            "evaluate": {"models": raw["evaluate"]["models"]}}
 
 
 # docs/configuration.md "Refused combinations": row -> (what to set on the minimal params, the key the error names).
@@ -178,3 +179,29 @@ def test_every_documented_refusal_fires_with_the_other_value_left_at_its_default
         with pytest.raises(ConfigError) as e:
             parse_params(_merge(_minimal(), over))
         assert f": {key}" in str(e.value), (row, str(e.value))
+
+
+def test_config_names_are_the_registries_names():
+    """config validates names against torch-free tuples (config/names.py); each must be its registry's keys."""
+    from posttrain import algos, divergences, rewards, rollout
+    from posttrain.config import names
+    from posttrain.rl import select
+
+    assert names.REWARDS == tuple(rewards.REWARDS)
+    assert names.ADVANTAGES == tuple(algos.ADVANTAGES)
+    assert names.POLICY_LOSSES == tuple(algos.POLICY_LOSSES)
+    assert names.TOKEN_SELECTIONS == tuple(algos.TOKEN_SELECTIONS)
+    assert names.PROMPT_SELECTIONS == tuple(select.PROMPT_SELECTIONS)
+    assert names.KL_ESTIMATORS == tuple(algos.KL_ESTIMATORS)
+    assert names.TIS == tuple(algos.TIS)
+    assert sorted(names.DIVERGENCES) == sorted(divergences.DIVERGENCES)
+    assert names.AGGREGATIONS == algos.AGGREGATIONS
+    assert names.BACKENDS == tuple(rollout.BACKENDS)
+
+
+def test_validating_params_imports_no_torch():
+    """What the import-linter contract says, at run time: loading params.yaml pulls in no ML framework."""
+    code = ("import sys; from posttrain.config import load_params; load_params('params.yaml'); "
+            "print(sorted(m for m in ('torch', 'transformers', 'math_verify', 'peft') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

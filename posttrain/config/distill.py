@@ -34,7 +34,7 @@ class DistillOnPolicy(DistillPhase):
     """Phase B: on-policy distillation: the student samples, the teacher scores the same tokens."""
 
     divergence: Literal[names.DIVERGENCES] = Field(
-        "reverse_kl", description="per-token divergence (posttrain.algos.DIVERGENCES)")
+        "reverse_kl", description="per-token divergence (posttrain.divergences.DIVERGENCES)")
     beta: float = Field(0.5, ge=0, le=1, description="generalized JSD interpolation (0 = forward, 1 = reverse KL)")
     student_frac: float = Field(1.0, ge=0, le=1, description="share of prompts sampled by the student; the rest "
                                 "are sampled by the teacher")

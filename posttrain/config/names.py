@@ -16,7 +16,7 @@ TOKEN_SELECTIONS = ("all", "top_entropy", "bottom_entropy")  # posttrain.algos.T
 PROMPT_SELECTIONS = ("pass_band", "top_variance")  # posttrain.rl.select.PROMPT_SELECTIONS
 KL_ESTIMATORS = ("k2", "k3")  # posttrain.algos.KL_ESTIMATORS
 TIS = ("token", "sequence")  # posttrain.algos.TIS
-DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")  # posttrain.algos.DIVERGENCES
+DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")  # posttrain.divergences.DIVERGENCES
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # posttrain.algos.AGGREGATIONS
 BACKENDS = ("hf", "vllm")  # posttrain.rollout.BACKENDS
 
