@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-# The GPU worker environment (README "GPU workers"): CUDA torch + vLLM + the stage dependencies, no prefect.
+# The GPU worker environment (docs/gpu-vllm.md): CUDA torch + vLLM + the stage dependencies, no prefect.
 # Several GB of CUDA wheels; the CPU machine's torch cap (/etc/xdg/pip/constraints.txt) is not in the way
 # (torch 2.14.0 <= 2.14.1).
 GPU_VENV ?= .venv-gpu

@@ -79,8 +79,8 @@ def test_hub_id_offline_fails_fast(monkeypatch):
 
 
 def test_the_real_run_profile_is_a_valid_params_file():
-    """profiles/real-gsm8k.yaml is what the README tells users to copy over params.yaml: it must stay valid as
-    the params schema changes (the slow real-model DAG test runs it shrunk)."""
+    """profiles/real-gsm8k.yaml is what the docs (real-models.md) tell users to copy over params.yaml: it must stay
+    valid as the params schema changes (the slow real-model DAG test runs it shrunk)."""
     p = parse_params(yaml.safe_load((REPO / "profiles" / "real-gsm8k.yaml").read_text()))
     assert p.task.kind == "math" and p.model.lora is not None and p.rollout.num_prompts is None
     assert "<|im_end|>" in p.model.prompt.stop and "\\boxed{}" in p.model.prompt.instruction

@@ -97,7 +97,7 @@ def _live_rows_survive_the_kill(root: Path, killed_at: int) -> None:
 def test_rl_sigkill_then_rerun_resumes_without_repeating_or_skipping_steps(tmp_path):
     """A killed run resumes exactly (same shards, same final reward), its per-step rows up to the kill are in
     the CSV and in MLflow (live telemetry), and a run killed while it had fewer ``rl.steps`` continues when
-    re-run with more instead of starting over (``rl.steps`` is not part of the fingerprint)."""
+    re-run with more (20 -> 30) instead of starting over (``rl.steps`` is not part of the fingerprint)."""
 
     def edit(raw: dict) -> None:
         raw["rl"].update({"steps": 30, "checkpoint_every": 5})
@@ -105,7 +105,7 @@ def test_rl_sigkill_then_rerun_resumes_without_repeating_or_skipping_steps(tmp_p
         raw["tracking"] = {"enabled": True, "uri": f"sqlite:///{root / 'mlflow.db'}"}
 
     m, killed_at = _straight_and_killed(tmp_path, "rl", ("curate", "sft", "rollout", "reward"), edit, "rl",
-                                        before_kill=lambda raw: raw["rl"].update({"steps": 12}),
+                                        before_kill=lambda raw: raw["rl"].update({"steps": 20}),
                                         after_kill=_live_rows_survive_the_kill)
     runs = ("straight", "killed")
     assert m["killed"]["shards"] == m["straight"]["shards"] == 30

@@ -13,7 +13,7 @@ completions. Works on CPU and GPU (the model's device).
 
 Why not ``model.generate``: on the tiny default model generate's per-token machinery (logits processors,
 stopping criteria, score bookkeeping, finished rows kept in the batch) cost more than the model itself;
-on CPU this loop gives 1.1-2.0x its tokens/s (benchmarks/rollout.py, README "Performance"). Greedy output
+on CPU this loop gives 1.1-2.0x its tokens/s (benchmarks/rollout.py, docs/performance.md). Greedy output
 equals ``model.generate`` (tests/test_rollout.py).
 """
 
