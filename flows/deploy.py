@@ -13,14 +13,18 @@ deployments on the pipeline's machine (``--pools cpu``) and the gpu one on the g
 (``--pools gpu``), both against the same server.
 
     posttrain deploy [--repo .] [--cron "0 3 * * *"] [--pools cpu,gpu]     # or: python -m flows.deploy
+
+``posttrain deploy`` validates params.yaml and ``--pools``, then runs ``python -m flows.deploy`` (this module's
+``main``) as a subprocess with its own interpreter: the library never imports the flows.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from posttrain.config import load_params
+from posttrain.config import EXIT_CONFIG_ERROR, ConfigError, load_params
 
 
 def ensure_pool(name: str) -> None:
@@ -36,41 +40,48 @@ def ensure_pool(name: str) -> None:
             pass
 
 
-def deploy(repo: str | Path = ".", cron: str = "0 3 * * *", pools: tuple[str, ...] = ("cpu", "gpu")) -> list[str]:
+def deploy(repo: str | Path = ".", cron: str = "0 3 * * *", pools: tuple[str, ...] = ("cpu", "gpu")
+           ) -> dict[str, str]:
     """Create or update the deployments of ``pools`` (``cpu``: the two pipeline ones; ``gpu``: the stage
-    one), running the code of ``repo``; returns their ids."""
+    one), running the code of ``repo``; returns their ids by name (``posttrain-pipeline/default``: id)."""
     from flows.pipeline import pipeline, stage_flow
 
     root = Path(repo).resolve()
     cfg = load_params(root / "params.yaml").prefect
     src = str(root)
     quiet = {"print_next_steps": False, "ignore_warnings": True}
-    ids = []
+    ids = {}
     if "cpu" in pools:
         ensure_pool(cfg.cpu_pool)
-        ids += [pipeline.from_source(src, "flows/pipeline.py:pipeline").deploy(
-                    name="default", work_pool_name=cfg.cpu_pool, parameters={"route": True, "repo": src}, **quiet),
-                pipeline.from_source(src, "flows/pipeline.py:pipeline").deploy(
-                    name="nightly-evaluate", work_pool_name=cfg.cpu_pool, cron=cron,
-                    parameters={"target": "report", "route": True, "repo": src}, **quiet)]
+        ids["posttrain-pipeline/default"] = pipeline.from_source(src, "flows/pipeline.py:pipeline").deploy(
+            name="default", work_pool_name=cfg.cpu_pool, parameters={"route": True, "repo": src}, **quiet)
+        ids["posttrain-pipeline/nightly-evaluate"] = pipeline.from_source(src, "flows/pipeline.py:pipeline").deploy(
+            name="nightly-evaluate", work_pool_name=cfg.cpu_pool, cron=cron,
+            parameters={"target": "report", "route": True, "repo": src}, **quiet)
     if "gpu" in pools:
         ensure_pool(cfg.gpu_pool)
-        ids.append(stage_flow.from_source(src, "flows/pipeline.py:stage_flow").deploy(
-            name="gpu", work_pool_name=cfg.gpu_pool, parameters={"repo": src}, **quiet))
-    return [str(i) for i in ids]
+        ids["posttrain-stage/gpu"] = stage_flow.from_source(src, "flows/pipeline.py:stage_flow").deploy(
+            name="gpu", work_pool_name=cfg.gpu_pool, parameters={"repo": src}, **quiet)
+    return {name: str(i) for name, i in ids.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Print ``name: id`` per deployment made (``posttrain deploy`` runs this as a subprocess)."""
     ap = argparse.ArgumentParser(prog="python -m flows.deploy", description=__doc__.splitlines()[0])
     ap.add_argument("--repo", default=".")
     ap.add_argument("--cron", default="0 3 * * *", help="schedule of the nightly-evaluate deployment")
     ap.add_argument("--pools", default="cpu,gpu", help="whose deployments to make here: cpu, gpu or cpu,gpu")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     pools = tuple(p.strip() for p in args.pools.split(","))
     if not pools or set(pools) - {"cpu", "gpu"}:
         ap.error(f"--pools: cpu, gpu or cpu,gpu, got {args.pools!r}")
-    for i in deploy(args.repo, args.cron, pools):
-        print(i)
+    try:
+        made = deploy(args.repo, args.cron, pools)
+    except ConfigError as e:
+        print(f"posttrain: {e}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG_ERROR)
+    for name, i in made.items():
+        print(f"{name}: {i}")
 
 
 if __name__ == "__main__":

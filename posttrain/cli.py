@@ -45,18 +45,19 @@ def deploy(repo: Path = typer.Option(Path("."), help="repository whose flows the
            cron: str = typer.Option("0 3 * * *", help="schedule of the nightly-evaluate deployment"),
            pools: str = typer.Option("cpu,gpu", help="whose deployments to make here: cpu (the pipeline's), gpu "
                                      "(the stage one, from the gpu machine's checkout) or both")) -> None:
-    """Create the Prefect deployments (pipeline, nightly evaluate, gpu stage) on the server at PREFECT_API_URL."""
+    """Create the Prefect deployments (pipeline, nightly evaluate, gpu stage) on the server at PREFECT_API_URL.
+
+    Runs `python -m flows.deploy` with this interpreter (the library never imports the flows): one `name: id`
+    line per deployment, its exit code passed through."""
+    import subprocess
+
     _params(repo / "params.yaml")
     chosen = tuple(p.strip() for p in pools.split(","))
     if not chosen or set(chosen) - {"cpu", "gpu"}:
         typer.echo(f"posttrain: --pools: cpu, gpu or cpu,gpu, got {pools!r}", err=True)
         raise typer.Exit(2)
-    from flows.deploy import deploy as _deploy
-
-    names = (["posttrain-pipeline/default", "posttrain-pipeline/nightly-evaluate"] if "cpu" in chosen else []) + (
-        ["posttrain-stage/gpu"] if "gpu" in chosen else [])
-    for name, i in zip(names, _deploy(repo, cron, chosen), strict=True):
-        typer.echo(f"{name}: {i}")
+    raise typer.Exit(subprocess.call([sys.executable, "-m", "flows.deploy", "--repo", str(repo), "--cron", cron,
+                                      "--pools", ",".join(chosen)]))
 
 
 tracking_app = typer.Typer(help="MLflow tracking: replay runs kept while the store was unreachable.",

@@ -35,7 +35,7 @@ T = TypeVar("T")
 # online loops, whose few, noisy steps per batch want the slower (0.99) second-moment average.
 SFT_BETAS = (0.9, 0.95)
 ONLINE_BETAS = (0.9, 0.99)  # rl, distill
-ONLINE_WEIGHT_DECAY = 0.01  # distill's AdamW (torch's default); rl and sft take theirs from params
+DISTILL_WEIGHT_DECAY = 0.01  # torch's AdamW default, which distill has always used; rl and sft take theirs from params
 
 
 def adamw(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, betas: tuple[float, float]

@@ -54,6 +54,20 @@ def test_bad_override_exits_2_naming_the_key_before_prefect_starts(tmp_path, mon
     assert (repo / "params.yaml").read_text() == before
 
 
+@pytest.mark.parametrize("override, says", [("rl.lr=[1", "not valid YAML"), ("rl.lr", "expected key.path=value")])
+def test_malformed_override_exits_2_in_one_line_naming_it(tmp_path, monkeypatch, capsys, override, says):
+    from flows import pipeline
+
+    repo = _repo(tmp_path)
+    monkeypatch.chdir(repo)
+    monkeypatch.setattr(pipeline, "pipeline", lambda **kw: pytest.fail("the flow started"))
+    with pytest.raises(SystemExit) as e:
+        pipeline.main(["-S", override])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert repr(override) in err and says in err
+
+
 def test_consecutive_gpu_stages_share_one_remote_run():
     from flows.pipeline import _groups
 
@@ -64,6 +78,36 @@ def test_consecutive_gpu_stages_share_one_remote_run():
     assert _groups(stages, res) == [("cpu", ["curate"]), ("gpu", ["sft", "rollout"]), ("cpu", ["reward"]),
                                     ("gpu", ["rl", "distill", "evaluate@sft", "evaluate@rl"]), ("cpu", ["report"])]
     assert _groups(stages, {}) == [("cpu", [s]) for s in stages]  # routing off: all in process
+
+
+def test_posttrain_deploy_runs_flows_deploy_as_a_subprocess_and_never_imports_flows(tmp_path):
+    """``posttrain deploy`` validates, then runs ``python -m flows.deploy`` with its own interpreter and passes
+    its exit code through; the library never imports the flows (an import-linter contract)."""
+    repo = _repo(tmp_path)
+    code = ("import subprocess, sys\n"
+            "from typer.testing import CliRunner\n"
+            "from posttrain.cli import app\n"
+            "calls = []\n"
+            "subprocess.call = lambda cmd, **kw: calls.append(cmd) or 3\n"
+            "r = CliRunner().invoke(app, ['deploy', '--pools', 'gpu', '--cron', '0 4 * * *'])\n"
+            "print(r.exit_code, calls[0][1:], [m for m in sys.modules if m.split('.')[0] == 'flows'])\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, env=_env(tmp_path), capture_output=True, text=True)
+    assert out.stdout.split(" ", 1) == ["3", "['-m', 'flows.deploy', '--repo', '.', '--cron', '0 4 * * *', "
+                                             "'--pools', 'gpu'] []\n"], out.stderr[-2000:]
+    bogus = subprocess.run([sys.executable, "-m", "posttrain.cli", "deploy", "--pools", "bogus"], cwd=repo,
+                           env=_env(tmp_path), capture_output=True, text=True)
+    assert bogus.returncode == 2 and bogus.stderr.strip().splitlines() == [
+        "posttrain: --pools: cpu, gpu or cpu,gpu, got 'bogus'"]
+
+
+def test_flows_deploy_prints_one_name_and_id_per_deployment(monkeypatch, capsys):
+    from flows import deploy
+
+    made = {"posttrain-pipeline/default": "1", "posttrain-pipeline/nightly-evaluate": "2"}
+    monkeypatch.setattr(deploy, "deploy", lambda repo, cron, pools: made if pools == ("cpu",) else {})
+    deploy.main(["--pools", "cpu"])
+    assert capsys.readouterr().out.splitlines() == ["posttrain-pipeline/default: 1",
+                                                    "posttrain-pipeline/nightly-evaluate: 2"]
 
 
 # ------------------------------------------------------------------------------------------ real server
@@ -259,14 +303,18 @@ def test_two_machines_share_only_the_server_and_a_dvc_remote_and_a_killed_worker
 def test_two_overlapping_flow_runs_each_run_with_their_own_params(tmp_path):
     """The in-process flow on Prefect's ephemeral server, twice at once: the nightly run and a manual run with
     overrides start together in one checkout. Both complete, each one's stage ran (and was tracked in MLflow)
-    with its own params, dvc.lock records the params of the run that finished last, and a re-run skips."""
+    with its own params, params.yaml is the checkout's own again after each (a run's overrides hold for that run
+    only), and dvc.lock records the params of the run that finished last. Re-runs with those params skip; with
+    the other run's params, curate comes back from DVC's run-cache."""
     repo = _repo(tmp_path)
     text = (repo / "params.yaml").read_text()
     raw = yaml.safe_load(text)
     raw["tracking"]["enabled"] = True
-    (repo / "params.yaml").write_text(text.split("\n")[0] + "\n" + yaml.safe_dump(raw, sort_keys=False))
+    own = text.split("\n")[0] + "\n" + yaml.safe_dump(raw, sort_keys=False)
+    (repo / "params.yaml").write_text(own)
+    assert raw["curate"]["eval"]["rows"] not in (10, 11)  # both overrides differ from the checkout's params
     procs = []
-    for i, size in enumerate((10, 12)):
+    for i, size in enumerate((10, 11)):
         procs.append(subprocess.Popen([sys.executable, "-m", "flows.pipeline", "--target", "curate", "-S",
                                        f"curate.eval.rows={size}"], cwd=repo, env=_env(tmp_path / f"prefect{i}"),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -282,14 +330,18 @@ def test_two_overlapping_flow_runs_each_run_with_their_own_params(tmp_path):
     runs = client.search_runs([client.get_experiment_by_name("posttrain").experiment_id],
                               "tags.mlflow.runName = 'curate'")
     seen = sorted((r.data.params["curate.eval.rows"], r.data.metrics["eval"]) for r in runs)
-    assert seen == [("10", 10.0), ("12", 12.0)]  # each ran, and was recorded, with its own override
-    last = yaml.safe_load((repo / "params.yaml").read_text())["curate"]["eval"]["rows"]
+    assert seen == [("10", 10.0), ("11", 11.0)]  # each ran, and was recorded, with its own override
+    first, last = (int(r.data.params["curate.eval.rows"]) for r in sorted(runs, key=lambda r: r.info.end_time))
+    assert (repo / "params.yaml").read_text() == own  # the overrides held for their runs only
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
     assert lock["stages"]["curate"]["params"]["params.yaml"]["curate"]["eval"]["rows"] == last  # what DVC recorded
-    assert "# posttrain parameters" in (repo / "params.yaml").read_text()  # rewritten as by dvc exp run -S
 
-    again = _flow(repo, tmp_path / "prefect0", "--target", "curate")
-    assert again.returncode == 0 and json.loads(again.stdout.strip().splitlines()[-1]) == {"curate": "skipped"}
+    for rows, status in ((last, "skipped"), (first, "restored")):  # restored: DVC's run-cache has that run
+        again = _flow(repo, tmp_path / "prefect0", "--target", "curate", "-S", f"curate.eval.rows={rows}")
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert json.loads(again.stdout.strip().splitlines()[-1]) == {"curate": status}
+        assert (repo / "params.yaml").read_text() == own
+    assert json.loads((repo / "metrics" / "curate.json").read_text())["eval"] == first  # the restored outputs
 
 
 def test_gpu_stage_commands_find_the_gpu_environments_interpreter_first(tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ from posttrain.config.curate import (
 from posttrain.config.distill import Distill, DistillOnPolicy, DistillPhase, DistillWarmup
 from posttrain.config.evaluate import Evaluate, Report
 from posttrain.config.model import LoraCfg, ModelCfg, PromptCfg, TinyModel
+from posttrain.config.overrides import Edit, parse_overrides, render_overrides
 from posttrain.config.params import Params, load_params, parse_params, read_yaml, stage_metrics
 from posttrain.config.paths import Paths
 from posttrain.config.prefect import PrefectCfg
@@ -34,10 +35,10 @@ from posttrain.config.tracking import TrackingCfg
 
 __all__ = [
     "ArithTask", "BATCH_BASELINE", "BenchmarkSpec", "ConfigError", "Curate", "CurateEval", "Decontam", "Dedup",
-    "Distill", "DistillOnPolicy", "DistillPhase", "DistillWarmup", "Distributed", "EXIT_CONFIG_ERROR", "Evaluate",
-    "FileSource", "HubSource", "KL_IN_REWARD", "LoraCfg", "MathTask", "ModelCfg", "NOT_RESULT", "Params", "Paths",
-    "PrefectCfg", "PromptCfg", "RefReset", "Refusal", "Report", "Reward", "RewardSpec", "Rl", "RlSampling",
+    "Distill", "DistillOnPolicy", "DistillPhase", "DistillWarmup", "Distributed", "EXIT_CONFIG_ERROR", "Edit",
+    "Evaluate", "FileSource", "HubSource", "KL_IN_REWARD", "LoraCfg", "MathTask", "ModelCfg", "NOT_RESULT", "Params",
+    "Paths", "PrefectCfg", "PromptCfg", "RefReset", "Refusal", "Report", "Reward", "RewardSpec", "Rl", "RlSampling",
     "RlSelect", "Rollout", "Runtime", "Sampling", "Section", "Sft", "SftPhase", "SourceSpec", "SyntheticSource",
-    "TaskSpec", "Tis", "TinyModel", "TrackingCfg", "VLLMOptions", "Validation", "load_params", "parse_params",
-    "read_yaml", "stage_metrics",
+    "TaskSpec", "Tis", "TinyModel", "TrackingCfg", "VLLMOptions", "Validation", "load_params", "parse_overrides",
+    "parse_params", "read_yaml", "render_overrides", "stage_metrics",
 ]
