@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -239,7 +240,14 @@ def test_train_log_rows_reach_the_csv_and_the_mlflow_run_while_the_stage_runs(tm
         log.append({"step": 1, "loss": 0.5, "phase": "warmup"})
         log.append({"step": 2, "loss": 0.25, "phase": "warmup"})
         assert csv.read_text().splitlines() == ["step,loss,phase", "1,0.5,warmup", "2,0.25,warmup"]
-        (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+        deadline = time.time() + 30  # a worker thread logs the rows: they arrive while the stage goes on
+        while time.time() < deadline:
+            exp = client.get_experiment_by_name("t")
+            runs = client.search_runs([exp.experiment_id]) if exp else []
+            if runs and len(client.get_metric_history(runs[0].info.run_id, "loss")) == 2:
+                break
+            time.sleep(0.1)
+        (run,) = runs
         assert run.info.status == "RUNNING"
         assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [(1, 0.5), (2, 0.25)]
         log.close()

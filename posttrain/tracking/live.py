@@ -3,7 +3,9 @@
 At the start it opens the stage's MLflow run (a child of ``POSTTRAIN_MLFLOW_PARENT`` when a pipeline set one)
 and listens to every ``posttrain.trainlog.TrainLog`` row: each is logged to the run as it is made (one
 ``log_batch`` per row), so a user watches the curves during a multi-hour run and a killed run keeps them (its
-MLflow run stays ``RUNNING`` with every row logged before the kill). At the end the record
+MLflow run stays ``RUNNING`` with every row logged before the kill). A worker thread does all of it (importing
+mlflow, opening the run, each ``log_batch``), so a step never waits on the store
+(``benchmarks/tracking_overhead.py`` measures what tracking costs a stage). At the end the record
 (``records.build_record``) fills the same run: params, tags, final metrics, artifacts, registered models, and
 any row the live logging could not send.
 
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,48 +37,59 @@ log = logging.getLogger("tracking")
 
 
 class LiveRun:
-    """The stage's MLflow run while it runs: every train-log row it hears of, and which of them reached it."""
+    """The stage's MLflow run while it runs, kept by one worker thread so the stage never waits on the store:
+    the thread imports mlflow and opens the run while the stage starts up, then logs each train-log row it is
+    handed (``row``, a ``TrainLog`` listener: a queue put). ``close`` waits for it: ``run_id`` (None when no
+    run could be opened), every per-step metric heard (``metrics``) and which of them reached the run
+    (``sent``)."""
 
-    def __init__(self, uri: str, run_id: str | None) -> None:
-        self.uri, self.run_id = uri, run_id
-        self._client: Any = None
+    def __init__(self, uri: str, experiment: str, stage: str, start_ms: int, parent: str | None,
+                 root: Path) -> None:
+        self.uri, self.run_id = uri, None
         self.metrics: list[tuple[str, float, int]] = []  # every per-step metric heard, sent or not
         self.sent: list[tuple[str, int]] = []
+        self._rows: queue.Queue[list[tuple[str, float, int]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._work, args=(experiment, stage, start_ms, parent, root),
+                                        name="mlflow-live", daemon=True)
+        self._thread.start()
 
     def row(self, name: str, row: dict[str, Any]) -> None:
-        """A ``TrainLog`` listener: the row's numbers as metrics at its step (keys prefixed ``<name>/``)."""
+        """The row's numbers as metrics at its step (keys prefixed ``<name>/``); text columns are no metrics."""
         step = int(float(row.get("step") or 0))
-        new = []
-        for k, v in row.items():
-            if k == "step" or v in ("", None) or isinstance(v, str):
-                continue
-            new.append((f"{name}/{k}" if name else k, float(v), step))
-        self.metrics += new
-        if self.run_id is None or not new:
-            return
-        from mlflow.entities import Metric
+        new = [(f"{name}/{k}" if name else k, float(v), step) for k, v in row.items()
+               if k != "step" and v not in ("", None) and not isinstance(v, str)]
+        if new:
+            self.metrics += new
+            self._rows.put(new)
 
-        now = int(time.time() * 1000)
+    def close(self) -> None:
+        """Wait until every row handed in was logged (or could not be)."""
+        self._rows.put(None)
+        self._thread.join()
+
+    def _work(self, experiment: str, stage: str, start_ms: int, parent: str | None, root: Path) -> None:
+        client = None
         try:
-            self._client = self._client or _client(self.uri)
-            self._client.log_batch(self.run_id, metrics=[Metric(metric_key(k), v, now, s) for k, v, s in new])
-        except Exception as e:  # the store went away: stop trying; the end-of-stage record carries every row
-            log.warning("tracking store %s unreachable mid-stage (%s: %s): live metrics stop here, the rest go "
-                        "with the run's record at the end", self.uri, type(e).__name__, str(e)[:200])
-            self.run_id = None
-            return
-        self.sent += [(k, s) for k, _, s in new]
+            from mlflow.entities import Metric
 
-
-def _open(params: Params, root: Path, stage: str, start_ms: int) -> LiveRun:
-    uri = store_uri(params, root)
-    try:
-        return LiveRun(uri, open_run(uri, params.tracking.experiment, stage, start_ms,
-                                     os.environ.get(records.PARENT_ENV) or None, root))
-    except Exception as e:
-        log.warning("tracking store %s unreachable at the start of %s (%s: %s): no live metrics; the run's record "
-                    "is sent at the end, or kept in the outbox", uri, stage, type(e).__name__, str(e)[:200])
-        return LiveRun(uri, None)
+            self.run_id = open_run(self.uri, experiment, stage, start_ms, parent, root)
+            client = _client(self.uri)
+        except Exception as e:
+            log.warning("tracking store %s unreachable at the start of %s (%s: %s): no live metrics; the run's "
+                        "record is sent at the end, or kept in the outbox", self.uri, stage, type(e).__name__,
+                        str(e)[:200])
+        while (new := self._rows.get()) is not None:
+            if client is None:
+                continue
+            try:
+                now = int(time.time() * 1000)
+                client.log_batch(self.run_id, metrics=[Metric(metric_key(k), v, now, s) for k, v, s in new])
+            except Exception as e:  # the store went away: stop trying; the end-of-stage record carries every row
+                log.warning("tracking store %s unreachable mid-stage (%s: %s): live metrics stop here, the rest "
+                            "go with the run's record at the end", self.uri, type(e).__name__, str(e)[:200])
+                client = None
+                continue
+            self.sent += [(k, s) for k, _, s in new]
 
 
 @contextmanager
@@ -84,8 +99,8 @@ def stage_run(stage: str, params: Params, root: Path = Path(".")) -> Iterator[No
         yield
         return
     start = int(time.time() * 1000)
-    live = _open(params, root, stage, start)
-    live_id = live.run_id
+    live = LiveRun(store_uri(params, root), params.tracking.experiment, stage, start,
+                   os.environ.get(records.PARENT_ENV) or None, root)
     trainlog.LISTENERS.append(live.row)
     status = "FAILED"
     try:
@@ -93,18 +108,18 @@ def stage_run(stage: str, params: Params, root: Path = Path(".")) -> Iterator[No
         status = "FINISHED"
     finally:
         trainlog.LISTENERS.remove(live.row)
-        _finish(stage, params, root, start, status, live, live_id)
+        live.close()
+        _finish(stage, params, root, start, status, live)
 
 
-def _finish(stage: str, params: Params, root: Path, start: int, status: str, live: LiveRun,
-            live_id: str | None) -> None:
+def _finish(stage: str, params: Params, root: Path, start: int, status: str, live: LiveRun) -> None:
     t0 = time.time()
     try:
         rec = records.build_record(stage, params, root, start, status, live.metrics)
     except Exception as e:
         log.warning("tracking: could not collect the %s run: %s", stage, e)
         return
-    rec.run_id, rec.sent = live_id, list(live.sent)
+    rec.run_id, rec.sent = live.run_id, list(live.sent)
     uri = live.uri
     try:
         rid = send(rec, uri, root)
