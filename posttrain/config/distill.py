@@ -59,7 +59,7 @@ class Distill(Section):
                             "algorithm settings (0 = off)")
     temperature: float = Field(1.0, gt=0, description="sampling temperature of phases A and B; the divergences "
                                "compare student and teacher distributions of logits / temperature")
-    max_new_tokens: int = Field(80, ge=1)
+    max_new_tokens: int = Field(80, ge=1, description="longest completion sampled in phases A and B, in tokens")
     micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward",
                                   json_schema_extra=NOT_RESULT)
     checkpoint_every: int = Field(10, ge=1, description="resumable checkpoint every N steps of phases A-C",

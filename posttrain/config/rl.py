@@ -88,8 +88,8 @@ class Rl(Section):
     generate_batch_size: int = Field(256, ge=1, description="sequences per generate() call (part of the result: "
                                      "each chunk of prompts is seeded by its index)")
     lr: float = Field(3e-5, gt=0, description="AdamW learning rate (constant); tiny models collapse at >= 1e-4")
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    max_grad_norm: float = Field(1.0, gt=0, description="clip the global gradient norm to this")
     advantage: str = Field("grpo", description="a key of posttrain.algos.ADVANTAGES")
     policy_loss: str = Field("ppo_clip", description="a key of posttrain.algos.POLICY_LOSSES")
     loss_agg: Literal[names.AGGREGATIONS] = Field(

@@ -26,9 +26,9 @@ class Sft(Section):
     micro_batch_size: int = Field(64, ge=1, description="sequences per forward pass (gradient accumulation "
                                   "up to batch_size; exact token-mean either way)", json_schema_extra=NOT_RESULT)
     lr: float = Field(2e-3, gt=0, description="peak AdamW learning rate")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     warmup_steps: int = Field(20, ge=0, description="linear warmup, then cosine decay to 0")
-    max_grad_norm: float = Field(1.0, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0, description="clip the global gradient norm to this")
     checkpoint_every: int = Field(100, ge=1, description="save a resumable checkpoint every N steps",
                                   json_schema_extra=NOT_RESULT)
     log_every: int = Field(10, ge=1, description="write a training-log row every N steps")

@@ -16,7 +16,7 @@ class ArithTask(Section):
     ``answer: <n>``; the verifier is an exact integer check.
     """
 
-    kind: Literal["arith"] = "arith"
+    kind: Literal["arith"] = Field("arith", description="the embedded synthetic task")
     min_digits: int = Field(2, ge=1, le=12, description="fewest digits of the multi-digit factor a")
     max_digits: int = Field(4, ge=1, le=12, description="most digits of a (difficulty knob)")
     min_multiplier: int = Field(2, ge=0, le=9, description="smallest one-digit factor b")
@@ -34,7 +34,7 @@ class ArithTask(Section):
 class MathTask(Section):
     """Math word problems (GSM8K / MATH / AIME formats), scored with ``math-verify``."""
 
-    kind: Literal["math"] = "math"
+    kind: Literal["math"] = Field("math", description="math word problems, verified with math-verify")
 
 
 TaskSpec = Annotated[ArithTask | MathTask, Field(discriminator="kind")]
