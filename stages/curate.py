@@ -126,6 +126,10 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
     sft = can_demo[: cfg.sft_size]
     sft_ids = {r["id"] for r in sft}
     train = [r for r in rows if r["id"] not in sft_ids]
+    if not complaints and (not sft or not train):  # (complaints say why rows are missing: reported below)
+        raise StageError(f"{len(rows)} usable training rows, {len(can_demo)} with a solution: curate.sft_size "
+                         f"({cfg.sft_size}) leaves {len(sft)} SFT demonstrations and {len(train)} RL prompts; "
+                         "both must be > 0 (lower sft_size or add rows)")
 
     counts = {"in": n_in, "kept": len(rows), "quarantined": len(quarantine), "duplicates": len(dups),
               "contaminated": len(bad), "train": len(train), "sft": len(sft),

@@ -158,6 +158,12 @@ REFUSALS = {
     "`model.prompt.template` without exactly one `{prompt}`": ({"model": {"prompt": {"template": "Q: A:"}}},
                                                               "model.prompt.template"),
     "a renamed key (table above)": ({"rl": {"group_size": 8}}, "rl.group_size: renamed to rl.samples_per_prompt"),
+    "`reward.rewards[].kwargs` a reward function does not take, or of another type":
+        ({"reward": {"rewards": [{"name": "overlong", "kwargs": {"bufer": 16}}]}}, "reward.rewards[0].kwargs.bufer"),
+    "`rl.save_steps` outside 1..`rl.steps`": ({"rl": {"save_steps": [41]}}, "rl.save_steps"),
+    "`curate.sft_size` ≥ the rows synthetic sources generate": ({"curate": {"sft_size": 20000}}, "curate.sft_size"),
+    "a `max_new_tokens` that, with the longest prompt, exceeds the model's context":
+        ({"rollout": {"sampling": {"max_new_tokens": 1000}}}, "rollout.sampling.max_new_tokens"),
 }
 
 

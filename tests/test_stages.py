@@ -92,6 +92,16 @@ def test_curate_quarantines_malformed_rows(tiny, tmp_path):
         assert expected in reasons
 
 
+def test_curate_refuses_an_sft_split_that_leaves_no_rl_prompts(tiny):
+    """Found by the hardening pass: an sft_size at least the rows left after deduplication made an empty
+    train.parquet, and curate exited 0 (the config cannot know how many duplicates the generator makes)."""
+    tiny["curate"]["sft_size"] = 299  # of 300 generated rows, some of them duplicates
+    p = parse_params(tiny)
+    with pytest.raises(StageError, match="0 RL prompts"):
+        curate.run(p, *curate.paths(p))
+    assert not (Path(p.paths.curated_dir) / "train.parquet").exists()  # refused before anything was written
+
+
 def test_curate_fails_above_contamination_limit(tiny):
     tiny["curate"]["decontam"]["max_contaminated_frac"] = 0.0
     tiny["curate"]["sources"][0]["num_rows"] = 3000  # enough draws to hit the 12 eval problems

@@ -20,9 +20,25 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    """A params section: unknown keys are refused, values are immutable once loaded."""
+    """A params section: unknown keys are refused, values are immutable once loaded, and no float is NaN or
+    infinite (a bound like ``gt=0`` lets ``inf`` through)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# Bounds every section shares. Seeds: numpy and torch take them, and the derived ones (``posttrain.seeds``:
+# seed x 1,000,003 + ...) stay far inside int64. Threads: more than a machine has is a typo.
+MAX_SEED = 2**31 - 1
+MAX_THREADS = 1024
+MAX_NEW_TOKENS = 131_072  # the longest contexts of today's models; a completion cannot be longer
+MAX_ROWS = 10**8  # rows of a dataset (and prompts drawn from one): 100x the largest open RL sets
+MAX_COUNT = 10**9  # steps, and how often something happens in them
+MAX_BATCH = 1_048_576  # sequences or prompts in one batch or call
+MAX_SAMPLES = 65_536  # samples per prompt (pass@k to k = 65,536)
+MAX_CHARS = 10**7  # characters of one prompt or answer
+MAX_LR = 1.0  # an AdamW learning rate above 1 is a typo
+MAX_TEMPERATURE = 100.0  # sampling temperature: beyond it the distribution is uniform anyway
+MAX_COEF = 1000.0  # coefficients of the KL and entropy terms
 
 
 # Marks a field that changes how a run computes, not what it computes (micro-batching, packing, checkpoint
@@ -31,10 +47,19 @@ class Section(BaseModel):
 NOT_RESULT: dict[str, Any] = {"fingerprint": False}
 
 
+SHOWN = 80  # characters of a rejected value echoed in a one-line message
+
+
+def shown(value: Any) -> str:
+    """``repr(value)``, cut to ``SHOWN`` characters: a one-line message stays one short line."""
+    text = repr(value)
+    return text if len(text) <= SHOWN else f"{text[:SHOWN]}... ({len(text)} characters)"
+
+
 def registered(kind: str, name: str, names: Iterable[str]) -> str:
     """Refuse a name no registry knows, listing the valid ones (the registries' tests assert the names match)."""
     if name not in names:
-        raise ValueError(f"unknown {kind} {name!r}; valid: {sorted(names)}")
+        raise ValueError(f"unknown {kind} {shown(name)}; valid: {sorted(names)}")
     return name
 
 

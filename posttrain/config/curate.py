@@ -5,30 +5,30 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from posttrain.config.base import Section
+from posttrain.config.base import MAX_CHARS, MAX_ROWS, Refusal, Section
 
 
 class SyntheticSource(Section):
     """Problems drawn from the task generator (``task`` must be ``arith``)."""
 
     kind: Literal["synthetic"] = "synthetic"
-    name: str = Field("arith", description="source name recorded in every row's `source`")
-    num_rows: int = Field(4000, ge=1, description="rows to generate (duplicates are then removed)")
+    name: str = Field("arith", min_length=1, description="source name recorded in every row's `source`")
+    num_rows: int = Field(4000, ge=1, le=MAX_ROWS, description="rows to generate (duplicates are then removed)")
 
 
 class FileSource(Section):
     """A local JSONL or Parquet file, read line by line (JSONL) so malformed rows are quarantined."""
 
     kind: Literal["file"] = "file"
-    name: str = Field(description="source name recorded in every row's `source`")
-    path: str = Field(description="path to .jsonl/.json/.parquet, relative to the repo root")
+    name: str = Field(min_length=1, description="source name recorded in every row's `source`")
+    path: str = Field(min_length=1, description="path to .jsonl/.json/.parquet, relative to the repo root")
     format: Literal["gsm8k", "math", "generic"] = Field(
         description="gsm8k: question/answer with '#### n'; math: problem/answer (or solution with \\boxed{}); "
         "generic: prompt/answer[/solution]"
     )
-    limit: int | None = Field(None, ge=1, description="read at most this many rows")
+    limit: int | None = Field(None, ge=1, le=MAX_ROWS, description="read at most this many rows")
 
     @field_validator("path")
     @classmethod
@@ -42,14 +42,14 @@ class HubSource(Section):
     """A dataset loaded by ``datasets.load_dataset(hub_id, config, split=split)``."""
 
     kind: Literal["hub"] = "hub"
-    name: str = Field(description="source name recorded in every row's `source`")
-    hub_id: str = Field(description="e.g. openai/gsm8k")
+    name: str = Field(min_length=1, description="source name recorded in every row's `source`")
+    hub_id: str = Field(min_length=1, description="e.g. openai/gsm8k")
     config: str | None = Field(None, description="dataset config name, e.g. 'main'")
     split: str = Field("train", description="split to load")
     revision: str | None = Field(None, description="dataset revision (commit sha, tag or branch): pin a sha for a "
                                  "reproducible run; recorded in the curate report and MLflow")
     format: Literal["gsm8k", "math", "generic"] = Field(description="see FileSource.format")
-    limit: int | None = Field(None, ge=1, description="read at most this many rows")
+    limit: int | None = Field(None, ge=1, le=MAX_ROWS, description="read at most this many rows")
 
 
 SourceSpec = Annotated[SyntheticSource | FileSource | HubSource, Field(discriminator="kind")]
@@ -59,7 +59,7 @@ BenchmarkSpec = Annotated[FileSource | HubSource, Field(discriminator="kind")]
 class Decontam(Section):
     """Word n-gram overlap of training rows with the eval split and benchmarks (in both directions)."""
 
-    ngram: int = Field(8, ge=1, description="word n-gram size; texts shorter than n words form one n-gram")
+    ngram: int = Field(8, ge=1, le=1000, description="word n-gram size; texts shorter than n words form one n-gram")
     threshold: float = Field(
         0.5, gt=0, le=1,
         description="flag a row when the share of its n-grams found in a benchmark item, or the share of a "
@@ -82,16 +82,17 @@ class Decontam(Section):
 class Dedup(Section):
     """Exact (normalised text) and near (n-gram overlap) duplicates among the training rows."""
 
-    near_ngram: int = Field(5, ge=1, description="n-gram size for near-duplicate detection")
+    near_ngram: int = Field(5, ge=1, le=1000, description="n-gram size for near-duplicate detection")
     near_threshold: float = Field(0.8, gt=0, le=1, description="n-gram overlap at which a row is a near-duplicate")
 
 
 class Validation(Section):
     """Rows outside these bounds are quarantined with a reason, never silently dropped."""
 
-    min_prompt_chars: int = Field(3, ge=1, description="shorter prompts are quarantined")
-    max_prompt_chars: int = Field(4000, ge=1, description="longer prompts are quarantined (absurd length)")
-    max_answer_chars: int = Field(200, ge=1, description="longer gold answers are quarantined")
+    min_prompt_chars: int = Field(3, ge=1, le=MAX_CHARS, description="shorter prompts are quarantined")
+    max_prompt_chars: int = Field(4000, ge=1, le=MAX_CHARS,
+                                  description="longer prompts are quarantined (absurd length)")
+    max_answer_chars: int = Field(200, ge=1, le=MAX_CHARS, description="longer gold answers are quarantined")
 
 
 class CurateEval(Section):
@@ -101,7 +102,8 @@ class CurateEval(Section):
         None, description="where eval problems come from; None = the task generator (task arith only), "
         "seeded apart from the training draw"
     )
-    rows: int = Field(200, ge=1, description="eval rows kept (after validation and dedup). Not named `size`: "
+    rows: int = Field(200, ge=1, le=MAX_ROWS,
+                      description="eval rows kept (after validation and dedup). Not named `size`: "
                       "DVC's run-cache key drops every key named size or nfiles (dvc_data's Meta fields), so a "
                       "changed `size` param would restore the old outputs")
 
@@ -114,7 +116,16 @@ class Curate(Section):
                                         "eval) has more than this share of its rows quarantined: a wrong format "
                                         "or file, not a few bad rows")
     eval: CurateEval = Field(default_factory=CurateEval)
-    sft_size: int = Field(2000, ge=0, description="rows set aside, with solutions, as SFT demonstrations")
+    sft_size: int = Field(2000, ge=1, le=MAX_ROWS, description="rows set aside, with solutions, as SFT demonstrations")
     dedup: Dedup = Field(default_factory=Dedup)
     decontam: Decontam = Field(default_factory=Decontam)
     validation: Validation = Field(default_factory=Validation)
+
+    @model_validator(mode="after")
+    def _rules(self) -> Curate:
+        if all(isinstance(s, SyntheticSource) for s in self.sources):  # the row count is known before any work
+            rows = sum(s.num_rows for s in self.sources)
+            if self.sft_size >= rows:
+                raise Refusal("sft_size", f"{self.sft_size} >= the {rows} rows the sources generate: no row would "
+                              "be left for RL (duplicates are removed too: keep it well below)")
+        return self

@@ -8,17 +8,27 @@ from typing import Literal
 from pydantic import Field
 
 from posttrain.config import names
-from posttrain.config.base import NOT_RESULT, Section
+from posttrain.config.base import (
+    MAX_BATCH,
+    MAX_COUNT,
+    MAX_LR,
+    MAX_NEW_TOKENS,
+    MAX_SAMPLES,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    NOT_RESULT,
+    Section,
+)
 from posttrain.config.model import TinyModel
 
 
 class DistillPhase(Section):
     """Shared knobs of the warmup (A) and on-policy (B) phases."""
 
-    steps: int = Field(0, ge=0, description="optimizer steps in this phase (0 = skip the phase)")
-    prompts_per_step: int = Field(16, ge=1, description="training prompts per step")
-    samples_per_prompt: int = Field(4, ge=1, description="completions per prompt")
-    lr: float = Field(1e-4, gt=0, description="AdamW learning rate (constant)")
+    steps: int = Field(0, ge=0, le=MAX_COUNT, description="optimizer steps in this phase (0 = skip the phase)")
+    prompts_per_step: int = Field(16, ge=1, le=MAX_BATCH, description="training prompts per step")
+    samples_per_prompt: int = Field(4, ge=1, le=MAX_SAMPLES, description="completions per prompt")
+    lr: float = Field(1e-4, gt=0, le=MAX_LR, description="AdamW learning rate (constant)")
 
 
 class DistillWarmup(DistillPhase):
@@ -44,23 +54,29 @@ class Distill(Section):
     """The distill stage: a teacher checkpoint into a smaller student through its own cold start, then phases
     A (warmup), B (on-policy distillation) and optionally C (student GRPO with the rl section)."""
 
-    teacher: str = Field(description="teacher checkpoint (a paths.* alias); must share the student's tokenizer")
+    teacher: str = Field(min_length=1,
+                         description="teacher checkpoint (a paths.* alias); must share the student's tokenizer")
     student: TinyModel | str = Field(
         default_factory=lambda: TinyModel(num_layers=2),
         description="a size (a fresh Llama built like model.tiny, with the teacher's tokenizer and vocabulary "
         "size) or a pretrained model: a local HF folder or hub id (e.g. a smaller model of the teacher's family). "
         "Either way the student first gets its own cold start (the sft recipe); model.lora applies to it too")
     student_revision: str | None = Field(None, description="hub revision of a pretrained student")
-    seed: int = Field(0, ge=0, description="added to the pipeline seed for phases A-C's sampling and prompt order "
+    seed: int = Field(0, ge=0, le=MAX_SEED,
+                      description="added to the pipeline seed for phases A-C's sampling and prompt order "
                       "(not the student's init or cold start): seeds of a distillation arm on one teacher")
     warmup: DistillWarmup = Field(default_factory=DistillWarmup)
     on_policy: DistillOnPolicy = Field(default_factory=DistillOnPolicy)
-    grpo_steps: int = Field(0, ge=0, description="phase C: student GRPO after the bridge, with the rl section's "
+    grpo_steps: int = Field(0, ge=0, le=MAX_COUNT,
+                            description="phase C: student GRPO after the bridge, with the rl section's "
                             "algorithm settings (0 = off)")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature of phases A and B; the divergences "
+    temperature: float = Field(1.0, gt=0, le=MAX_TEMPERATURE,
+                               description="sampling temperature of phases A and B; the divergences "
                                "compare student and teacher distributions of logits / temperature")
-    max_new_tokens: int = Field(80, ge=1, description="longest completion sampled in phases A and B, in tokens")
-    micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward",
+    max_new_tokens: int = Field(80, ge=1, le=MAX_NEW_TOKENS,
+                                description="longest completion sampled in phases A and B, in tokens")
+    micro_batch_size: int = Field(64, ge=1, le=MAX_BATCH, description="sequences per forward/backward",
                                   json_schema_extra=NOT_RESULT)
-    checkpoint_every: int = Field(10, ge=1, description="resumable checkpoint every N steps of phases A-C",
+    checkpoint_every: int = Field(10, ge=1, le=MAX_COUNT,
+                                  description="resumable checkpoint every N steps of phases A-C",
                                   json_schema_extra=NOT_RESULT)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from posttrain.config import names
-from posttrain.config.base import Refusal, Section
+from posttrain.config.base import MAX_BATCH, MAX_ROWS, MAX_SAMPLES, Refusal, Section
 from posttrain.config.curate import BenchmarkSpec
 from posttrain.config.rollout import Sampling
 
@@ -15,22 +15,23 @@ from posttrain.config.rollout import Sampling
 class Evaluate(Section):
     """One evaluate@<name> stage per model: greedy accuracy, sampled pass@k and maj@k, with intervals."""
 
-    models: dict[str, str] = Field(
+    models: dict[str, Annotated[str, Field(min_length=1)]] = Field(
         min_length=1,
         description="name -> checkpoint path, each evaluated by its own DVC stage evaluate@<name> (a dep: so an "
         "experiment re-evaluates only the models whose inputs changed) and shown side by side in this order by "
         "the report stage. `python -m stages.evaluate --model NAME` also takes a hub id; dvc repro needs paths",
     )
     backend: Literal[names.BACKENDS] = Field("hf", description="rollout backend used for generation")
-    samples_per_prompt: int = Field(8, ge=1, description="samples per prompt for pass@k / maj@k")
+    samples_per_prompt: int = Field(8, ge=1, le=MAX_SAMPLES, description="samples per prompt for pass@k / maj@k")
     ks: list[int] = Field(default_factory=lambda: [1, 4, 8], description="k values for pass@k and maj@k")
     sampling: Sampling = Field(default_factory=Sampling, description="sampled decoding (greedy is always run)")
-    generate_batch_size: int = Field(256, ge=1, description="sequences per generate() call")
-    limit: int | None = Field(None, ge=1, description="evaluate at most this many prompts per split")
-    sample_prompts: int | None = Field(None, ge=1, description="sampled metrics (pass@k, maj@k) on the first N "
+    generate_batch_size: int = Field(256, ge=1, le=MAX_BATCH, description="sequences per generate() call")
+    limit: int | None = Field(None, ge=1, le=MAX_ROWS, description="evaluate at most this many prompts per split")
+    sample_prompts: int | None = Field(None, ge=1, le=MAX_ROWS,
+                                       description="sampled metrics (pass@k, maj@k) on the first N "
                                        "prompts of each split only (greedy runs on all); None = all")
     benchmarks: list[BenchmarkSpec] = Field(default_factory=list, description="extra benchmark files/hub sets")
-    bootstrap: int = Field(1000, ge=10, description="bootstrap resamples for 95% intervals")
+    bootstrap: int = Field(1000, ge=10, le=1_000_000, description="bootstrap resamples for 95% intervals")
 
     @model_validator(mode="after")
     def _rules(self) -> Evaluate:

@@ -6,17 +6,19 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from posttrain.config.base import Refusal, Section
+from posttrain.config.base import MAX_NEW_TOKENS, Refusal, Section
 
 
 class TinyModel(Section):
-    """Size of the Llama-architecture model built from a config when ``model.base`` is ``tiny``."""
+    """Size of the Llama-architecture model built from a config when ``model.base`` is ``tiny``. The upper
+    bounds are a 70B model's (a model built from a config trains from scratch: larger is a typo)."""
 
-    hidden_size: int = Field(128, ge=8, description="width (d_model)")
-    num_layers: int = Field(4, ge=1, description="decoder layers")
-    num_heads: int = Field(4, ge=1, description="attention heads (hidden_size must divide evenly)")
-    intermediate_size: int = Field(512, ge=8, description="SwiGLU MLP width")
-    max_position_embeddings: int = Field(256, ge=16, description="longest prompt + completion, in tokens")
+    hidden_size: int = Field(128, ge=8, le=16384, description="width (d_model)")
+    num_layers: int = Field(4, ge=1, le=256, description="decoder layers")
+    num_heads: int = Field(4, ge=1, le=256, description="attention heads (hidden_size must divide evenly)")
+    intermediate_size: int = Field(512, ge=8, le=65536, description="SwiGLU MLP width")
+    max_position_embeddings: int = Field(256, ge=16, le=MAX_NEW_TOKENS, description="longest prompt + "
+                                         "completion, in tokens")
 
     @model_validator(mode="after")
     def _heads(self) -> TinyModel:
@@ -67,11 +69,12 @@ class ModelCfg(Section):
     """The policy: a tiny Llama built from a config or a pretrained checkpoint, its precision, LoRA, prompt."""
 
     base: str = Field(
-        "tiny",
+        "tiny", min_length=1,
         description="'tiny' builds a fresh Llama from model.tiny + a character tokenizer; otherwise a local "
         "HF folder or a hub id (needs the hub; with HF_HUB_OFFLINE=1 a hub id fails fast)",
     )
-    revision: str | None = Field(None, description="hub revision (commit sha, tag or branch) of model.base: pin "
+    revision: str | None = Field(None, min_length=1,
+                                 description="hub revision (commit sha, tag or branch) of model.base: pin "
                                  "a commit sha for a reproducible run; recorded in MLflow and the lineage")
     tiny: TinyModel = Field(default_factory=TinyModel, description="used only when base == 'tiny'")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(

@@ -15,11 +15,11 @@ from typing import Any
 from pydantic import Field, ValidationError, model_validator
 
 from posttrain.config import names
-from posttrain.config.base import ConfigError, Refusal, Section
+from posttrain.config.base import MAX_SEED, ConfigError, Refusal, Section, shown
 from posttrain.config.curate import Curate, SyntheticSource
 from posttrain.config.distill import Distill
 from posttrain.config.evaluate import Evaluate, Report
-from posttrain.config.model import ModelCfg
+from posttrain.config.model import ModelCfg, TinyModel
 from posttrain.config.paths import Paths
 from posttrain.config.prefect import PrefectCfg
 from posttrain.config.reward import Reward
@@ -34,7 +34,7 @@ from posttrain.config.tracking import TrackingCfg
 class Params(Section):
     """Everything a run of the pipeline is: one section per stage, plus the shared ones."""
 
-    seed: int = Field(0, description="one seed for data generation, init, sampling and shuffling")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="one seed for data generation, init, sampling and shuffling")
     paths: Paths
     runtime: Runtime = Field(default_factory=Runtime)
     task: TaskSpec = Field(default_factory=ArithTask)
@@ -66,6 +66,7 @@ class Params(Section):
         if self.rl.ref_reset is not None and self.model.lora is not None:
             raise Refusal("rl.ref_reset", "with model.lora is not supported: the LoRA policy's reference is its "
                           "frozen base (adapter off), which a reset would have to overwrite with the merge")
+        self._context()
         d = self.runtime.distributed
         if d.world_size > 1:
             if d.strategy == "fsdp2" and self.model.lora is not None:
@@ -76,6 +77,37 @@ class Params(Section):
                               f"{d.world_size} (runtime.distributed) x sft.micro_batch_size "
                               f"{self.sft.micro_batch_size}")
         return self
+
+
+    def _context(self) -> None:
+        """Prompt + completion within the model's context, where both are known before any work: the built
+        tiny model (and student) on the arithmetic task, whose prompts are at most ``BOS a*b= \n`` tokens of
+        its character tokenizer; a local model folder's ``config.json`` (the prompt's length unknown: the
+        completion alone must fit)."""
+        sampled = {"rollout.sampling.max_new_tokens": self.rollout.sampling.max_new_tokens,
+                   "rl.sampling.max_new_tokens": self.rl.sampling.max_new_tokens,
+                   "evaluate.sampling.max_new_tokens": self.evaluate.sampling.max_new_tokens,
+                   "distill.max_new_tokens": self.distill.max_new_tokens}
+        if self.model.base == "tiny":
+            prompt = self.task.max_digits + 5 if self.task.kind == "arith" else 1
+            contexts = {"model.tiny": self.model.tiny.max_position_embeddings}
+            if isinstance(self.distill.student, TinyModel):
+                contexts["distill.student"] = self.distill.student.max_position_embeddings
+        else:
+            prompt, contexts = 1, {}
+            config = Path(self.model.base) / "config.json"
+            if config.is_file():
+                import json
+
+                n = json.loads(config.read_text()).get("max_position_embeddings")
+                if isinstance(n, int):
+                    contexts["model.base"] = n
+        for where, ctx in contexts.items():
+            for key, n in sampled.items():
+                if key == "distill.max_new_tokens" or where != "distill.student":
+                    if prompt + n > ctx:
+                        raise Refusal(key, f"{n} + a prompt of up to {prompt} tokens exceeds the {ctx}-token "
+                                      f"context of {where} (max_position_embeddings)")
 
 
 def stage_metrics(metrics_dir: str | Path, stage: str) -> Path:
@@ -105,7 +137,7 @@ def _describe(err: dict[str, Any]) -> str:
     if err["type"] == "extra_forbidden":
         msg = "unknown key"
     elif "input" in err and err["type"] not in {"missing"} and not isinstance(err["input"], dict | list):
-        msg = f"{msg}, got {err['input']!r}"
+        msg = f"{msg}, got {shown(err['input'])}"
     return msg
 
 
@@ -146,10 +178,14 @@ def parse_params(raw: dict[str, Any], origin: str = "params") -> Params:
 
 def read_yaml(text: str) -> Any:
     """Params YAML as DVC reads and writes it: YAML 1.2 (ruamel), where ``off``/``yes``/``no`` are strings.
-    (PyYAML's 1.1 reads ``off`` as false: ``dvc exp run -S rl.dynamic_sampling=off`` writes it unquoted.)"""
-    from ruamel.yaml import YAML
+    (PyYAML's 1.1 reads ``off`` as false: ``dvc exp run -S rl.dynamic_sampling=off`` writes it unquoted.)
+    Nesting deeper than Python's recursion allows (no params file nests past 10) raises ``YAMLError``."""
+    from ruamel.yaml import YAML, YAMLError
 
-    return YAML(typ="safe", pure=True).load(text)
+    try:
+        return YAML(typ="safe", pure=True).load(text)
+    except RecursionError:
+        raise YAMLError("nested too deeply") from None
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:
@@ -160,7 +196,13 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     if not p.is_file():
         raise ConfigError(f"{p}: file not found")
     try:
-        raw = read_yaml(p.read_text())
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot be read ({e.strerror})") from None
+    try:
+        raw = read_yaml(text)
     except YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0][:200]}") from None
     return parse_params(raw or {}, origin=str(p))

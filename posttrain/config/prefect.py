@@ -19,18 +19,20 @@ class PrefectCfg(Section):
         description="resource class per stage: a 'gpu' stage runs as a stage-flow deployment on gpu_pool "
         "when the pipeline runs with routing on; a 'cpu' stage runs in the pipeline's own flow run",
     )
-    cpu_pool: str = Field("cpu", description="work pool of the pipeline deployment (and of cpu stages)")
-    gpu_pool: str = Field("gpu", description="work pool of the stage deployment that gpu stages run on")
-    retries: int = Field(1, ge=0, description="retries of a failed stage task (a retry resumes from the "
+    cpu_pool: str = Field("cpu", min_length=1, description="work pool of the pipeline deployment (and of cpu stages)")
+    gpu_pool: str = Field("gpu", min_length=1, description="work pool of the stage deployment that gpu stages run on")
+    retries: int = Field(1, ge=0, le=100, description="retries of a failed stage task (a retry resumes from the "
                          "stage's own checkpoints; DVC skips what is already up to date)")
-    retry_delay_s: float = Field(5.0, ge=0, description="seconds between retries")
-    dvc_remote: str | None = Field(None, description="DVC remote a worker in another checkout pulls a "
+    retry_delay_s: float = Field(5.0, ge=0, le=86400, description="seconds between retries")
+    dvc_remote: str | None = Field(None, min_length=1, description="DVC remote a worker in another checkout pulls a "
                                    "stage's deps from and pushes its outs to (None: workers share this checkout); "
                                    "the pipeline's params (overrides included) are sent to the worker")
-    gpu_python: str | None = Field(None, description="the interpreter a gpu worker runs gpu stages with (e.g. "
+    gpu_python: str | None = Field(None, min_length=1,
+                                   description="the interpreter a gpu worker runs gpu stages with (e.g. "
                                    ".venv-gpu/bin/python from `make setup-gpu`: CUDA torch + vLLM, no prefect), "
                                    "relative to the worker's checkout; null: the worker's own")
-    workspace_wait_s: float = Field(3600.0, ge=0, description="a pipeline run waits this long for another run "
+    workspace_wait_s: float = Field(3600.0, ge=0, le=7 * 86400,
+                                    description="a pipeline run waits this long for another run "
                                     "in the same checkout to finish (one run per workspace: overrides rewrite "
                                     "params.yaml), then refuses naming it; 0 = refuse at once")
 

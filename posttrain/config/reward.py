@@ -4,17 +4,37 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from posttrain.config import names
-from posttrain.config.base import Section, registered
+from posttrain.config.base import MAX_NEW_TOKENS, Refusal, Section, registered
+
+
+class NoKwargs(Section):
+    """A reward that takes no keyword arguments."""
+
+
+class OverlongKwargs(Section):
+    """``overlong``: DAPO's soft overlong punishment (Yu et al. 2025, eq. 13)."""
+
+    model_config = ConfigDict(strict=True)  # "16" is not 16: the function would get a string
+    buffer: int = Field(16, ge=1, le=MAX_NEW_TOKENS,
+                        description="L_cache: the last tokens before max_new_tokens in which the "
+                        "punishment ramps from 0 to -1")
+
+
+# Each reward's keyword arguments, as the function declares them (tests/test_config.py compares them with the
+# signatures in posttrain.rewards): a misspelt or mistyped kwarg is refused at load, not after generation.
+REWARD_KWARGS: dict[str, type[Section]] = {"correct": NoKwargs, "math_verify": NoKwargs, "format": NoKwargs,
+                                           "overlong": OverlongKwargs}
 
 
 class RewardSpec(Section):
     """One reward of the weighted sum."""
 
     name: str = Field(description="a key of posttrain.rewards.REWARDS")
-    weight: float = Field(1.0, description="weight in the summed reward (0 = logged only)")
+    weight: float = Field(1.0, ge=-1e6, le=1e6, description="weight in the summed reward (0 = logged only; "
+                          "negative: a penalty)")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the reward function")
 
     @field_validator("name")
@@ -22,10 +42,22 @@ class RewardSpec(Section):
     def _known(cls, v: str) -> str:
         return registered("reward", v, names.REWARDS)
 
+    @model_validator(mode="after")
+    def _kwargs(self) -> RewardSpec:
+        try:
+            REWARD_KWARGS[self.name].model_validate(self.kwargs)
+        except ValidationError as e:
+            err = e.errors()[0]
+            key = ".".join(str(p) for p in err["loc"])
+            msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            takes = sorted(REWARD_KWARGS[self.name].model_fields) or "no kwargs"
+            raise Refusal(f"kwargs.{key}", f"{msg} ({self.name} takes {takes})") from None
+        return self
+
 
 class Reward(Section):
     """The reward stage (and every RL step's scoring: the same specs, the same code)."""
 
     rewards: list[RewardSpec] = Field(min_length=1, description="summed with their weights")
     max_unscorable_frac: float = Field(0.05, ge=0, le=1, description="fail the stage above this unscorable share")
-    audit_examples: int = Field(3, ge=0, description="scored completions shown per reward bucket in the audit")
+    audit_examples: int = Field(3, ge=0, le=1000, description="scored completions shown per reward bucket in the audit")

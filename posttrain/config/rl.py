@@ -9,7 +9,19 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from posttrain.config import names
-from posttrain.config.base import NOT_RESULT, Refusal, Section, registered
+from posttrain.config.base import (
+    MAX_BATCH,
+    MAX_COEF,
+    MAX_COUNT,
+    MAX_LR,
+    MAX_ROWS,
+    MAX_SAMPLES,
+    MAX_SEED,
+    NOT_RESULT,
+    Refusal,
+    Section,
+    registered,
+)
 from posttrain.config.rollout import Sampling
 
 
@@ -50,7 +62,7 @@ class RlSelect(Section):
                           "reward variance p(1 - p) (1-shot RLVR)")
     min_pass_rate: float = Field(0.01, ge=0, le=1, description="drop prompts solved less often (never solved)")
     max_pass_rate: float = Field(0.99, ge=0, le=1, description="drop prompts solved more often (always solved)")
-    top_k: int = Field(1, ge=1, description="prompts kept by top_variance (1: 1-shot RLVR)")
+    top_k: int = Field(1, ge=1, le=MAX_ROWS, description="prompts kept by top_variance (1: 1-shot RLVR)")
 
     @field_validator("strategy")
     @classmethod
@@ -61,7 +73,8 @@ class RlSelect(Section):
 class RefReset(Section):
     """ProRL's reference resets (Liu et al. 2025): the KL anchor moves to the current policy periodically."""
 
-    every: int = Field(ge=1, description="after every N-th step the reference becomes a copy of the policy")
+    every: int = Field(ge=1, le=MAX_COUNT,
+                       description="after every N-th step the reference becomes a copy of the policy")
     optimizer: bool = Field(False, description="also clear the optimizer's state (Adam moments) at each reset")
 
 
@@ -70,43 +83,48 @@ class Tis(Section):
 
     mode: Literal[names.TIS] = Field("token", description="a key of posttrain.algos.TIS: one weight "
                                                "per token, or one per sequence (the product of its ratios)")
-    cap: float = Field(2.0, ge=1, description="weights min(pi_trainer / pi_sampler, cap)")
+    cap: float = Field(2.0, ge=1, le=1e6, description="weights min(pi_trainer / pi_sampler, cap)")
 
 
 class Rl(Section):
     """The rl stage (and distill's phase C, which trains the student with this section's algorithm)."""
 
-    steps: int = Field(40, ge=1, description="rollout -> reward -> update rounds. How long to run, not what a step "
+    steps: int = Field(40, ge=1, le=MAX_COUNT,
+                       description="rollout -> reward -> update rounds. How long to run, not what a step "
                        "computes (the learning rate is constant, seeds are per step): a killed run resumed with more "
                        "steps continues", json_schema_extra=NOT_RESULT)
-    seed: int = Field(0, ge=0, description="added to the pipeline seed for RL's sampling and prompt order: "
+    seed: int = Field(0, ge=0, le=MAX_SEED,
+                      description="added to the pipeline seed for RL's sampling and prompt order: "
                       "several seeds of an RL arm on the same curate/sft outputs (the pipeline seed re-runs all)")
-    prompts_per_step: int = Field(16, ge=1, description="B: prompts per round")
-    samples_per_prompt: int = Field(8, ge=2, description="G: samples per prompt (the group)")
+    prompts_per_step: int = Field(16, ge=1, le=MAX_BATCH, description="B: prompts per round")
+    samples_per_prompt: int = Field(8, ge=2, le=MAX_SAMPLES, description="G: samples per prompt (the group)")
     sampling: RlSampling = Field(default_factory=RlSampling, description="temperature > 0 and top_p 1: the "
                                  "trainer scores logits / temperature, the distribution sampled from")
-    generate_batch_size: int = Field(256, ge=1, description="sequences per generate() call (part of the result: "
+    generate_batch_size: int = Field(256, ge=1, le=MAX_BATCH,
+                                     description="sequences per generate() call (part of the result: "
                                      "each chunk of prompts is seeded by its index)")
-    lr: float = Field(3e-5, gt=0, description="AdamW learning rate (constant); tiny models collapse at >= 1e-4")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    max_grad_norm: float = Field(1.0, gt=0, description="clip the global gradient norm to this")
+    lr: float = Field(3e-5, gt=0, le=MAX_LR,
+                      description="AdamW learning rate (constant); tiny models collapse at >= 1e-4")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay")
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6, description="clip the global gradient norm to this")
     advantage: str = Field("grpo", description="a key of posttrain.algos.ADVANTAGES")
     policy_loss: str = Field("ppo_clip", description="a key of posttrain.algos.POLICY_LOSSES")
     loss_agg: Literal[names.AGGREGATIONS] = Field(
         "token-mean", description="how per-token losses reduce to a scalar (separate from the loss)")
     clip_eps_low: float = Field(0.2, ge=0, lt=1, description="ratio clip below 1")
-    clip_eps_high: float = Field(0.28, ge=0, description="ratio clip above 1 (DAPO clip-higher)")
-    dual_clip: float | None = Field(None, gt=1, description="dual-clip constant c for negative advantages")
-    kl_coef: float = Field(0.0, ge=0, description="KL *loss* to the frozen SFT reference, estimator "
+    clip_eps_high: float = Field(0.28, ge=0, le=10, description="ratio clip above 1 (DAPO clip-higher)")
+    dual_clip: float | None = Field(None, gt=1, le=1e6, description="dual-clip constant c for negative advantages")
+    kl_coef: float = Field(0.0, ge=0, le=MAX_COEF, description="KL *loss* to the frozen SFT reference, estimator "
                            "kl_estimator (GRPO's placement); 0 = no KL loss")
     kl_estimator: Literal[names.KL_ESTIMATORS] = Field(
         "k3", description="per-token KL loss term (posttrain.algos.KL_ESTIMATORS): k3 = GRPO's (its gradient is "
         "that of KL(ref || pi)); k2 = (logp - ref)^2 / 2 (its gradient is that of KL(pi || ref))")
-    kl_reward_coef: float = Field(0.0, ge=0, description="KL *in the reward* (RLOO, REINFORCE++): each sample's "
+    kl_reward_coef: float = Field(0.0, ge=0, le=MAX_COEF,
+                                  description="KL *in the reward* (RLOO, REINFORCE++): each sample's "
                                   "reward minus coef * sum over its tokens of (sampler logp - ref logp), before "
                                   "advantages; 0 = off. With kl_coef and this both 0 the reference is never loaded")
-    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient")
-    prior_budget: int = Field(0, ge=0, description="adaptive rollout budget (V0.5 / Reinforce-Ada) with "
+    entropy_coef: float = Field(0.0, ge=0, le=MAX_COEF, description="entropy bonus coefficient")
+    prior_budget: int = Field(0, ge=0, le=MAX_BATCH, description="adaptive rollout budget (V0.5 / Reinforce-Ada) with "
                               "advantage prior_fused: extra samples per step, G at a time, for prompts whose "
                               "prior their group rejects; they refresh the prior and are not trained on")
     token_select: str = Field("all", description="a key of posttrain.algos.TOKEN_SELECTIONS: which completion "
@@ -118,10 +136,12 @@ class Rl(Section):
     tis: Tis | None = Field(None, description="truncated importance sampling of the policy-gradient term by "
                             "pi_trainer / pi_sampler (for a sampler whose log-probs differ from the trainer's, e.g. "
                             "vLLM); null = off. The mean |trainer - sampler| log-prob gap is logged every step")
-    epochs: int = Field(1, ge=1, description="passes over each rollout batch")
-    minibatches: int = Field(1, ge=1, description="optimizer steps per pass (old log-probs are recomputed "
+    epochs: int = Field(1, ge=1, le=1000, description="passes over each rollout batch")
+    minibatches: int = Field(1, ge=1, le=MAX_BATCH,
+                             description="optimizer steps per pass (old log-probs are recomputed "
                              "when epochs * minibatches > 1; otherwise the update is exactly on-policy)")
-    micro_batch_size: int = Field(64, ge=1, description="sequences per forward/backward (gradient accumulation)",
+    micro_batch_size: int = Field(64, ge=1, le=MAX_BATCH,
+                                  description="sequences per forward/backward (gradient accumulation)",
                                   json_schema_extra=NOT_RESULT)
     pack: bool = Field(False, description="pack each micro-batch's sequences into rows of twice the longest "
                        "(block-diagonal attention via position ids) instead of padding them: the same loss and "
@@ -130,12 +150,13 @@ class Rl(Section):
     dynamic_sampling: Literal["off", "skip", "refill"] = Field(
         "skip", description="DAPO: groups whose rewards are all equal carry no signal: off = keep them, skip = "
         "drop them from the update, refill = sample more prompts until the batch is full (or max_refill_rounds)")
-    max_refill_rounds: int = Field(2, ge=0, description="extra sampling rounds per step with refill")
-    max_idle_steps: int = Field(5, ge=1, description="stop the stage with an error after this many steps in a "
+    max_refill_rounds: int = Field(2, ge=0, le=100, description="extra sampling rounds per step with refill")
+    max_idle_steps: int = Field(5, ge=1, le=MAX_COUNT,
+                                description="stop the stage with an error after this many steps in a "
                                 "row with nothing to update (every group skipped or unscorable); each is warned",
                                 json_schema_extra=NOT_RESULT)
     select: RlSelect = Field(default_factory=RlSelect)
-    checkpoint_every: int = Field(10, ge=1, description="resumable checkpoint every N steps",
+    checkpoint_every: int = Field(10, ge=1, le=MAX_COUNT, description="resumable checkpoint every N steps",
                                   json_schema_extra=NOT_RESULT)
     save_steps: list[int] = Field(default_factory=list, description="also save HF checkpoints of these steps "
                                   "(under paths.rl_dir/checkpoints/step_N) for evaluation",
@@ -169,6 +190,9 @@ class Rl(Section):
                           "rl.advantage: prior_fused or rl.prior_budget: 0")
         if self.ref_reset is not None and not (self.kl_coef or self.kl_reward_coef):
             raise Refusal("ref_reset", "a reference reset needs a reference: set rl.kl_coef or rl.kl_reward_coef > 0")
+        late = [s for s in self.save_steps if not 1 <= s <= self.steps]
+        if late:
+            raise Refusal("save_steps", f"{late} outside 1..rl.steps ({self.steps}): they would never be saved")
         if self.dynamic_sampling != "off" and adv in BATCH_BASELINE:
             raise Refusal("dynamic_sampling", f"{adv} has no per-group baseline ({BATCH_BASELINE[adv]}): a group "
                           "whose rewards are all equal still carries signal, so skipping it changes the estimator; "

@@ -8,16 +8,24 @@ from typing import Literal
 from pydantic import Field
 
 from posttrain.config import names
-from posttrain.config.base import NOT_RESULT, Section
+from posttrain.config.base import (
+    MAX_BATCH,
+    MAX_NEW_TOKENS,
+    MAX_ROWS,
+    MAX_SAMPLES,
+    MAX_TEMPERATURE,
+    NOT_RESULT,
+    Section,
+)
 
 
 class Sampling(Section):
     """Sampled decoding: temperature, then top-p, up to ``max_new_tokens``."""
 
-    temperature: float = Field(1.0, ge=0, description="0 = greedy")
+    temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE, description="0 = greedy")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens whose "
                          "probability reaches top_p (1 = the whole distribution)")
-    max_new_tokens: int = Field(96, ge=1, description="longest completion, in tokens")
+    max_new_tokens: int = Field(96, ge=1, le=MAX_NEW_TOKENS, description="longest completion, in tokens")
 
 
 class VLLMOptions(Section):
@@ -30,7 +38,8 @@ class VLLMOptions(Section):
     sleep_level: Literal[0, 1, 2] = Field(1, description="during each update the engine sleeps: 1 offloads its "
                                           "weights to CPU, 2 discards them (reloaded at the next sync), 0 never "
                                           "sleeps", json_schema_extra=NOT_RESULT)
-    max_model_len: int | None = Field(None, ge=1, description="context length the KV cache is sized for; None: "
+    max_model_len: int | None = Field(None, ge=1, le=1_048_576,
+                                      description="context length the KV cache is sized for; None: "
                                       "the model config's", json_schema_extra=NOT_RESULT)
     enforce_eager: bool = Field(False, description="no CUDA graphs (faster start, slower decode)",
                                 json_schema_extra=NOT_RESULT)
@@ -41,12 +50,13 @@ class Rollout(Section):
 
     backend: Literal[names.BACKENDS] = Field("hf", description="rollout backend (vllm: GPU-worker environment)")
     num_prompts: int | None = Field(
-        512, ge=1, description="train prompts to score (a seeded shuffle's first N). RL selects its prompts by "
-        "these pass rates, so only scored prompts can reach RL: null scores the whole training split (the "
+        512, ge=1, le=MAX_ROWS, description="train prompts to score (a seeded shuffle's first N). RL selects its "
+        "prompts by these pass rates, so only scored prompts can reach RL: null scores the whole training split (the "
         "real-run profile); the tiny default scores 512 to keep the CPU run short")
-    samples_per_prompt: int = Field(8, ge=1, description="G: completions per prompt")
+    samples_per_prompt: int = Field(8, ge=1, le=MAX_SAMPLES, description="G: completions per prompt")
     sampling: Sampling = Field(default_factory=Sampling)
-    generate_batch_size: int = Field(256, ge=1, description="sequences per generate() call (part of the result: "
+    generate_batch_size: int = Field(256, ge=1, le=MAX_BATCH,
+                                     description="sequences per generate() call (part of the result: "
                                      "each chunk of prompts is seeded by its index)")
     vllm: VLLMOptions = Field(default_factory=VLLMOptions, description="engine settings of the vllm backend "
                               "(used by every stage that generates with it)")

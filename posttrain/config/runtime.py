@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from posttrain.config.base import Refusal, Section
+from posttrain.config.base import MAX_THREADS, Refusal, Section
 
 
 class Distributed(Section):
@@ -17,15 +17,17 @@ class Distributed(Section):
     order (sft, and an rl/distill update from the same samples) and sampling (rl/distill ranks generate their
     share of prompts with their own seeds: reproducible for a given world size)."""
 
-    nproc_per_node: int = Field(1, ge=1, description="processes per machine (one per GPU)")
-    nnodes: int = Field(1, ge=1, description="machines; above 1 every machine runs the same stage command and "
+    nproc_per_node: int = Field(1, ge=1, le=1024, description="processes per machine (one per GPU)")
+    nnodes: int = Field(1, ge=1, le=100_000,
+                        description="machines; above 1 every machine runs the same stage command and "
                         "they meet at rdzv_endpoint")
     strategy: Literal["ddp", "fsdp2"] = Field("ddp", description="ddp: replicated model, all-reduced gradients; "
                                               "fsdp2: fully_shard per decoder layer (parameters, gradients, "
                                               "optimizer state sharded)")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto = nccl on CUDA, else gloo")
-    rdzv_endpoint: str | None = Field(None, description="host:port of node 0, needed when nnodes > 1")
-    timeout_s: float = Field(600, gt=0, description="a collective waiting longer fails the stage (a dead rank "
+    rdzv_endpoint: str | None = Field(None, min_length=1, description="host:port of node 0, needed when nnodes > 1")
+    timeout_s: float = Field(600, gt=0, le=7 * 86400,
+                             description="a collective waiting longer fails the stage (a dead rank "
                              "cannot hang the others past this)")
 
     @property
@@ -42,8 +44,10 @@ class Distributed(Section):
 class Runtime(Section):
     """Where and how stages run: threads, device, progress bars, several processes."""
 
-    train_threads: int = Field(2, ge=1, description="torch threads for training steps (2 is fastest here)")
-    generate_threads: int = Field(2, ge=1, description="torch threads for generation (2 is fastest here from "
+    train_threads: int = Field(2, ge=1, le=MAX_THREADS,
+                               description="torch threads for training steps (2 is fastest here)")
+    generate_threads: int = Field(2, ge=1, le=MAX_THREADS,
+                                  description="torch threads for generation (2 is fastest here from "
                                   "batch 64 up: benchmarks/rollout.py)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
     progress: bool = Field(True, description="show tqdm progress bars on long loops")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from posttrain.config.base import NOT_RESULT, Refusal, Section
+from posttrain.config.base import MAX_BATCH, MAX_COUNT, MAX_LR, NOT_RESULT, Refusal, Section
 
 
 class SftPhase(Section):
@@ -13,7 +13,7 @@ class SftPhase(Section):
     The model then answers directly by default (often wrong) but can still reason when it samples a CoT:
     exactly what RL can reinforce (an SFT model merely stopped early gives GRPO nothing to work with)."""
 
-    steps: int = Field(ge=1, description="optimizer steps in this phase")
+    steps: int = Field(ge=1, le=MAX_COUNT, description="optimizer steps in this phase")
     cot_frac: float = Field(1.0, ge=0, le=1, description="share of demos shown with their full solution; "
                             "the rest show the bare final answer")
 
@@ -22,16 +22,18 @@ class Sft(Section):
     """The sft stage (and the distillation student's cold start, which uses the same recipe)."""
 
     phases: list[SftPhase] = Field(min_length=1, description="run in order; the LR schedule spans all phases")
-    batch_size: int = Field(64, ge=1, description="sequences per optimizer step (micro_batch * accumulation)")
-    micro_batch_size: int = Field(64, ge=1, description="sequences per forward pass (gradient accumulation "
+    batch_size: int = Field(64, ge=1, le=MAX_BATCH,
+                            description="sequences per optimizer step (micro_batch * accumulation)")
+    micro_batch_size: int = Field(64, ge=1, le=MAX_BATCH,
+                                  description="sequences per forward pass (gradient accumulation "
                                   "up to batch_size; exact token-mean either way)", json_schema_extra=NOT_RESULT)
-    lr: float = Field(2e-3, gt=0, description="peak AdamW learning rate")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    warmup_steps: int = Field(20, ge=0, description="linear warmup, then cosine decay to 0")
-    max_grad_norm: float = Field(1.0, gt=0, description="clip the global gradient norm to this")
-    checkpoint_every: int = Field(100, ge=1, description="save a resumable checkpoint every N steps",
+    lr: float = Field(2e-3, gt=0, le=MAX_LR, description="peak AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay")
+    warmup_steps: int = Field(20, ge=0, le=MAX_COUNT, description="linear warmup, then cosine decay to 0")
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6, description="clip the global gradient norm to this")
+    checkpoint_every: int = Field(100, ge=1, le=MAX_COUNT, description="save a resumable checkpoint every N steps",
                                   json_schema_extra=NOT_RESULT)
-    log_every: int = Field(10, ge=1, description="write a training-log row every N steps")
+    log_every: int = Field(10, ge=1, le=MAX_COUNT, description="write a training-log row every N steps")
 
     @model_validator(mode="after")
     def _micro(self) -> Sft:

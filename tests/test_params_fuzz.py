@@ -1,0 +1,141 @@
+"""Every params leaf mutated (wrong type, negative, zero, huge, NaN, inf, empty, null): refused with one line
+naming the key (exit 2 in a stage or the CLI), or accepted because the value means something (a default, "off",
+"none"); and the file-level faults of a params file. Found by this test: 213 of 1,528 mutations of
+params.yaml were accepted before the bounds (inf learning rates, empty paths, negative seeds, 10^12 threads,
+unchecked reward kwargs); now 62, each a meaningful setting (ACCEPTED)."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+from conftest import REPO, repo_params
+
+from posttrain.config import ConfigError, parse_params
+
+MUTATIONS = {"wrong type": lambda v: 12345 if isinstance(v, str) else "bogus", "negative": lambda v: -1,
+             "zero": lambda v: 0, "huge": lambda v: 10**12, "nan": lambda v: float("nan"),
+             "inf": lambda v: float("inf"), "empty": lambda v: "", "null": lambda v: None}
+
+# (key, mutation) pairs that are accepted because the value is a setting with a meaning (documented on the field):
+# 0 / false / null switch something off or keep a default; the rest is said per line.
+OFF = {"zero"}
+ACCEPTED = {
+    **{k: OFF for k in ("seed", "rl.seed", "distill.seed", "distill.grpo_steps", "distill.warmup.steps",
+                        "distill.on_policy.steps", "distill.on_policy.beta", "distill.on_policy.student_frac",
+                        "distill.warmup.filter_correct", "model.gradient_checkpointing", "prefect.retries",
+                        "prefect.retry_delay_s", "reward.audit_examples", "reward.max_unscorable_frac",
+                        "rl.clip_eps_high", "rl.clip_eps_low", "rl.entropy_coef", "rl.kl_coef", "rl.kl_reward_coef",
+                        "rl.max_refill_rounds", "rl.prior_budget", "rl.select.max_pass_rate",
+                        "rl.select.min_pass_rate", "rollout.vllm.enforce_eager", "rollout.vllm.sleep_level",
+                        "runtime.progress", "sft.phases[0].cot_frac", "sft.phases[1].cot_frac", "sft.warmup_steps",
+                        "sft.weight_decay", "task.min_multiplier", "tracking.enabled",
+                        "evaluate.sampling.temperature", "rollout.sampling.temperature")},  # 0 = greedy
+    **{k: {"null"} for k in ("evaluate.limit", "evaluate.sample_prompts", "model.lora", "model.prompt.template",
+                             "rl.dual_clip", "rl.ref_reset", "rollout.vllm.max_model_len", "tracking.champion")},
+    "rollout.num_prompts": {"null"},  # the whole training split
+    **{k: {"null", "wrong type"} for k in ("model.revision", "prefect.dvc_remote", "runtime.distributed.rdzv_endpoint",
+                                           "tracking.uri")},  # optional text: "bogus" is a text
+    "model.prompt.system": {"null", "empty", "wrong type"},  # no system message / an empty one / a text
+    "model.prompt.instruction": {"empty"},  # no instruction (the default)
+    "tracking.model_prefix": {"empty"},  # registered names "sft", "rl", ...
+    **{f"reward.rewards[{i}].weight": {"zero", "negative"} for i in range(3)},  # logged only, a penalty
+}
+
+
+def _leaves(d: Any, path: tuple = ()) -> Any:
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(d, list) and d and all(isinstance(x, dict) for x in d):
+        for i, v in enumerate(d):
+            yield from _leaves(v, (*path, i))
+    else:
+        yield path, d
+
+
+def _dotted(path: tuple) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else ("." if out else "") + str(p)
+    return out
+
+
+def test_every_params_leaf_mutated_is_refused_naming_it_or_means_something():
+    raw0 = repo_params()
+    refused, accepted, wrong = 0, {}, []
+    for path, value in _leaves(raw0):
+        key = _dotted(path)
+        for name, mutate in MUTATIONS.items():
+            raw = copy.deepcopy(raw0)
+            node = raw
+            for p in path[:-1]:
+                node = node[p]
+            node[path[-1]] = mutate(value)
+            try:
+                parse_params(raw)
+            except ConfigError as e:
+                refused += 1
+                msg = str(e)
+                named = key in msg or key.rsplit(".", 1)[0] in msg  # the key, or its section for a union's tag
+                if "\n" in msg or not named or len(msg) > 400:
+                    wrong.append((key, name, msg[:200]))
+            else:
+                accepted.setdefault(key, set()).add(name)
+    print(f"\n{refused} refused, {sum(map(len, accepted.values()))} accepted")
+    assert wrong == []
+    assert accepted == ACCEPTED
+
+
+def test_a_rejected_value_is_shown_short():
+    raw = repo_params()
+    raw["rl"]["advantage"] = "x" * 100_000
+    with pytest.raises(ConfigError) as e:
+        parse_params(raw)
+    assert len(str(e.value)) < 400 and "rl.advantage" in str(e.value)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("seed: 0\n".encode("utf-16"), "not UTF-8 text"),
+    ("seed: 0  # café\n".encode("latin-1"), "not UTF-8 text"),
+    (b"seed: " + b"[" * 5000 + b"]" * 5000 + b"\n", "nested too deeply"),
+    (b"seed: [1\n", "not valid YAML"),
+])
+def test_a_params_file_that_cannot_be_read_exits_2_in_one_line(tmp_path, text, expected):
+    bad = tmp_path / "params.yaml"
+    bad.write_bytes(text)
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "validate", "--params", str(bad)], capture_output=True,
+                       text=True, cwd=REPO)
+    assert r.returncode == 2 and expected in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+
+
+def test_reward_kwargs_are_the_functions_own():
+    """config/reward.py's REWARD_KWARGS (torch-free) declares each reward's keyword arguments as the function does:
+    the same names, defaults and types."""
+    from posttrain.config.reward import REWARD_KWARGS
+    from posttrain.rewards import REWARDS
+
+    assert set(REWARD_KWARGS) == set(REWARDS)
+    for name, fn in REWARDS.items():
+        params = list(inspect.signature(fn).parameters.values())[1:]  # after the Sample
+        fields = REWARD_KWARGS[name].model_fields
+        assert [p.name for p in params] == list(fields), name
+        for p in params:
+            assert fields[p.name].default == p.default and fields[p.name].annotation.__name__ == p.annotation, name
+
+
+@pytest.mark.parametrize("kwargs,weight,expected", [
+    ({"bufer": 16}, 1.0, "reward.rewards[2].kwargs.bufer: Value error, unknown key"),
+    ({"buffer": "16"}, 1.0, "reward.rewards[2].kwargs.buffer: Value error, Input should be a valid integer"),
+    ({"buffer": float("nan")}, 1.0, "reward.rewards[2].kwargs.buffer"),
+    ({"buffer": 16}, float("nan"), "reward.rewards[2].weight: Input should be a finite number"),
+])
+def test_reward_kwargs_and_weights_are_checked_at_load(kwargs, weight, expected):
+    raw = repo_params()
+    raw["reward"]["rewards"][2].update(kwargs=kwargs, weight=weight)
+    with pytest.raises(ConfigError, match=expected.replace("[", r"\[").replace("]", r"\]")):
+        parse_params(raw)
