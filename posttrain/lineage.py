@@ -101,21 +101,36 @@ def producer(lock: dict[str, Any], path: str) -> tuple[str, str] | None:
     return None
 
 
+MODEL_REF = "models:/<name>/<version> or models:/<name>@<alias>"
+
+
 def resolve(root: Path, target: str, lock: dict[str, Any], tracking_uri: str | None) -> str:
-    """A workspace path relative to ``root``; ``models:/name/version`` or ``models:/name@alias`` via MLflow."""
+    """A workspace path relative to ``root``; ``models:/name/version`` or ``models:/name@alias`` via MLflow.
+    Anything else (a path outside the repo, a malformed or unknown model reference) is a :class:`StageError`."""
     if not target.startswith("models:/"):
         p = Path(target)
-        return str(p.resolve().relative_to(root.resolve())) if p.is_absolute() else str(Path(target))
-    from posttrain.tracking import _client
-
-    client = _client(tracking_uri or "")
+        if not p.is_absolute():
+            return str(p)
+        try:
+            return str(p.resolve().relative_to(root.resolve()))
+        except ValueError:
+            raise StageError(f"{target}: outside the repository {root.resolve()}") from None
     ref = target.removeprefix("models:/")
-    if "@" in ref:
-        name, alias = ref.split("@", 1)
-        mv = client.get_model_version_by_alias(name, alias)
-    else:
-        name, version = ref.rsplit("/", 1)
-        mv = client.get_model_version(name, version)
+    name, sep, which = ref.partition("@") if "@" in ref else ref.rpartition("/")
+    if not (name and sep and which):
+        raise StageError(f"{target}: expected {MODEL_REF}")
+    if tracking_uri is None:
+        raise StageError(f"{target}: a registered model needs tracking (tracking.enabled is false)")
+    from mlflow.exceptions import MlflowException
+
+    from posttrain.tracking import mlflow_client
+
+    client = mlflow_client(tracking_uri)
+    try:
+        mv = client.get_model_version_by_alias(name, which) if sep == "@" else client.get_model_version(name, which)
+    except MlflowException as e:
+        raise StageError(f"{target}: not in the model registry at {tracking_uri} "
+                         f"({str(e).splitlines()[0][:160]})") from None
     md5 = mv.tags.get("dvc_md5", "")
     for e in lock.values():
         for o in e.get("outs", []):
@@ -156,9 +171,9 @@ class Runs:
         if not uri:
             return
         try:
-            from posttrain.tracking import _client
+            from posttrain.tracking import mlflow_client
 
-            client = _client(uri)
+            client = mlflow_client(uri)
             exps = [e.experiment_id for e in client.search_experiments()]
             for run in client.search_runs(exps, max_results=5000, order_by=["attributes.start_time ASC"]):
                 for k, v in run.data.tags.items():

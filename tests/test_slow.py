@@ -138,9 +138,9 @@ def _lineage(repo: Path, *args: str) -> subprocess.CompletedProcess:
 def _check_tracking_and_lineage(repo: Path, rl_steps: int, models: tuple[str, ...]) -> None:
     """Seven stage runs nested under one parent in the sqlite store; the student's lineage is the DAG;
     --verify passes, then fails naming the one flipped byte of the RL checkpoint."""
-    from posttrain.tracking import _client
+    from posttrain.tracking import mlflow_client
 
-    client = _client(f"sqlite:///{repo / 'mlflow.db'}")
+    client = mlflow_client(f"sqlite:///{repo / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("posttrain").experiment_id])
     parents = [r for r in runs if r.info.run_name == "pipeline"]
     assert len(parents) == 1

@@ -40,7 +40,7 @@ def _free_port() -> int:
 
 def test_send_logs_one_batched_run_with_everything_and_registers_the_model(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = store._client(uri)
+    client = store.mlflow_client(uri)
     parent = client.create_run(store._experiment_id(client, "t", tmp_path)).info.run_id
     rid = tracking.send(_record(tmp_path, parent=parent), uri, tmp_path)
     run = client.get_run(rid)
@@ -84,7 +84,7 @@ def test_unreachable_store_keeps_the_run_in_the_outbox_and_sync_replays_it_whole
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     assert tracking.sync(tmp_path / "box", uri, tmp_path) == (1, 0)
     assert not list((tmp_path / "box").glob("*/record.json"))
-    client = store._client(uri)
+    client = store.mlflow_client(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
     assert len(client.get_metric_history(run.info.run_id, "reward_mean")) == 250  # nothing lost
     art = Path(client.download_artifacts(run.info.run_id, "rl/report.md", str(tmp_path / "dl")))
@@ -160,7 +160,7 @@ def test_server_killed_mid_stage_then_outbox_sync_loses_nothing(tmp_path):
         again = subprocess.run([sys.executable, "-m", "dvc", "repro", "--force", "--single-item", "sft"], cwd=repo,
                                env=env, capture_output=True, text=True)  # the same stage, server up all along
         assert again.returncode == 0, again.stderr[-2000:]
-        client = store._client(uri)
+        client = store.mlflow_client(uri)
         runs = client.search_runs([client.get_experiment_by_name("posttrain").experiment_id],
                                   filter_string="attributes.run_name = 'sft'", order_by=["attributes.start_time ASC"])
         assert len(runs) == 2
@@ -234,7 +234,7 @@ def test_train_log_rows_reach_the_csv_and_the_mlflow_run_while_the_stage_runs(tm
     raw["tracking"] = {"enabled": True, "uri": uri, "experiment": "t"}
     params = parse_params(raw)
     csv = tmp_path / "reports" / "rl" / "train_log.csv"
-    client = store._client(uri)
+    client = store.mlflow_client(uri)
     with tracking.stage_run("rl", params, tmp_path):
         log = TrainLog(csv, ["step", "loss", "phase"])
         log.append({"step": 1, "loss": 0.5, "phase": "warmup"})
@@ -263,3 +263,31 @@ def test_train_log_rows_reach_the_csv_and_the_mlflow_run_while_the_stage_runs(tm
     assert csv.read_text().splitlines() == ["step,loss,phase", "1,0.5,warmup", "2,0.3,warmup"]
     newest = client.search_runs([client.get_experiment_by_name("t").experiment_id], order_by=["start_time DESC"])[0]
     assert [(m.step, m.value) for m in client.get_metric_history(newest.info.run_id, "loss")] == [(1, 0.5), (2, 0.3)]
+
+
+@pytest.mark.parametrize("target,expected", [
+    ("models:/", "expected models:/<name>/<version>"),
+    ("models:/posttrain-rl", "expected models:/<name>/<version>"),
+    ("models:/nope/1", "not in the model registry"),
+    ("models:/nope@champion", "not in the model registry"),
+    ("/etc/passwd", "outside the repository"),
+])
+def test_lineage_refuses_a_malformed_or_unknown_target_in_one_line(tmp_path, target, expected):
+    """Found by the hardening pass: each of these was a traceback (ValueError, MlflowException)."""
+    from posttrain.errors import StageError
+    from posttrain.lineage import resolve
+
+    with pytest.raises(StageError, match=expected) as e:
+        resolve(tmp_path, target, {}, f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert "\n" not in str(e.value)
+
+
+def test_lineage_cli_exits_2_naming_a_bad_target(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "lineage", "/etc/passwd"], cwd=REPO,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "outside the repository" in r.stderr

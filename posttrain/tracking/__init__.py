@@ -13,8 +13,8 @@ from posttrain.tracking.champion import find_version_by_md5, promote, register
 from posttrain.tracking.live import LiveRun, stage_run
 from posttrain.tracking.outbox import outbox_dir, sync, to_outbox
 from posttrain.tracking.records import MODEL_OUTS, PARENT_ENV, StageRecord, build_record, dvc_hashes, flatten
-from posttrain.tracking.store import end_parent, metric_key, open_run, send, start_parent, store_uri
+from posttrain.tracking.store import end_parent, metric_key, mlflow_client, open_run, send, start_parent, store_uri
 
 __all__ = ["LiveRun", "MODEL_OUTS", "PARENT_ENV", "StageRecord", "build_record", "dvc_hashes", "end_parent",
-           "find_version_by_md5", "flatten", "metric_key", "open_run", "outbox_dir", "promote", "register", "send",
-           "stage_run", "start_parent", "store_uri", "sync", "to_outbox"]
+           "find_version_by_md5", "flatten", "metric_key", "mlflow_client", "open_run", "outbox_dir", "promote",
+           "register", "send", "stage_run", "start_parent", "store_uri", "sync", "to_outbox"]

@@ -31,7 +31,7 @@ from posttrain import trainlog
 from posttrain.config import Params
 from posttrain.tracking import records
 from posttrain.tracking.outbox import outbox_dir, to_outbox
-from posttrain.tracking.store import _client, metric_key, open_run, send, store_uri
+from posttrain.tracking.store import metric_key, mlflow_client, open_run, send, store_uri
 
 log = logging.getLogger("tracking")
 
@@ -73,7 +73,7 @@ class LiveRun:
             from mlflow.entities import Metric
 
             self.run_id = open_run(self.uri, experiment, stage, start_ms, parent, root)
-            client = _client(self.uri)
+            client = mlflow_client(self.uri)
         except Exception as e:
             log.warning("tracking store %s unreachable at the start of %s (%s: %s): no live metrics; the run's "
                         "record is sent at the end, or kept in the outbox", self.uri, stage, type(e).__name__,

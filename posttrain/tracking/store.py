@@ -23,7 +23,7 @@ def store_uri(params: Params, root: Path) -> str:
     return params.tracking.uri or f"sqlite:///{(root / 'mlflow.db').resolve()}"
 
 
-def _client(uri: str) -> Any:
+def mlflow_client(uri: str) -> Any:
     """An ``MlflowClient`` for tracking and registry at ``uri``; a down server fails fast (to the outbox)."""
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")  # a down server fails fast, to the outbox
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
@@ -42,7 +42,7 @@ def _experiment_id(client: Any, name: str, root: Path | None) -> str:
 
 def open_run(uri: str, experiment: str, stage: str, start_ms: int, parent: str | None, root: Path | None) -> str:
     """Create the stage's run at its start (so its per-step metrics can be logged live); returns its id."""
-    c = _client(uri)
+    c = mlflow_client(uri)
     tags = {"mlflow.runName": stage, "dvc.stage": stage}
     if parent:
         tags["mlflow.parentRunId"] = parent
@@ -59,7 +59,7 @@ def send(rec: StageRecord, uri: str, root: Path | None) -> str:
     live run is kept (its curves), and the replay fills it."""
     from mlflow.exceptions import MlflowException
 
-    c = _client(uri)
+    c = mlflow_client(uri)
     run = None
     if rec.run_id:
         try:
@@ -134,7 +134,7 @@ def start_parent(params: Params, root: Path, name: str, tags: dict[str, str] | N
     if not params.tracking.enabled:
         return None
     try:
-        client = _client(store_uri(params, root))
+        client = mlflow_client(store_uri(params, root))
         exp_id = _experiment_id(client, params.tracking.experiment, root)
         run = client.create_run(exp_id, tags={"mlflow.runName": name, "git.commit": _git(root, "rev-parse", "HEAD"),
                                               **(tags or {})}, run_name=name)
@@ -147,6 +147,6 @@ def start_parent(params: Params, root: Path, name: str, tags: dict[str, str] | N
 def end_parent(params: Params, root: Path, run_id: str | None, ok: bool) -> None:
     if run_id:
         try:
-            _client(store_uri(params, root)).set_terminated(run_id, "FINISHED" if ok else "FAILED")
+            mlflow_client(store_uri(params, root)).set_terminated(run_id, "FINISHED" if ok else "FAILED")
         except Exception as e:
             log.warning("could not close parent run %s: %s", run_id, e)
