@@ -11,6 +11,7 @@ A stage module looks like::
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import random
@@ -45,15 +46,33 @@ def setup(params: Params) -> None:
     seed_everything(params.seed)
 
 
+# errno -> what to do: faults of the machine or of the paths in params.yaml, not bugs
+_IO_FAULTS = {
+    errno.ENOSPC: "no space left on the device: free space (old checkpoints, `dvc gc`) and re-run (a stage resumes "
+                  "from its last checkpoint)",
+    errno.EDQUOT: "disk quota exceeded: free space and re-run",
+    errno.EACCES: "permission denied: make it writable (or readable), or point paths.* elsewhere",
+    errno.EPERM: "operation not permitted: make it writable, or point paths.* elsewhere",
+    errno.EROFS: "read-only file system: point paths.* at a writable place",
+    errno.ENOTDIR: "a file stands where a folder is needed: check paths.*",
+    errno.EEXIST: "a file stands where a folder is needed: check paths.*",  # mkdir(exist_ok=True) on a file
+    errno.EISDIR: "a folder stands where a file is needed: check paths.*",
+}
+
+
 def expected_failure(stage: str, e: BaseException) -> str | None:
-    """One line for a failure a user can fix (out of memory, a missing file), None for a bug."""
+    """One line for a failure a user can fix (out of memory, a missing file, a full disk, a path that cannot be
+    written), None for a bug."""
     torch = sys.modules.get("torch")
-    if isinstance(e, MemoryError) or (torch is not None and isinstance(e, torch.OutOfMemoryError)):
+    host_oom = isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(e)
+    if isinstance(e, MemoryError) or host_oom or (torch is not None and isinstance(e, torch.OutOfMemoryError)):
         where = "GPU" if torch is not None and isinstance(e, torch.OutOfMemoryError) else "host"
-        return (f"out of {where} memory. Lower {stage}.micro_batch_size (or the generate batch size) and re-run: "
-                "a changed micro-batch size resumes from the last checkpoint")
+        return (f"out of {where} memory. Lower {stage}.micro_batch_size (or the generate batch size, or "
+                "max_new_tokens) and re-run: a changed micro-batch size resumes from the last checkpoint")
     if isinstance(e, FileNotFoundError):
         return f"file not found: {e.filename or e}"
+    if isinstance(e, OSError) and e.errno in _IO_FAULTS:
+        return f"{e.filename or 'an output'}: {_IO_FAULTS[e.errno]}"
     return None
 
 

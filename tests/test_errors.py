@@ -3,6 +3,7 @@ only for bugs. Each case runs the stage's real ``main`` path (``runner.stage_mai
 
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
@@ -102,3 +103,28 @@ def test_a_bug_keeps_its_traceback(tiny, tmp_path, monkeypatch):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny))
     with pytest.raises(KeyError):
         runner.stage_main("sft", lambda p: sft.run(p, *sft.paths(p)), ["--params", str(tmp_path / "params.yaml")])
+
+
+@pytest.mark.parametrize("exc,expected", [
+    (OSError(errno.ENOSPC, "No space left on device", "/data/rl/shards"), "/data/rl/shards: no space left"),
+    (PermissionError(errno.EACCES, "Permission denied", "/models/rl"), "/models/rl: permission denied"),
+    (OSError(errno.EROFS, "Read-only file system", "/mnt/ro/x"), "/mnt/ro/x: read-only file system"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                  "tried to allocate 400000000000000 bytes."), "out of host memory"),
+])
+def test_io_faults_and_host_oom_are_one_line_not_a_traceback(exc, expected):
+    """Found by the hardening pass: a full disk, an unwritable path and torch's host allocation failure (a
+    RuntimeError, not MemoryError) went out as tracebacks."""
+    from posttrain.runner import expected_failure
+
+    line = expected_failure("rl", exc)
+    assert line is not None and expected in line and "\n" not in line
+    assert expected_failure("rl", ValueError("a bug")) is None  # bugs keep their traceback
+
+
+def test_a_file_where_an_output_folder_belongs_exits_1_in_one_line(tiny, tmp_path, capsys):
+    blocker = tmp_path / "metrics"
+    blocker.write_text("a file, where metrics/ should be a folder")
+    tiny["paths"]["metrics_dir"] = str(blocker)
+    code, err = _main(tmp_path, tiny, curate, capsys)
+    assert code == 1 and "a file stands where a folder is needed" in _one_line(err)
