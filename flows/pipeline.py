@@ -239,7 +239,7 @@ def _pipeline(root: Path, params: Params, target: str | None, exp_name: str | No
             dvc("exp", "save", "--force", "-n", exp_name, repo=root)
         ok = True
     finally:
-        tracking.end_parent(params, root, parent, ok)
+        tracking.end_parent(params, root, parent, "FINISHED" if ok else "FAILED")
     return statuses
 
 

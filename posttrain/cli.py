@@ -73,16 +73,20 @@ def tracking_sync(params: Path = PARAMS) -> None:
 
     p = _params(params)
     root = params.resolve().parent
-    sent, left = tracking.sync(tracking.outbox_dir(p, root), tracking.store_uri(p, root), root)
-    typer.echo(f"sent {sent} run(s); {left} left in {tracking.outbox_dir(p, root)}")
-    if left:
+    box = tracking.outbox_dir(p, root)
+    sent, left, refused = tracking.sync(box, tracking.store_uri(p, root), root)
+    typer.echo(f"sent {sent} run(s); {left} left in {box}" + (f"; {refused} refused by the store, kept with their "
+                                                               f"reason in {box / 'refused'}" if refused else ""))
+    if left or refused:
         raise typer.Exit(1)
 
 
 @app.command()
 def repro(params: Path = PARAMS, args: list[str] = typer.Argument(None, help="passed to `dvc repro`")) -> None:
-    """`dvc repro` under one MLflow parent run: every stage run it starts is nested under it."""
+    """`dvc repro` under one MLflow parent run: every stage run it starts is nested under it. Interrupted
+    (Ctrl-C, SIGTERM) the parent run ends KILLED; SIGKILLed, the next invocation on this host ends it so."""
     import os
+    import signal
     import subprocess
 
     from posttrain import tracking
@@ -93,8 +97,14 @@ def repro(params: Path = PARAMS, args: list[str] = typer.Argument(None, help="pa
     env = dict(os.environ)
     if parent:
         env[tracking.PARENT_ENV] = parent
-    rc = subprocess.call([sys.executable, "-m", "dvc", "repro", *(args or [])], cwd=root, env=env)
-    tracking.end_parent(p, root, parent, rc == 0)
+    status, rc = "KILLED", 1
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    try:
+        rc = subprocess.call([sys.executable, "-m", "dvc", "repro", *(args or [])], cwd=root, env=env)
+        status = "FINISHED" if rc == 0 else "FAILED"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        tracking.end_parent(p, root, parent, status)
     raise typer.Exit(rc)
 
 

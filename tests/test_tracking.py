@@ -82,7 +82,7 @@ def test_unreachable_store_keeps_the_run_in_the_outbox_and_sync_replays_it_whole
     (tmp_path / "reports" / "rl" / "report.md").write_text("changed after the run")  # the outbox kept a copy
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    assert tracking.sync(tmp_path / "box", uri, tmp_path) == (1, 0)
+    assert tracking.sync(tmp_path / "box", uri, tmp_path) == (1, 0, 0)
     assert not list((tmp_path / "box").glob("*/record.json"))
     client = store.mlflow_client(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
@@ -291,3 +291,39 @@ def test_lineage_cli_exits_2_naming_a_bad_target(tmp_path):
     r = subprocess.run([sys.executable, "-m", "posttrain.cli", "lineage", "/etc/passwd"], cwd=REPO,
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "outside the repository" in r.stderr
+
+
+def test_a_record_the_store_refuses_is_kept_aside_not_retried_forever(tmp_path):
+    """Found by the hardening pass: a record MLflow refuses made `posttrain tracking sync` exit 1 on every call
+    until someone deleted it by hand. Here the store refuses to change a logged param."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = store.mlflow_client(uri)
+    run = client.create_run(store._experiment_id(client, "t", tmp_path))
+    client.log_param(run.info.run_id, "rl.lr", "1e-05")
+    rec = _record(tmp_path)
+    rec.run_id = run.info.run_id  # its params say rl.lr 3e-05: MLflow refuses to change a param
+    box = tmp_path / "box"
+    tracking.to_outbox(rec, box)
+    assert tracking.sync(box, uri, tmp_path) == (0, 0, 1)
+    (kept,) = (box / "refused").glob("*/record.json")
+    assert "param" in (kept.parent / "reason.txt").read_text().lower()
+    assert tracking.sync(box, uri, tmp_path) == (0, 0, 0)  # not retried
+
+
+def test_a_parent_run_whose_process_is_gone_ends_killed_at_the_next_start(tmp_path):
+    """Found by the hardening pass: a killed `posttrain repro` left its MLflow parent run RUNNING for good."""
+    import os
+    import subprocess
+
+    raw = tiny_raw(tmp_path)
+    raw["tracking"] = {"enabled": True, "uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "t"}
+    params = parse_params(raw)
+    first = tracking.start_parent(params, tmp_path, "pipeline")
+    client = store.mlflow_client(params.tracking.uri)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    client.set_tag(first, "pid", str(dead.pid))  # as if the process that opened it had been SIGKILLed
+    second = tracking.start_parent(params, tmp_path, "pipeline")
+    assert client.get_run(first).info.status == "KILLED"
+    assert client.get_run(second).info.status == "RUNNING" and client.get_run(second).data.tags["pid"] == str(
+        os.getpid())

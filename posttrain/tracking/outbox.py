@@ -44,18 +44,42 @@ def to_outbox(rec: StageRecord, box: Path) -> Path:
     return folder
 
 
-def sync(box: Path, uri: str, root: Path | None) -> tuple[int, int]:
-    """Replay every outbox record to ``uri``; a sent record is removed. Returns (sent, left)."""
-    sent = left = 0
+# MLflow's answers that mean "this record will never be taken" (as opposed to a store that is down or busy)
+REFUSALS = frozenset({"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "INVALID_STATE", "RESOURCE_ALREADY_EXISTS",
+                      "MALFORMED_REQUEST"})
+REFUSED = "refused"  # the outbox's subfolder of records the store refused, each with reason.txt
+
+
+def refused(e: BaseException) -> bool:
+    """Whether ``e`` is the store refusing a record (retrying cannot help), not the store being unreachable."""
+    return getattr(e, "error_code", None) in REFUSALS
+
+
+def sync(box: Path, uri: str, root: Path | None) -> tuple[int, int, int]:
+    """Replay every outbox record to ``uri``; a sent record is removed, a record the store refuses is moved to
+    ``<box>/refused/`` with its reason (kept for a person to look at, never retried). Returns (sent, left to
+    retry, refused now)."""
+    sent = left = refused_now = 0
     for rec_file in sorted(box.glob("*/record.json")):
+        folder = rec_file.parent
+        if folder.parent.name == REFUSED:
+            continue
         data = json.loads(rec_file.read_text())
         data["metrics"] = [tuple(m) for m in data["metrics"]]
         try:
             send(StageRecord(**data), uri, root)
         except Exception as e:
-            log.warning("outbox %s not sent: %s", rec_file.parent.name, e)
-            left += 1
+            if refused(e):
+                dest = box / REFUSED / folder.name
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                folder.rename(dest)
+                (dest / "reason.txt").write_text(f"{type(e).__name__}: {e}\n")
+                log.warning("outbox %s refused by %s, kept in %s: %s", folder.name, uri, dest, str(e)[:300])
+                refused_now += 1
+            else:
+                log.warning("outbox %s not sent: %s", folder.name, e)
+                left += 1
             continue
-        shutil.rmtree(rec_file.parent)
+        shutil.rmtree(folder)
         sent += 1
-    return sent, left
+    return sent, left, refused_now

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -129,24 +130,47 @@ def _fill(client: Any, run: Any, rec: StageRecord, uri: str, metrics: list[tuple
     client.set_terminated(rid, rec.status, end_time=rec.end_ms)
 
 
+PARENT_TAG = "posttrain.parent"  # marks a pipeline invocation's parent run; with its host and pid
+
+
 def start_parent(params: Params, root: Path, name: str, tags: dict[str, str] | None = None) -> str | None:
-    """Create a parent run for one pipeline invocation; None (with a warning) when the store is down."""
+    """Create a parent run for one pipeline invocation; None (with a warning) when the store is down. Parent
+    runs of this host whose process is gone (a SIGKILLed ``posttrain repro``) are ended as KILLED first."""
     if not params.tracking.enabled:
         return None
     try:
         client = mlflow_client(store_uri(params, root))
         exp_id = _experiment_id(client, params.tracking.experiment, root)
+        reap_parents(client, exp_id)
         run = client.create_run(exp_id, tags={"mlflow.runName": name, "git.commit": _git(root, "rev-parse", "HEAD"),
-                                              **(tags or {})}, run_name=name)
+                                              PARENT_TAG: "true", "hostname": socket.gethostname(),
+                                              "pid": str(os.getpid()), **(tags or {})}, run_name=name)
         return run.info.run_id
     except Exception as e:
         log.warning("no parent run (tracking store unreachable: %s)", type(e).__name__)
         return None
 
 
-def end_parent(params: Params, root: Path, run_id: str | None, ok: bool) -> None:
+def reap_parents(client: Any, exp_id: str) -> list[str]:
+    """End as KILLED every RUNNING parent run of this host whose process no longer exists; returns their ids."""
+    import psutil
+
+    host, gone = socket.gethostname(), []
+    for run in client.search_runs([exp_id], f"tags.`{PARENT_TAG}` = 'true' and attributes.status = 'RUNNING' "
+                                            f"and tags.hostname = '{host}'"):
+        pid = int(run.data.tags.get("pid", "0") or 0)
+        if pid and not psutil.pid_exists(pid):
+            client.set_terminated(run.info.run_id, "KILLED")
+            gone.append(run.info.run_id)
+            log.warning("parent run %s of a pipeline process that is gone (pid %d) ended as KILLED", run.info.run_id,
+                        pid)
+    return gone
+
+
+def end_parent(params: Params, root: Path, run_id: str | None, status: str) -> None:
+    """End the parent run: FINISHED, FAILED or KILLED."""
     if run_id:
         try:
-            mlflow_client(store_uri(params, root)).set_terminated(run_id, "FINISHED" if ok else "FAILED")
+            mlflow_client(store_uri(params, root)).set_terminated(run_id, status)
         except Exception as e:
             log.warning("could not close parent run %s: %s", run_id, e)
