@@ -41,40 +41,59 @@ def _masked_std(x: torch.Tensor, m: torch.Tensor, dim: int | None = None) -> tor
     return torch.where(n > 1, var.sqrt(), torch.zeros_like(var))
 
 
+def _all_equal(r: torch.Tensor, m: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """True where every valid reward (of a group: ``dim=1`` -> [N, 1]; of the batch: ``dim=None`` -> scalar) is
+    the same value. Such a group carries no signal, and its float mean is not exactly its value (eight rewards
+    of 0.1 sum to 0.8000001 in fp32), so its advantages are set to exactly 0 rather than left as residue."""
+    big = torch.finfo(r.dtype).max
+    hi = torch.where(m > 0, r, torch.full_like(r, -big))
+    lo = torch.where(m > 0, r, torch.full_like(r, big))
+    if dim is None:
+        return hi.max() <= lo.min()
+    return (hi.amax(dim) <= lo.amin(dim)).unsqueeze(dim)
+
+
 def grpo(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
-    """GRPO (Shao et al. 2024, DeepSeekMath): (r - group mean) / (group std + eps). r, valid: [N, G]."""
+    """GRPO (Shao et al. 2024, DeepSeekMath): (r - group mean) / (group std + eps). r, valid: [N, G]. A group whose
+    rewards are all equal gets exactly 0 (``_all_equal``)."""
     m = valid.float()
     mean = _masked_mean(r, m, 1).unsqueeze(1)  # [N, 1]
     std = _masked_std(r, m, 1).unsqueeze(1)  # [N, 1]
-    return (r - mean) / (std + EPS) * m
+    adv = (r - mean) / (std + EPS) * m
+    return torch.where(_all_equal(r, m, 1), torch.zeros_like(adv), adv)
 
 
 def dr_grpo(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): r - group mean, no std division.
-    Pair with ``seq-mean-token-sum-norm`` aggregation (no length normalisation)."""
+    Pair with ``seq-mean-token-sum-norm`` aggregation (no length normalisation). Equal groups: exactly 0."""
     m = valid.float()
-    return (r - _masked_mean(r, m, 1).unsqueeze(1)) * m
+    adv = (r - _masked_mean(r, m, 1).unsqueeze(1)) * m
+    return torch.where(_all_equal(r, m, 1), torch.zeros_like(adv), adv)
 
 
 def rloo(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
-    """RLOO (Ahmadian et al. 2024): r_i - mean of the other valid samples of the group."""
+    """RLOO (Ahmadian et al. 2024): r_i - mean of the other valid samples of the group. Equal groups: exactly 0."""
     m = valid.float()
     n = m.sum(1, keepdim=True)  # [N, 1]
     others = ((r * m).sum(1, keepdim=True) - r * m) / (n - 1).clamp_min(1)
-    return torch.where(n > 1, r - others, torch.zeros_like(r)) * m
+    adv = torch.where(n > 1, r - others, torch.zeros_like(r)) * m
+    return torch.where(_all_equal(r, m, 1), torch.zeros_like(adv), adv)
 
 
 def reinforce_pp(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
-    """REINFORCE++ (Hu 2025): no per-prompt baseline; normalise by the whole batch's mean and std."""
+    """REINFORCE++ (Hu 2025): no per-prompt baseline; normalise by the whole batch's mean and std (here over
+    sequences; the paper's Eq. 10 and verl weight each sequence by its tokens). A batch of equal rewards: 0."""
     m = valid.float()
-    return (r - _masked_mean(r, m)) / (_masked_std(r, m) + EPS) * m
+    adv = (r - _masked_mean(r, m)) / (_masked_std(r, m) + EPS) * m
+    return torch.where(_all_equal(r, m), torch.zeros_like(adv), adv)
 
 
 def grpo_batch_std(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
-    """Lite PPO (Liu et al. 2025, "Tricks or traps"): group-mean baseline, batch-level std."""
+    """Lite PPO (Liu et al. 2025, "Tricks or traps"): group-mean baseline, batch-level std. Equal groups: 0."""
     m = valid.float()
     centered = (r - _masked_mean(r, m, 1).unsqueeze(1)) * m
-    return centered / (_masked_std(r, m) + EPS)
+    adv = centered / (_masked_std(r, m) + EPS)
+    return torch.where(_all_equal(r, m, 1), torch.zeros_like(adv), adv)
 
 
 # "The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning" (Zhu et al. 2025): the RLVR
@@ -268,7 +287,8 @@ def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
     As a loss its gradient is (logp - ref_logp) * d logp, whose on-policy expectation
     E_pi[(log pi - log ref) d log pi] is exactly the gradient of the reverse KL(pi || ref): the KL penalty
-    the RLHF objective asks for."""
+    the RLHF objective asks for. The log-ratio is clamped to +-20 (padded positions: no inf); verl does not clamp
+    its k2, so the two differ only where |logp - ref_logp| > 20."""
     d = (logp - ref_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return 0.5 * d * d
 

@@ -45,6 +45,7 @@ MATH_ATTACKS = [
     ("\\boxed{5} or \\boxed{6}", "several_answers"),
     ("\\boxed{5} \\boxed{5}", "several_answers"),
     ("\\boxed{5}. Wait, the answer is 6.", "several_answers"),  # correct, then a different final one
+    ("\\boxed{5}. So the answer is $x = 6$.", "several_answers"),
     ("The answer is 5 or 6.", "hedged"),
     ("the answer is 5 \\text{ or } 6", "hedged"),
     ("\\boxed{5 \\pm 1}", None),  # \\pm is a legitimate answer form (1 \\pm \\sqrt{19}): math-verify says no
@@ -77,6 +78,16 @@ def test_adversarial_completions_earn_nothing_and_are_fast(completion, why):
         assert REWARDS[name](_s(completion, answer=gold, task=task)) == 0.0, name
     assert time.perf_counter() - t < 1.0
     assert mod.guard(completion) == why
+
+
+def test_a_remark_about_the_boxed_answer_is_no_second_answer():
+    """Found by the hardening pass: "This answer is consistent with ..." after the box fired several_answers and
+    scored a correct completion 0. A second answer needs an answer-like value after its anchor."""
+    from posttrain.tasks import mathfmt
+
+    ok = "The answer is \\boxed{5}. This answer is consistent with the constraints."
+    assert mathfmt.guard(ok) is None
+    assert REWARDS["math_verify"](_s(ok, answer="5", task="math")) == 1.0
 
 
 def test_unparseable_gold_is_unscorable_not_free():

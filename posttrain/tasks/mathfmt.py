@@ -49,6 +49,9 @@ def gold_ok(answer: str) -> bool:
 
 GUARDS = ("several_answers", "hedged", "empty_box", "unbalanced_box", "pathological")
 _ANCHOR_RE = re.compile(r"(?:final answer|the answer|answer)\s*(?:is|:)", re.IGNORECASE)
+# after an anchor, an answer-like value: a number, math ($, \(, \frac..., a parenthesis) or "x = ...";
+# "This answer is consistent with ..." states no second answer
+_VALUE_RE = re.compile(r"\s*(?:[-+]?\d|\$|\\[(\[]|\\[a-zA-Z]+|\(|[A-Za-z]\s*=)")
 _HEDGE_RE = re.compile(r"\bor\b|\beither\b|\\lor\b")  # (\pm is a legitimate answer form: 1 \pm \sqrt{19})
 MAX_ANSWER_CHARS = 300  # the longest gold among MATH-500, Minerva, OlympiadBench, AIME, AMC passes
 MAX_NESTING = 8  # braces/parentheses/brackets
@@ -79,7 +82,8 @@ def guard(completion: str) -> str | None:
         if not content.strip():
             return "empty_box"
         end = completion.rfind("\\boxed{") + len("\\boxed{") + len(content) + 1
-        if _ANCHOR_RE.search(completion[end:]):
+        after = completion[end:]
+        if any(_VALUE_RE.match(after, m.end()) for m in _ANCHOR_RE.finditer(after)):
             return "several_answers"  # a boxed answer, then another one stated after it
     span = _final_span(completion)
     if span is None:
