@@ -119,6 +119,21 @@ def validate(row: dict[str, Any], task_kind: str, v: Validation) -> str | None:
     return None
 
 
+def check_usable(src: SourceSpec | BenchmarkSpec, n_ok: int, reasons: list[str], limit: float, knob: str) -> None:
+    """Refuse a source (a benchmark, an eval set) that yields no usable row, or drops more than ``limit`` of its
+    rows (a wrong ``format`` or file), naming it, the count and the top reasons: a benchmark silently shrunk to
+    nothing would decontaminate nothing or evaluate nothing."""
+    n = n_ok + len(reasons)
+    if n_ok and len(reasons) <= limit * n:
+        return
+    from collections import Counter
+
+    where = getattr(src, "path", None) or getattr(src, "hub_id", None) or src.name
+    top = ", ".join(f"{r} ({k})" for r, k in Counter(x.split(":")[0] for x in reasons).most_common(3)) or "no rows"
+    raise StageError(f"benchmark {src.name!r} ({where}): {n_ok} usable of {n} rows ({len(reasons)} dropped > "
+                     f"{knob}={limit}); top reasons: {top}")
+
+
 def problems_from(src: SourceSpec | BenchmarkSpec, task: Any, seed: int, v: Validation
                   ) -> tuple[list[Problem], list[dict[str, Any]]]:
     """Valid problems of one source and the rejected rows (with reasons), for evaluation sets."""

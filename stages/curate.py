@@ -26,7 +26,7 @@ from posttrain.config import Curate, Params, SyntheticSource, Validation
 from posttrain.errors import StageError
 from posttrain.runner import stage_main
 from posttrain.schema import PROBLEM_SCHEMA, Problem, write_json, write_jsonl, write_parquet, write_text
-from posttrain.sources import read_source, validate
+from posttrain.sources import check_usable, read_source, validate
 
 log = logging.getLogger("curate")
 
@@ -117,7 +117,10 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
     rows, dups = dedup(rows, cfg.dedup.near_ngram, cfg.dedup.near_threshold)
     bench: dict[str, list[tuple[str, str]]] = {"eval_split": [(r["id"], r["prompt"]) for r in ev]}
     for b in cfg.decontam.benchmarks:
-        items = [(rid, obj["prompt"]) for rid, obj, err in read_source(b, task, params.seed) if err is None]
+        read = list(read_source(b, task, params.seed))
+        items = [(rid, obj["prompt"]) for rid, obj, err in read if err is None]
+        check_usable(b, len(items), [err for _, _, err in read if err], cfg.max_quarantined_frac,
+                     "curate.max_quarantined_frac")
         bench[b.name] = items
     rows, bad, report = decontaminate(rows, bench, cfg.decontam)
 

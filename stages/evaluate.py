@@ -39,7 +39,7 @@ from posttrain.config import ConfigError, MathTask, Params, Validation
 from posttrain.rollout import BACKENDS, Completion, SamplingParams, chat_prompt_ids, generator
 from posttrain.runner import model_arg, stage_main
 from posttrain.schema import GENERATION_SCHEMA, Problem, read_problems, write_json, write_parquet
-from posttrain.sources import problems_from
+from posttrain.sources import check_usable, problems_from
 from posttrain.tasks import get_task
 
 log = logging.getLogger("evaluate")
@@ -96,6 +96,7 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
     splits: dict[str, list[Problem]] = {"eval": read_problems(inputs["eval"])[: cfg.limit]}
     for b in cfg.benchmarks:
         probs, bad = problems_from(b, MathTask(), params.seed, Validation())
+        check_usable(b, len(probs), [x["reason"] for x in bad], cfg.max_unusable_frac, "evaluate.max_unusable_frac")
         splits[b.name] = probs[: cfg.limit]
         if bad:
             log.warning("%s: %d rows unusable (first: %s)", b.name, len(bad), bad[0]["reason"])

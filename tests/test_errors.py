@@ -128,3 +128,24 @@ def test_a_file_where_an_output_folder_belongs_exits_1_in_one_line(tiny, tmp_pat
     tiny["paths"]["metrics_dir"] = str(blocker)
     code, err = _main(tmp_path, tiny, curate, capsys)
     assert code == 1 and "a file stands where a folder is needed" in _one_line(err)
+
+
+def test_a_benchmark_with_no_usable_row_stops_curate_and_evaluate(tiny, tmp_path, capsys):
+    """Found by the hardening pass: a garbage (or empty) decontamination benchmark passed with 0 items indexed,
+    and with the wrong format half its rows were dropped uncounted."""
+    garbage = tmp_path / "bench.jsonl"
+    garbage.write_text("not json\n{\"question\": \"no answer field\"}\n")
+    spec = {"kind": "file", "name": "junk", "path": str(garbage), "format": "math"}
+    tiny["curate"]["decontam"]["benchmarks"] = [spec]
+    code, err = _main(tmp_path, tiny, curate, capsys)
+    line = _one_line(err)
+    assert code == 1 and "benchmark 'junk'" in line and "0 usable of 2 rows" in line
+
+    from posttrain.config import parse_params
+    from posttrain.errors import StageError
+    from posttrain.sources import check_usable
+
+    p = parse_params({**tiny, "curate": {**tiny["curate"], "decontam": {}}})
+    with pytest.raises(StageError, match="3 dropped > evaluate.max_unusable_frac=0.5"):
+        check_usable(p.curate.sources[0], 2, ["format: no answer"] * 3, p.evaluate.max_unusable_frac,
+                     "evaluate.max_unusable_frac")

@@ -2,7 +2,7 @@
 naming the key (exit 2 in a stage or the CLI), or accepted because the value means something (a default, "off",
 "none"); and the file-level faults of a params file. Found by this test: 213 of 1,528 mutations of
 params.yaml were accepted before the bounds (inf learning rates, empty paths, negative seeds, 10^12 threads,
-unchecked reward kwargs); now 62, each a meaningful setting (ACCEPTED)."""
+unchecked reward kwargs); now 63, each a meaningful setting (ACCEPTED)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ ACCEPTED = {
                         "rl.select.min_pass_rate", "rollout.vllm.enforce_eager", "rollout.vllm.sleep_level",
                         "runtime.progress", "sft.phases[0].cot_frac", "sft.phases[1].cot_frac", "sft.warmup_steps",
                         "sft.weight_decay", "task.min_multiplier", "tracking.enabled",
-                        "evaluate.sampling.temperature", "rollout.sampling.temperature")},  # 0 = greedy
+                        "evaluate.sampling.temperature", "rollout.sampling.temperature",  # 0 = greedy
+                        "evaluate.max_unusable_frac")},  # 0 = no benchmark row may be dropped
     **{k: {"null"} for k in ("evaluate.limit", "evaluate.sample_prompts", "model.lora", "model.prompt.template",
                              "rl.dual_clip", "rl.ref_reset", "rollout.vllm.max_model_len", "tracking.champion")},
     "rollout.num_prompts": {"null"},  # the whole training split

@@ -31,6 +31,8 @@ class Evaluate(Section):
                                        description="sampled metrics (pass@k, maj@k) on the first N "
                                        "prompts of each split only (greedy runs on all); None = all")
     benchmarks: list[BenchmarkSpec] = Field(default_factory=list, description="extra benchmark files/hub sets")
+    max_unusable_frac: float = Field(0.5, ge=0, le=1, description="fail the stage when a benchmark has no usable "
+                                     "row or drops more than this share of its rows (a wrong format or file)")
     bootstrap: int = Field(1000, ge=10, le=1_000_000, description="bootstrap resamples for 95% intervals")
 
     @model_validator(mode="after")
