@@ -25,7 +25,7 @@ from posttrain import decontam, seeds
 from posttrain.config import Curate, Params, SyntheticSource, Validation
 from posttrain.errors import StageError
 from posttrain.runner import stage_main
-from posttrain.schema import PROBLEM_SCHEMA, Problem, write_json, write_jsonl, write_parquet, write_text
+from posttrain.schema import PROBLEM_SCHEMA, Problem, atomic_path, write_json, write_jsonl, write_parquet, write_text
 from posttrain.sources import check_usable, read_source, validate
 
 log = logging.getLogger("curate")
@@ -146,11 +146,12 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
     counts["contaminated_by_benchmark"] = {k: b["matched_rows"] for k, b in report["benchmarks"].items()}
 
     d = out["curated_dir"]
-    write_parquet(d / "train.parquet", train, PROBLEM_SCHEMA)
-    write_parquet(d / "sft.parquet", sft, PROBLEM_SCHEMA)
-    write_parquet(d / "eval.parquet", ev, PROBLEM_SCHEMA)
-    write_jsonl(d / "quarantine.jsonl", quarantine + ev_quarantine)
-    write_jsonl(d / "duplicates.jsonl", dups)
+    with atomic_path(d) as tmp:  # the splits are one set: a kill leaves the old set or the new one, never a mix
+        write_parquet(tmp / "train.parquet", train, PROBLEM_SCHEMA)
+        write_parquet(tmp / "sft.parquet", sft, PROBLEM_SCHEMA)
+        write_parquet(tmp / "eval.parquet", ev, PROBLEM_SCHEMA)
+        write_jsonl(tmp / "quarantine.jsonl", quarantine + ev_quarantine)
+        write_jsonl(tmp / "duplicates.jsonl", dups)
     write_json(out["report_dir"] / "decontamination.json", report)
     write_text(out["report_dir"] / "decontamination.md", decontam.report_markdown(report))
     write_json(out["metrics"], counts)

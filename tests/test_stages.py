@@ -302,3 +302,28 @@ def test_rl_with_1_shot_selection_entropy_tokens_reference_resets_and_prior_fuse
     shares = [float(r.split(",")[col]) for r in log[1:] if r.split(",")[1] == "1"]
     assert shares and all(0.2 <= s < 0.3 for s in shares)  # ceil(0.2 n) of n tokens
     assert sum("reference reset" in r.message for r in caplog.records) == 2  # after steps 2 and 4
+
+
+def test_a_curate_killed_while_writing_leaves_the_old_splits_whole(tiny, monkeypatch):
+    """Found by the hardening pass: curate killed (here: failing) between two files left the new train.parquet
+    beside the old eval.parquet, 12 eval prompts inside the training split. The splits are replaced as one set."""
+    p = parse_params(tiny)
+    curate.run(p, *curate.paths(p))
+    d = Path(p.paths.curated_dir)
+    before = {f.name: f.read_bytes() for f in d.iterdir()}
+    tiny["seed"] = 1  # another draw: every split changes
+    p = parse_params(tiny)
+    calls = []
+
+    def dies_on_the_second_file(path, rows, schema):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # as a SIGINT between two files
+        return write_parquet(path, rows, schema)
+
+    from posttrain.schema import write_parquet
+
+    monkeypatch.setattr(curate, "write_parquet", dies_on_the_second_file)
+    with pytest.raises(KeyboardInterrupt):
+        curate.run(p, *curate.paths(p))
+    assert {f.name: f.read_bytes() for f in d.iterdir()} == before
