@@ -4,9 +4,10 @@ Names follow the papers: ``logp`` (current policy), ``old_logp`` (behaviour poli
 reference), ``ratio = exp(logp - old_logp)``, ``adv``, ``mask`` (1 on completion tokens). Shapes in
 comments: N prompts, G samples per prompt, B = N*G sequences, T completion tokens.
 
-Advantages (one signature): ``fn(r [N, G], valid [N, G], prior [N, 2] | None) -> adv [N, G]``; invalid
-(unscorable) entries get 0 and are excluded from every statistic; ``prior`` (a per-prompt prior mean reward and
-its pseudo-count) is used by ``prior_fused`` only. Std is the unbiased sample std (as in TRL and verl).
+Advantages (one signature): ``fn(r [N, G], valid [N, G], prior [N, 2] | None, lengths [N, G] | None) -> adv
+[N, G]``; invalid (unscorable) entries get 0 and are excluded from every statistic; ``prior`` (a per-prompt prior
+mean reward and its pseudo-count) is used by ``prior_fused`` only, ``lengths`` (completion tokens per sample) by
+``reinforce_pp`` only. Std is the unbiased sample std (as in TRL and verl).
 Policy losses (one signature): ``fn(logp, old_logp, adv, cfg) -> (loss [B, T], clipped [B, T] bool)``.
 Token selections (one signature): ``fn(entropy [n], rho) -> keep [n]``: which tokens the policy gradient uses.
 Aggregation is separate from the loss, and exact under micro-batching: each micro-batch divides by
@@ -53,7 +54,8 @@ def _all_equal(r: torch.Tensor, m: torch.Tensor, dim: int | None = None) -> torc
     return (hi.amax(dim) <= lo.amin(dim)).unsqueeze(dim)
 
 
-def grpo(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
+def grpo(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None,
+         lengths: torch.Tensor | None = None) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath): (r - group mean) / (group std + eps). r, valid: [N, G]. A group whose
     rewards are all equal gets exactly 0 (``_all_equal``)."""
     m = valid.float()
@@ -63,7 +65,8 @@ def grpo(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None
     return torch.where(_all_equal(r, m, 1), torch.zeros_like(adv), adv)
 
 
-def dr_grpo(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
+def dr_grpo(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None,
+            lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training"): r - group mean, no std division.
     Pair with ``seq-mean-token-sum-norm`` aggregation (no length normalisation). Equal groups: exactly 0."""
     m = valid.float()
@@ -71,7 +74,8 @@ def dr_grpo(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = N
     return torch.where(_all_equal(r, m, 1), torch.zeros_like(adv), adv)
 
 
-def rloo(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
+def rloo(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None,
+         lengths: torch.Tensor | None = None) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024): r_i - mean of the other valid samples of the group. Equal groups: exactly 0."""
     m = valid.float()
     n = m.sum(1, keepdim=True)  # [N, 1]
@@ -80,15 +84,20 @@ def rloo(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None
     return torch.where(_all_equal(r, m, 1), torch.zeros_like(adv), adv)
 
 
-def reinforce_pp(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
-    """REINFORCE++ (Hu 2025): no per-prompt baseline; normalise by the whole batch's mean and std (here over
-    sequences; the paper's Eq. 10 and verl weight each sequence by its tokens). A batch of equal rewards: 0."""
-    m = valid.float()
-    adv = (r - _masked_mean(r, m)) / (_masked_std(r, m) + EPS) * m
+def reinforce_pp(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None,
+                 lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): no per-prompt baseline; the batch's mean and std normalise the rewards over
+    *tokens*, as the paper's Eq. 10 and verl do (every token carries its sequence's reward, so a sequence counts
+    by its ``lengths``; without lengths, each sequence once). E.g. r = [1, 0], lengths [3, 1]: token mean
+    (3 + 0) / 4 = 0.75, unbiased token variance (3 * 0.25^2 + 0.75^2) / 3 = 0.25, so adv = [0.5, -1.5] (over
+    sequences it would be [0.707, -0.707]). A batch of equal rewards: 0."""
+    m = valid.float() * (lengths.float() if lengths is not None else 1.0)
+    adv = (r - _masked_mean(r, m)) / (_masked_std(r, m) + EPS) * valid.float()
     return torch.where(_all_equal(r, m), torch.zeros_like(adv), adv)
 
 
-def grpo_batch_std(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
+def grpo_batch_std(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None,
+                   lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Lite PPO (Liu et al. 2025, "Tricks or traps"): group-mean baseline, batch-level std. Equal groups: 0."""
     m = valid.float()
     centered = (r - _masked_mean(r, m, 1).unsqueeze(1)) * m
@@ -102,18 +111,21 @@ def grpo_batch_std(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | N
 W_REINFORCE_LAMBDA = 0.1  # the paper's recommended weight of the positive samples
 
 
-def psr(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
+def psr(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None) -> torch.Tensor:
     """PSR only: +1 for a correct sample, 0 for a wrong one (reinforce successes only). r, valid: [N, G]."""
     return r * valid.float()
 
 
-def nsr(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
+def nsr(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None) -> torch.Tensor:
     """NSR only: -1 for a wrong sample, 0 for a correct one (push down failures; the freed probability mass
     goes where the model's prior puts it)."""
     return (r - 1) * valid.float()
 
 
-def w_reinforce(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
+def w_reinforce(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None,
+                lengths: torch.Tensor | None = None) -> torch.Tensor:
     """W-REINFORCE: rewards {+lambda, -1} = lambda * PSR + NSR, lambda = ``W_REINFORCE_LAMBDA`` (0.1)."""
     return (W_REINFORCE_LAMBDA * r + (r - 1)) * valid.float()
 
@@ -146,7 +158,8 @@ def fuse(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor) -> tuple[tor
     return torch.where(accepted, pooled, mean), accepted
 
 
-def prior_fused(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None) -> torch.Tensor:
+def prior_fused(r: torch.Tensor, valid: torch.Tensor, prior: torch.Tensor | None = None,
+                lengths: torch.Tensor | None = None) -> torch.Tensor:
     """A = r - b with b the prior-fused baseline of ``fuse`` (no std division: with G = 4 the group std is as
     noisy as the mean). Without a prior (None, or n0 = 0) b is the group mean: Dr. GRPO. A group whose rewards
     are all equal still gets a signal when the prior differs from them: r = [0, 0, 0, 0] with (0.2, 8) gives

@@ -301,3 +301,17 @@ def test_a_group_of_equal_rewards_gets_exactly_zero_advantage(name, value, g):
     else:
         assert torch.equal(adv[0], torch.zeros(g))
     assert adv[1].abs().sum() > 0  # the other group keeps its signal
+
+
+def test_reinforce_pp_normalises_over_tokens_as_the_paper():
+    """Found by the hardening pass: REINFORCE++ (Eq. 10; verl's masked_whiten of per-token returns) normalises
+    over tokens, and this normalised over sequences (gap 0.71 with varied lengths).
+    r = [1, 0], lengths [3, 1]: token mean 3/4 = 0.75; unbiased token variance (3 * 0.25^2 + 1 * 0.75^2) / (4 - 1)
+    = 0.25, std 0.5; adv = [(1 - 0.75) / 0.5, (0 - 0.75) / 0.5] = [0.5, -1.5]."""
+    r, valid = torch.tensor([[1.0, 0.0]]), torch.ones(1, 2, dtype=torch.bool)
+    adv = ADVANTAGES["reinforce_pp"](r, valid, None, torch.tensor([[3, 1]]))
+    assert adv[0].tolist() == pytest.approx([0.5, -1.5], abs=1e-5)
+    # equal lengths [2, 2]: tokens [1, 1, 0, 0], mean 0.5, unbiased variance 4 * 0.25 / 3 = 1/3: adv = +-0.866
+    # (over sequences, variance 0.5 / 1: +-0.707; the unbiased correction counts tokens, not sequences)
+    same = ADVANTAGES["reinforce_pp"](r, valid, None, torch.tensor([[2, 2]]))
+    assert same[0].tolist() == pytest.approx([0.866025, -0.866025], abs=1e-5)

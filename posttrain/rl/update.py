@@ -35,7 +35,9 @@ def group_advantages(rows: Sequence[dict[str, Any]], g: int, name: str, prior: P
     per-prompt (p, n) is passed in, then updated with these groups."""
     r, valid = reward_matrix(rows, g)
     ids = [rows[k * g]["prompt_id"] for k in range(len(rows) // g)]
-    adv = algos.ADVANTAGES[name](r, valid, None if prior is None else prior.tensor(ids)).flatten().tolist()
+    lengths = (torch.tensor([len(x["token_ids"]) for x in rows]).view(-1, g)  # [N, G] completion tokens
+               if rows and "token_ids" in rows[0] else None)
+    adv = algos.ADVANTAGES[name](r, valid, None if prior is None else prior.tensor(ids), lengths).flatten().tolist()
     if prior is not None:
         prior.update(ids, r, valid)
     return adv
