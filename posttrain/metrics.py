@@ -88,6 +88,19 @@ def bootstrap_ci(values: Sequence[float], n_boot: int = 1000, seed: int = 0, alp
     return float(lo), float(hi)
 
 
+def rate_ci(values: Sequence[float], n_boot: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """Interval of the mean of per-problem rates in [0, 1] (pass@k, maj@k): the percentile bootstrap over
+    problems, except when every problem sits at 0 or every one at 1, where resampling cannot move the mean and
+    the bootstrap interval collapses to a point ([1.0, 1.0] for pass@64 = 100%). There the rates are 0/1
+    outcomes, and the Wilson interval of k of n problems says how far the truth can be: 100 of 100 ->
+    [0.963, 1.0] (Wilson 1927; a Jeffreys interval needs a Beta quantile this pipeline does not otherwise
+    import, and agrees to the third decimal here)."""
+    x = np.asarray(values, dtype=float)
+    if x.size and (np.all(x == 0.0) or np.all(x == 1.0)):
+        return wilson_ci(int(x.sum()), int(x.size))
+    return bootstrap_ci(x, n_boot, seed)
+
+
 # Per-problem metrics reported as plain means, without an interval (lengths and the truncated share describe
 # the completions; they are not accuracies to compare).
 NO_INTERVAL = frozenset({"len", "greedy_len", "truncated"})

@@ -72,7 +72,8 @@ PROPORTIONS = {"greedy"}  # one 0/1 outcome per problem: Wilson interval; means 
 
 def summarize(rows: list[dict[str, Any]], n_unscorable: int, n_boot: int, seed: int) -> dict[str, Any]:
     """Means of each per-problem metric over the problems that have it, with 95% intervals: Wilson for the
-    greedy accuracy (a proportion), percentile bootstrap over problems for pass@k, maj@k (per-problem means)."""
+    greedy accuracy (a proportion), percentile bootstrap over problems for pass@k, maj@k (per-problem means; Wilson
+    where every problem is at 0 or at 1: ``metrics.rate_ci``)."""
     out: dict[str, Any] = {"n": len(rows), "n_sampled": sum("pass@1" in r for r in rows), "unscorable": n_unscorable}
     if not rows:
         return out
@@ -83,7 +84,7 @@ def summarize(rows: list[dict[str, Any]], n_unscorable: int, n_boot: int, seed: 
         if key in PROPORTIONS:
             out[f"{key}_ci"] = [round(x, 4) for x in M.wilson_ci(int(sum(vals)), len(vals))]
         elif key not in M.NO_INTERVAL:
-            out[f"{key}_ci"] = [round(x, 4) for x in M.bootstrap_ci(vals, n_boot, seed)]
+            out[f"{key}_ci"] = [round(x, 4) for x in M.rate_ci(vals, n_boot, seed)]
     return out
 
 

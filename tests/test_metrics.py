@@ -67,3 +67,19 @@ def test_bootstrap_ci():
     assert bootstrap_ci([0.5] * 20) == (0.5, 0.5)
     lo, hi = bootstrap_ci([0.0] * 50 + [1.0] * 50, n_boot=2000)
     assert lo < 0.5 < hi and 0.35 < lo and hi < 0.65  # ~ 0.5 +- 1.96 * 0.05
+
+
+def test_rate_intervals_do_not_collapse_at_0_and_100_percent():
+    """Found by the hardening pass: pass@64 of 100% on 100 problems had the bootstrap interval [1.0, 1.0]
+    (19 such zero-width intervals in the committed metrics). All problems at 1 (or at 0) are 0/1 outcomes: the
+    Wilson interval of 100 of 100 is centre (1 + z^2/200) / (1 + z^2/100) - half, with z = 1.96:
+    lower = (1 + 0.019208) / 1.038415 - 1.96 * sqrt(0.000096) / 1.038415 = 0.98150 - 0.01850 = 0.96300."""
+    from posttrain.metrics import bootstrap_ci, rate_ci
+
+    assert bootstrap_ci([1.0] * 100) == (1.0, 1.0)  # what the bootstrap alone says
+    lo, hi = rate_ci([1.0] * 100)
+    assert hi == 1.0 and lo == pytest.approx(0.96300, abs=1e-5)
+    lo, hi = rate_ci([0.0] * 100)
+    assert lo == 0.0 and hi == pytest.approx(0.03700, abs=1e-5)
+    mixed = [1.0, 0.0, 0.5, 1.0]
+    assert rate_ci(mixed) == bootstrap_ci(mixed)  # inside, the bootstrap as before
