@@ -131,13 +131,14 @@ def verdict(kind: str, diffs: dict[str, dict[str, float]], ks: list[int]) -> str
 def samples_spent(rec: dict[str, Any]) -> int | None:
     """Completions the arm's RL stage sampled (refills and prior-budget extras included): rl's ``samples``
     metric; runs recorded before that metric existed ran dynamic sampling ``skip`` or ``off`` without a budget,
-    which samples exactly steps x prompts_per_step x group_size."""
+    which samples exactly steps x prompts_per_step x samples_per_prompt (rl.group_size in records made before the
+    rename)."""
     if "rl" in rec.get("stage_metrics", {}) and "samples" in rec["stage_metrics"]["rl"]:
         return int(rec["stage_metrics"]["rl"]["samples"])
     o = rec["overrides"]
     if "rl.seed" not in o or o.get("rl.dynamic_sampling") == "refill" or o.get("rl.prior_budget", 0):
         return None
-    return int(o.get("rl.steps", 40)) * 16 * int(o.get("rl.samples_per_prompt", 8))
+    return int(o.get("rl.steps", 40)) * 16 * int(o.get("rl.samples_per_prompt", o.get("rl.group_size", 8)))
 
 
 def plot(exp: str, curves: dict[str, dict[str, list[float]]], ks: list[int], path: Path,

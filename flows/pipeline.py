@@ -31,6 +31,7 @@ Run in-process: ``python -m flows.pipeline [--target rl] [-S rl.lr=1e-5] [--exp-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -167,7 +168,13 @@ def stage_flow(stages: list[str], repo: str | None = None, commit: str | None = 
     if commit and head != commit:
         raise StageError(f"worker checkout {root} is at {head[:12] or 'no commit'}, the pipeline at "
                           f"{commit[:12]}: check out the pipeline's commit on the worker")
-    with dvcrepo.use_params(root, params_text):
+    # A worker in its own checkout (the pipeline sends a handoff exactly then) holds that workspace like a
+    # pipeline run does: one run at a time there, and a killed run's params undone by the next holder.
+    own = handoff is not None
+    held = (dvcrepo.workspace_lock(root, f"stage flow {'+'.join(stages)}",
+                                   load_params(root / "params.yaml").prefect.workspace_wait_s)
+            if own else contextlib.nullcontext())
+    with held, dvcrepo.use_params(root, params_text):
         cfg = load_params(root / "params.yaml").prefect
         remote = cfg.dvc_remote
         if remote:

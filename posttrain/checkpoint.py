@@ -99,7 +99,8 @@ def _load_resumable(ckpt_dir: Path, fp: str) -> dict[str, Any] | None:
     if not ckpt_dir.is_dir():
         return None
     for path in sorted(ckpt_dir.glob("step_*.pt"), reverse=True):
-        state = torch.load(path, weights_only=False)
+        state = torch.load(path, weights_only=False, map_location="cpu")  # not onto the device that saved it
+
         if state.get("fingerprint") == fp:
             return state
         aside = ckpt_dir.with_name(f"{ckpt_dir.name}.stale-{state.get('fingerprint')}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -83,28 +83,45 @@ def tracking_sync(params: Path = PARAMS) -> None:
 
 @app.command()
 def repro(params: Path = PARAMS, args: list[str] = typer.Argument(None, help="passed to `dvc repro`")) -> None:
-    """`dvc repro` under one MLflow parent run: every stage run it starts is nested under it. Interrupted
-    (Ctrl-C, SIGTERM) the parent run ends KILLED; SIGKILLed, the next invocation on this host ends it so."""
+    """`dvc repro` under one MLflow parent run: every stage run it starts is nested under it. One pipeline run
+    per checkout (the flows' workspace lock). Ctrl-C or SIGTERM goes to dvc and the stage it runs (their own
+    process group: the stage stops as it would alone, resumable), and the parent run ends KILLED; SIGKILLed, the
+    next invocation on this host ends it so."""
     import os
     import signal
     import subprocess
 
     from posttrain import tracking
+    from posttrain.dvcrepo import clear_stale_locks, workspace_lock
+    from posttrain.errors import StageError
 
     p = _params(params)
     root = params.resolve().parent
-    parent = tracking.start_parent(p, root, "pipeline", {"launcher": "posttrain repro"})
-    env = dict(os.environ)
-    if parent:
-        env[tracking.PARENT_ENV] = parent
-    status, rc = "KILLED", 1
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        rc = subprocess.call([sys.executable, "-m", "dvc", "repro", *(args or [])], cwd=root, env=env)
-        status = "FINISHED" if rc == 0 else "FAILED"
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        tracking.end_parent(p, root, parent, status)
+        with workspace_lock(root, "posttrain repro", p.prefect.workspace_wait_s):
+            clear_stale_locks(root)  # left by a killed run
+            parent = tracking.start_parent(p, root, "pipeline", {"launcher": "posttrain repro"})
+            env = dict(os.environ)
+            if parent:
+                env[tracking.PARENT_ENV] = parent
+            proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", *(args or [])], cwd=root, env=env,
+                                    process_group=0)
+            got: list[int] = []
+
+            def forward(signum: int, _: object) -> None:
+                got.append(signum)
+                os.killpg(proc.pid, signum)
+
+            handlers = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                rc = proc.wait()
+            finally:
+                for s, h in handlers.items():
+                    signal.signal(s, h)
+            tracking.end_parent(p, root, parent, "FINISHED" if rc == 0 else "KILLED" if got else "FAILED")
+    except StageError as e:  # the workspace is held by another run
+        print(f"posttrain: {e}", file=sys.stderr)
+        raise typer.Exit(1) from None
     raise typer.Exit(rc)
 
 

@@ -17,7 +17,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,15 +54,18 @@ _IO_FAULTS = {
     errno.EACCES: "permission denied: make it writable (or readable), or point paths.* elsewhere",
     errno.EPERM: "operation not permitted: make it writable, or point paths.* elsewhere",
     errno.EROFS: "read-only file system: point paths.* at a writable place",
+}
+# A path of the wrong kind: a fault of params.yaml when it is at or under a configured path, else maybe a bug
+_PATH_SHAPE = {
     errno.ENOTDIR: "a file stands where a folder is needed: check paths.*",
     errno.EEXIST: "a file stands where a folder is needed: check paths.*",  # mkdir(exist_ok=True) on a file
     errno.EISDIR: "a folder stands where a file is needed: check paths.*",
 }
 
 
-def expected_failure(stage: str, e: BaseException) -> str | None:
+def expected_failure(stage: str, e: BaseException, paths: Sequence[str] = ()) -> str | None:
     """One line for a failure a user can fix (out of memory, a missing file, a full disk, a path that cannot be
-    written), None for a bug."""
+    written, a file where ``paths`` (params.yaml's) want a folder), None for a bug."""
     torch = sys.modules.get("torch")
     host_oom = isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(e)
     if isinstance(e, MemoryError) or host_oom or (torch is not None and isinstance(e, torch.OutOfMemoryError)):
@@ -73,6 +76,10 @@ def expected_failure(stage: str, e: BaseException) -> str | None:
         return f"file not found: {e.filename or e}"
     if isinstance(e, OSError) and e.errno in _IO_FAULTS:
         return f"{e.filename or 'an output'}: {_IO_FAULTS[e.errno]}"
+    if isinstance(e, OSError) and e.errno in _PATH_SHAPE and e.filename:
+        where = Path(str(e.filename)).resolve()
+        if any(where == (p := Path(x).resolve()) or p in where.parents for x in paths):
+            return f"{e.filename}: {_PATH_SHAPE[e.errno]}"
     return None
 
 
@@ -167,7 +174,7 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
         print(f"posttrain {name}: {e}", file=sys.stderr)
         sys.exit(1)
     except Exception as e:  # expected failures get one line too; anything else is a bug: its traceback stays
-        line = expected_failure(name, e)
+        line = expected_failure(name, e, list(params.paths.model_dump().values()))
         if line is None:
             raise
         print(f"posttrain {name}: {line}", file=sys.stderr)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
-from posttrain import checkpoint, distributed, logprobs, seeds
+from posttrain import checkpoint, distributed, logprobs, modeling, seeds
 from posttrain.tasks import get_task
 from posttrain.trainlog import TrainLog
 
@@ -38,10 +38,9 @@ ONLINE_BETAS = (0.9, 0.99)  # rl, distill
 DISTILL_WEIGHT_DECAY = 0.01  # torch's AdamW default, which distill has always used; rl and sft take theirs from params
 
 
-def adamw(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float, betas: tuple[float, float]
-          ) -> torch.optim.AdamW:
-    """AdamW over the parameters that train (LoRA: the adapters only)."""
-    return torch.optim.AdamW([p for p in params if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=betas)
+def adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]) -> torch.optim.AdamW:
+    """AdamW over the parameters of ``model`` that train (LoRA: the adapters only)."""
+    return torch.optim.AdamW(modeling.trainable_params(model), lr=lr, weight_decay=weight_decay, betas=betas)
 
 
 def accumulate(model: torch.nn.Module, opt: torch.optim.Optimizer, items: Sequence[T], micro_batch_size: int,
@@ -162,7 +161,7 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
                    for x in demos]
            for style in ("cot", "direct")}
     total = cfg.total_steps
-    opt = adamw(model.parameters(), cfg.lr, cfg.weight_decay, SFT_BETAS)
+    opt = adamw(model, cfg.lr, cfg.weight_decay, SFT_BETAS)
     sched = get_cosine_schedule_with_warmup(opt, cfg.warmup_steps, total)
     start = 0
     state = checkpoint.load_resumable(ckpt_dir, fp)

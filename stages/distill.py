@@ -128,7 +128,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     prompt_ids = dict(zip([p["id"] for p in prompts], chat_prompt_ids(tok, [p["prompt"] for p in prompts]),
                           strict=True))
     phases = ["warmup"] * cfg.warmup.steps + ["on_policy"] * cfg.on_policy.steps + ["grpo"] * cfg.grpo_steps
-    opt = training.adamw(student.parameters(), cfg.warmup.lr, training.DISTILL_WEIGHT_DECAY, training.ONLINE_BETAS)
+    opt = training.adamw(student, cfg.warmup.lr, training.DISTILL_WEIGHT_DECAY, training.ONLINE_BETAS)
     fp = checkpoint.fingerprint(cfg, params.rl, params.reward, params.seed, fp0,
                               modeling.checkpoint_digest(inputs["teacher"]), sorted(prompt_ids))
     d_seed = params.seed + cfg.seed  # distill.seed: seeds of a distillation arm (the cold start stays fixed)

@@ -82,7 +82,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         ref = model if modeling.is_lora(model) else modeling.load_model(str(inputs["policy"]), params.model.dtype,
                                                                         device)
     model = d.wrap(model)  # the training handle (the model itself in one process)
-    opt = training.adamw(model.parameters(), cfg.lr, cfg.weight_decay, training.ONLINE_BETAS)
+    opt = training.adamw(model, cfg.lr, cfg.weight_decay, training.ONLINE_BETAS)
     backend = BACKENDS[params.rollout.backend](d.plain(model), tok, cfg.generate_batch_size, params.rollout.vllm)
     policy0 = modeling.checkpoint_digest(inputs["policy"])
     prompt_ids = dict(zip([p["id"] for p in prompts], chat_prompt_ids(tok, [p["prompt"] for p in prompts]),
@@ -171,10 +171,10 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
         bar.set_postfix(reward=log_rows[-1]["reward_mean"], zero_var=sb.zero_var_frac)
         done = step + 1
         if done in cfg.save_steps:
-            saved = d.plain(model)
+            snapshot = d.plain(model)
             if d.main:
                 with atomic_path(ckpt_dir / "saved" / f"step_{done}") as tmp:
-                    modeling.save_checkpoint(saved, tok, tmp)
+                    modeling.save_checkpoint(snapshot, tok, tmp)
         if done % cfg.checkpoint_every == 0 and done < cfg.steps:
             checkpoint.save_loop_state(ckpt_dir, done, fp, cursor.pos, model, opt, log_rows, moving_ref,
                                      {"prior": {"p": prior.p, "n": prior.n}})

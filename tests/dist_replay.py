@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain import distillation, distributed, logprobs, modeling
+from posttrain import distillation, distributed, logprobs, modeling, training
 from posttrain.config import Params, load_params
 from posttrain.rl import update
 from posttrain.rollout import chat_prompt_ids
@@ -43,7 +43,7 @@ def variant(dist: distributed.Dist, params: Params, policy: str, shard: str) -> 
     prompts = {r["prompt_id"]: r["prompt"] for r in rows}
     prompt_ids = dict(zip(prompts, chat_prompt_ids(tok, list(prompts.values())), strict=True))
     model = dist.wrap(model)
-    opt = torch.optim.AdamW(modeling.trainable_params(model), lr=cfg.lr, betas=(0.9, 0.99))
+    opt = training.adamw(model, cfg.lr, cfg.weight_decay, training.ONLINE_BETAS)  # as stages/rl.py
     metrics, _ = update.update_from_groups(model, opt, groups, cfg, prompt_ids, tok.pad_token_id, ref, seed=7)
     teacher = dist.plain(model)
     updated = {k: v.clone() for k, v in teacher.state_dict().items()}

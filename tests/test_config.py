@@ -39,9 +39,7 @@ def test_repo_params_validate():
     (lambda p: p["rl"].update(token_select="top"), "rl.token_select: Value error, unknown token selection 'top'"),
     (lambda p: p["rl"]["select"].update(strategy="best"), "rl.select.strategy: Value error, unknown prompt selec"),
     (lambda p: p["report"].update(compare=[["sft", "teacher"]]), "params: report.compare: ['teacher'] not in"),
-    # several processes: the global batch must split evenly; multi-node needs a rendezvous; no sharded LoRA
-    (lambda p: p["runtime"].update(distributed={"nproc_per_node": 3}),
-     "params: sft.batch_size: 64 must be a multiple of world size 3 (runtime.distributed) x sft.micro_batch_size"),
+    # several processes: multi-node needs a rendezvous; no sharded LoRA
     (lambda p: p["runtime"].update(distributed={"nnodes": 2}),
      "runtime.distributed.rdzv_endpoint: Value error, nnodes > 1 needs"),
     (lambda p: (p["runtime"].update(distributed={"nproc_per_node": 2, "strategy": "fsdp2"}),
@@ -143,9 +141,6 @@ REFUSALS = {
     "`runtime.distributed.strategy: fsdp2` with `model.lora`":
         ({"runtime": {"distributed": {"nproc_per_node": 2, "strategy": "fsdp2"}}, "model": {"lora": {}}},
          "runtime.distributed.strategy"),
-    "`sft.batch_size` not a multiple of world size × `sft.micro_batch_size`":
-        ({"runtime": {"distributed": {"nproc_per_node": 2}}}, "sft.batch_size"),
-    "`sft.batch_size` not a multiple of `sft.micro_batch_size`": ({"sft": {"batch_size": 48}}, "sft.batch_size"),
     "`runtime.distributed.nnodes` > 1 without `rdzv_endpoint`": ({"runtime": {"distributed": {"nnodes": 2}}},
                                                                  "runtime.distributed.rdzv_endpoint"),
     "`evaluate.ks` beyond `evaluate.samples_per_prompt`": ({"evaluate": {"ks": [16]}}, "evaluate.ks"),

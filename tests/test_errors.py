@@ -120,6 +120,9 @@ def test_io_faults_and_host_oom_are_one_line_not_a_traceback(exc, expected):
     line = expected_failure("rl", exc)
     assert line is not None and expected in line and "\n" not in line
     assert expected_failure("rl", ValueError("a bug")) is None  # bugs keep their traceback
+    shape = FileExistsError(errno.EEXIST, "File exists", "/srv/run/metrics")
+    assert expected_failure("rl", shape, ["/srv/run/metrics"]) is not None  # a configured path: params.yaml's fault
+    assert expected_failure("rl", shape, ["/srv/run/models"]) is None  # elsewhere: maybe a bug, keep the traceback
 
 
 def test_a_file_where_an_output_folder_belongs_exits_1_in_one_line(tiny, tmp_path, capsys):

@@ -327,3 +327,73 @@ def test_a_parent_run_whose_process_is_gone_ends_killed_at_the_next_start(tmp_pa
     assert client.get_run(first).info.status == "KILLED"
     assert client.get_run(second).info.status == "RUNNING" and client.get_run(second).data.tags["pid"] == str(
         os.getpid())
+
+
+@pytest.mark.slow
+def test_sigterm_to_posttrain_repro_reaches_the_stage_and_ends_the_parent_killed(tmp_path):
+    """Found by review: the first SIGTERM handler made subprocess.call SIGKILL dvc, orphaning the stage it ran.
+    SIGTERM now goes to dvc's process group: the stage gets it (it can stop as it would alone)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import copy_repo
+
+    raw = tiny_raw(None)
+    raw["tracking"] = {"enabled": True, "uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "t"}
+    repo = tmp_path / "repo"
+    copy_repo(repo, raw)
+    marker = tmp_path / "got_term"
+    (repo / "wait.py").write_text(  # one stage that waits, and says when SIGTERM reaches it
+        "import signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (open({str(marker)!r}, 'w').write('1'), sys.exit(0)))\n"
+        "time.sleep(120)\n")
+    (repo / "dvc.yaml").write_text("stages:\n  wait:\n    cmd: python wait.py\n")
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain.cli", "repro"], cwd=repo, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    client = store.mlflow_client(raw["tracking"]["uri"])
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(psutil_children_running_sleep(proc.pid)):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert marker.read_text() == "1"  # the stage itself got SIGTERM
+    (parent,) = client.search_runs([client.get_experiment_by_name("t").experiment_id],
+                                   "attributes.run_name = 'pipeline'")
+    assert parent.info.status == "KILLED"
+
+
+def psutil_children_running_sleep(pid: int) -> list:
+    import psutil
+
+    try:
+        return [c for c in psutil.Process(pid).children(recursive=True) if "wait.py" in " ".join(c.cmdline())]
+    except psutil.Error:
+        return []
+
+
+def test_a_fill_interrupted_half_way_is_replayed_without_doubles(tmp_path, monkeypatch):
+    """Found by review: a fill of the live run that failed after its metrics and model were logged was replayed
+    whole from the outbox: every metric point twice and a second model version. The record keeps its progress."""
+    from posttrain.tracking import champion
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = store.mlflow_client(uri)
+    rec = _record(tmp_path)
+    rec.run_id = client.create_run(store._experiment_id(client, "t", tmp_path)).info.run_id
+    rec.evals = [{"md5": "md5-rl", "metric": "eval.greedy", "value": 0.5}]
+
+    def down(*a, **k):
+        raise ConnectionError("the store went away")
+
+    monkeypatch.setattr(store, "promote", down)  # fails after the metrics and the model version
+    with pytest.raises(ConnectionError):
+        tracking.send(rec, uri, tmp_path)
+    tracking.to_outbox(rec, tmp_path / "box")
+    monkeypatch.setattr(store, "promote", champion.promote)
+    assert tracking.sync(tmp_path / "box", uri, tmp_path) == (1, 0, 0)
+    assert len(client.get_metric_history(rec.run_id, "reward_mean")) == 250  # once
+    assert len(client.search_model_versions("name = 'posttrain-rl'")) == 1

@@ -46,6 +46,19 @@ def test_sft_loss_is_the_token_mean_over_completion_tokens(tmp_path):
     assert math.isclose(res["log"][0]["loss"], nll / count, rel_tol=1e-5), (res["log"][0]["loss"], nll / count)
 
 
+def test_any_micro_batch_size_gives_the_full_batch_gradient(tmp_path):
+    """training.accumulate takes any split of the batch (the config used to refuse a batch that micro-batches
+    do not divide): 3 demos in micro-batches of 2 (2 + 1) end where one micro-batch of 3 ends."""
+    demos = DEMOS + [{"prompt": "57*8=", "answer": "456", "solution": None, "task": "arith"}]
+    ends = []
+    for micro in (3, 2):
+        model, tok = _model()
+        training.sft_train(model, tok, demos, _sft(batch_size=3, micro_batch_size=micro, lr=1e-2), 0,
+                           tmp_path / f"ck{micro}", "fp", progress=False)
+        ends.append(model.state_dict())
+    assert all(torch.allclose(ends[0][k], ends[1][k], atol=1e-6) for k in ends[0])
+
+
 def test_fingerprint_ignores_knobs_that_do_not_change_the_result():
     base = checkpoint.fingerprint(Rl())
     assert checkpoint.fingerprint(Rl(micro_batch_size=8, pack=True, checkpoint_every=3)) == base

@@ -72,10 +72,6 @@ class Params(Section):
             if d.strategy == "fsdp2" and self.model.lora is not None:
                 raise Refusal("runtime.distributed.strategy", "fsdp2 with model.lora is not supported; use ddp "
                               "(LoRA's frozen base needs no sharding of gradients or optimizer state)")
-            if self.sft.batch_size % (d.world_size * self.sft.micro_batch_size):
-                raise Refusal("sft.batch_size", f"{self.sft.batch_size} must be a multiple of world size "
-                              f"{d.world_size} (runtime.distributed) x sft.micro_batch_size "
-                              f"{self.sft.micro_batch_size}")
         return self
 
 
@@ -88,26 +84,25 @@ class Params(Section):
                    "rl.sampling.max_new_tokens": self.rl.sampling.max_new_tokens,
                    "evaluate.sampling.max_new_tokens": self.evaluate.sampling.max_new_tokens,
                    "distill.max_new_tokens": self.distill.max_new_tokens}
+        prompt = self.task.max_digits + 5 if self.task.kind == "arith" and self.model.base == "tiny" else 1
+        contexts: dict[str, tuple[int, list[str]]] = {}  # model -> (context, the max_new_tokens it samples with)
         if self.model.base == "tiny":
-            prompt = self.task.max_digits + 5 if self.task.kind == "arith" else 1
-            contexts = {"model.tiny": self.model.tiny.max_position_embeddings}
-            if isinstance(self.distill.student, TinyModel):
-                contexts["distill.student"] = self.distill.student.max_position_embeddings
-        else:
-            prompt, contexts = 1, {}
-            config = Path(self.model.base) / "config.json"
-            if config.is_file():
-                import json
+            contexts["model.tiny"] = (self.model.tiny.max_position_embeddings, list(sampled))
+        elif (Path(self.model.base) / "config.json").is_file():
+            import json
 
-                n = json.loads(config.read_text()).get("max_position_embeddings")
-                if isinstance(n, int):
-                    contexts["model.base"] = n
-        for where, ctx in contexts.items():
-            for key, n in sampled.items():
-                if key == "distill.max_new_tokens" or where != "distill.student":
-                    if prompt + n > ctx:
-                        raise Refusal(key, f"{n} + a prompt of up to {prompt} tokens exceeds the {ctx}-token "
-                                      f"context of {where} (max_position_embeddings)")
+            n = json.loads((Path(self.model.base) / "config.json").read_text()).get("max_position_embeddings")
+            if isinstance(n, int):
+                contexts["model.base"] = (n, list(sampled))
+        if isinstance(self.distill.student, TinyModel):  # phases A-B, C (rl sampling) and evaluate@student
+            contexts["distill.student"] = (self.distill.student.max_position_embeddings,
+                                           ["distill.max_new_tokens", "rl.sampling.max_new_tokens",
+                                            "evaluate.sampling.max_new_tokens"])
+        for where, (ctx, keys) in contexts.items():
+            for key in keys:
+                if prompt + sampled[key] > ctx:
+                    raise Refusal(key, f"{sampled[key]} + a prompt of up to {prompt} tokens exceeds the {ctx}-token "
+                                  f"context of {where} (max_position_embeddings)")
 
 
 def stage_metrics(metrics_dir: str | Path, stage: str) -> Path:

@@ -12,7 +12,7 @@ from posttrain.config.base import MAX_THREADS, Refusal, Section
 class Distributed(Section):
     """Several training processes (``posttrain.distributed``): sft, rl and distill relaunch themselves under
     ``torchrun`` when ``nproc_per_node * nnodes`` > 1. Global batch = per-rank micro-batches x ranks x
-    accumulation: ``sft.batch_size``, ``rl.prompts_per_step`` x ``group_size`` and the distill batches stay the
+    accumulation: ``sft.batch_size``, ``rl.prompts_per_step`` x ``samples_per_prompt`` and the distill batches stay the
     *global* batch, split over ranks, so a run's result does not depend on the world size beyond fp32 reduction
     order (sft, and an rl/distill update from the same samples) and sampling (rl/distill ranks generate their
     share of prompts with their own seeds: reproducible for a given world size)."""

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from posttrain.config.base import MAX_BATCH, MAX_COUNT, MAX_LR, NOT_RESULT, Refusal, Section
+from posttrain.config.base import MAX_BATCH, MAX_COUNT, MAX_LR, NOT_RESULT, Section
 
 
 class SftPhase(Section):
@@ -34,12 +34,6 @@ class Sft(Section):
     checkpoint_every: int = Field(100, ge=1, le=MAX_COUNT, description="save a resumable checkpoint every N steps",
                                   json_schema_extra=NOT_RESULT)
     log_every: int = Field(10, ge=1, le=MAX_COUNT, description="write a training-log row every N steps")
-
-    @model_validator(mode="after")
-    def _micro(self) -> Sft:
-        if self.batch_size % self.micro_batch_size:
-            raise Refusal("batch_size", "must be a multiple of micro_batch_size")
-        return self
 
     @property
     def total_steps(self) -> int:

@@ -34,6 +34,8 @@ from posttrain.tracking.outbox import outbox_dir, to_outbox
 from posttrain.tracking.store import metric_key, mlflow_client, open_run, send, store_uri
 
 log = logging.getLogger("tracking")
+BATCH_METRICS = 1000  # metrics per log_batch at most (MLflow's own limit)
+CLOSE_TIMEOUT_S = 60.0  # the most a stage's end waits for rows still queued for a slow store
 
 
 class LiveRun:
@@ -49,23 +51,34 @@ class LiveRun:
         self.metrics: list[tuple[str, float, int]] = []  # every per-step metric heard, sent or not
         self.sent: list[tuple[str, int]] = []
         self._rows: queue.Queue[list[tuple[str, float, int]] | None] = queue.Queue()
+        self._stop = False  # set when close() gave up waiting: the worker logs nothing more
         self._thread = threading.Thread(target=self._work, args=(experiment, stage, start_ms, parent, root),
                                         name="mlflow-live", daemon=True)
         self._thread.start()
 
     def row(self, name: str, row: dict[str, Any]) -> None:
-        """The row's numbers as metrics at its step (keys prefixed ``<name>/``); text columns are no metrics."""
-        step = int(float(row.get("step") or 0))
-        new = [(f"{name}/{k}" if name else k, float(v), step) for k, v in row.items()
-               if k != "step" and v not in ("", None) and not isinstance(v, str)]
+        """The row's numbers as metrics at its step (keys prefixed ``<name>/``); what is not a number (text, a
+        missing value) is no metric. Never raises: tracking must not fail a training step."""
+        try:
+            step = int(float(row.get("step") or 0))
+            new = [(f"{name}/{k}" if name else k, float(v), step) for k, v in row.items()
+                   if k != "step" and isinstance(v, int | float)]
+        except (TypeError, ValueError) as e:
+            log.warning("tracking: a train-log row with no numeric step is not logged (%s)", e)
+            return
         if new:
             self.metrics += new
             self._rows.put(new)
 
-    def close(self) -> None:
-        """Wait until every row handed in was logged (or could not be)."""
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Wait until every row handed in was logged (or could not be), at most ``timeout_s``: rows still queued
+        then go with the run's record (they are in ``metrics``, not in ``sent``)."""
         self._rows.put(None)
-        self._thread.join()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("tracking store %s still busy after %.0fs: the rows not yet logged go with the run's "
+                        "record", self.uri, timeout_s)
+            self._stop = True
 
     def _work(self, experiment: str, stage: str, start_ms: int, parent: str | None, root: Path) -> None:
         client = None
@@ -78,18 +91,27 @@ class LiveRun:
             log.warning("tracking store %s unreachable at the start of %s (%s: %s): no live metrics; the run's "
                         "record is sent at the end, or kept in the outbox", self.uri, stage, type(e).__name__,
                         str(e)[:200])
-        while (new := self._rows.get()) is not None:
-            if client is None:
+        done = False
+        while not done:
+            new = self._rows.get()
+            batch, done = ([] if new is None else new), new is None
+            while not done and len(batch) < BATCH_METRICS:  # rows that queued while the store was busy: one call
+                try:
+                    more = self._rows.get_nowait()
+                except queue.Empty:
+                    break
+                batch, done = (batch if more is None else batch + more), more is None
+            if client is None or not batch or self._stop:
                 continue
             try:
                 now = int(time.time() * 1000)
-                client.log_batch(self.run_id, metrics=[Metric(metric_key(k), v, now, s) for k, v, s in new])
+                client.log_batch(self.run_id, metrics=[Metric(metric_key(k), v, now, s) for k, v, s in batch])
             except Exception as e:  # the store went away: stop trying; the end-of-stage record carries every row
                 log.warning("tracking store %s unreachable mid-stage (%s: %s): live metrics stop here, the rest "
                             "go with the run's record at the end", self.uri, type(e).__name__, str(e)[:200])
                 client = None
                 continue
-            self.sent += [(k, s) for k, _, s in new]
+            self.sent += [(k, s) for k, _, s in batch]
 
 
 @contextmanager
@@ -106,6 +128,9 @@ def stage_run(stage: str, params: Params, root: Path = Path(".")) -> Iterator[No
     try:
         yield
         status = "FINISHED"
+    except KeyboardInterrupt:  # Ctrl-C, or SIGINT forwarded by posttrain repro
+        status = "KILLED"
+        raise
     finally:
         trainlog.LISTENERS.remove(live.row)
         live.close()

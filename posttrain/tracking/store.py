@@ -44,20 +44,23 @@ def _experiment_id(client: Any, name: str, root: Path | None) -> str:
 def open_run(uri: str, experiment: str, stage: str, start_ms: int, parent: str | None, root: Path | None) -> str:
     """Create the stage's run at its start (so its per-step metrics can be logged live); returns its id."""
     c = mlflow_client(uri)
-    tags = {"mlflow.runName": stage, "dvc.stage": stage}
+    exp_id = _experiment_id(c, experiment, root)
+    reap_runs(c, exp_id)
+    tags = {"mlflow.runName": stage, "dvc.stage": stage, "hostname": socket.gethostname(), "pid": str(os.getpid())}
     if parent:
         tags["mlflow.parentRunId"] = parent
-    return c.create_run(_experiment_id(c, experiment, root), start_time=start_ms, tags=tags,
-                        run_name=stage).info.run_id
+    return c.create_run(exp_id, start_time=start_ms, tags=tags, run_name=stage).info.run_id
 
 
 def send(rec: StageRecord, uri: str, root: Path | None) -> str:
     """Log ``rec`` to MLflow (batched) and register its models; returns the run id.
 
-    The run opened at the stage's start (``rec.run_id``) is filled with everything but the metrics it already
-    has (``rec.sent``); without one (the store was down at the start, or the run is not in this store) a new
-    run gets all of it. A new run that fails half-way is deleted, so the outbox's replay logs it whole; the
-    live run is kept (its curves), and the replay fills it."""
+    The run opened at the stage's start (``rec.run_id``) is filled with everything but what it already has:
+    the metrics of ``rec.sent`` and the models that carry a registered ``version``. ``rec`` records its own
+    progress as the fill goes, so a fill that fails half-way leaves a record (for the outbox) whose replay
+    neither logs a metric twice nor registers a model twice. Without a live run (the store was down at the start,
+    or the run is not in this store) a new run gets all of it; one that fails half-way is deleted, so the replay
+    logs it whole."""
     from mlflow.exceptions import MlflowException
 
     c = mlflow_client(uri)
@@ -71,6 +74,7 @@ def send(rec: StageRecord, uri: str, root: Path | None) -> str:
         sent = {(k, int(step)) for k, step in rec.sent}
         _fill(c, run, rec, uri, [m for m in rec.metrics if (m[0], int(m[2])) not in sent], rec.tags)
         return run.info.run_id
+    progress = (list(rec.sent), [dict(m) for m in rec.models])
     tags = {"mlflow.runName": rec.stage, **rec.tags}
     if rec.parent:
         tags["mlflow.parentRunId"] = rec.parent
@@ -80,6 +84,7 @@ def send(rec: StageRecord, uri: str, root: Path | None) -> str:
     try:
         _fill(c, run, rec, uri, rec.metrics, {})  # tags were set at creation
     except Exception:
+        rec.sent, rec.models = progress  # nothing of the deleted run counts as done
         try:  # no half-logged run stays behind: the replay from the outbox logs it whole
             c.delete_run(rid)
         except Exception:
@@ -108,6 +113,7 @@ def _fill(client: Any, run: Any, rec: StageRecord, uri: str, metrics: list[tuple
         client.log_batch(rid, tags=[RunTag(k, v) for k, v in tags.items()])
     for i in range(0, len(entries), 1000):
         client.log_batch(rid, metrics=entries[i : i + 1000])
+        rec.sent += [(k, s) for k, _, s in metrics[i : i + 1000]]
     if rec.datasets:
         client.log_inputs(rid, datasets=[DatasetInput(Dataset(d["name"], d["digest"], "local", d["source"]),
                                                       [InputTag("mlflow.data.context", rec.stage)])
@@ -120,11 +126,14 @@ def _fill(client: Any, run: Any, rec: StageRecord, uri: str, metrics: list[tuple
             client.log_artifact(rid, str(p), artifact_path=p.parent.name)
     remote = uri.startswith(("http://", "https://", "databricks"))
     for m in rec.models:
+        if m.get("version"):
+            continue  # registered by an earlier, interrupted fill of this record
+        source = m["source"]
         if remote:  # a server accepts only sources inside the run's artifacts: upload the folder there
-            name = Path(m["source"]).name
-            client.log_artifacts(rid, m["source"], artifact_path=f"model/{name}")
-            m = {**m, "source": f"{run.info.artifact_uri}/model/{name}"}
-        register(client, m, rid)
+            name = Path(source).name
+            client.log_artifacts(rid, source, artifact_path=f"model/{name}")
+            source = f"{run.info.artifact_uri}/model/{name}"
+        m["version"] = register(client, {**m, "source": source}, rid)
     for e in rec.evals:
         promote(client, e)
     client.set_terminated(rid, rec.status, end_time=rec.end_ms)
@@ -141,7 +150,7 @@ def start_parent(params: Params, root: Path, name: str, tags: dict[str, str] | N
     try:
         client = mlflow_client(store_uri(params, root))
         exp_id = _experiment_id(client, params.tracking.experiment, root)
-        reap_parents(client, exp_id)
+        reap_runs(client, exp_id)
         run = client.create_run(exp_id, tags={"mlflow.runName": name, "git.commit": _git(root, "rev-parse", "HEAD"),
                                               PARENT_TAG: "true", "hostname": socket.gethostname(),
                                               "pid": str(os.getpid()), **(tags or {})}, run_name=name)
@@ -151,19 +160,19 @@ def start_parent(params: Params, root: Path, name: str, tags: dict[str, str] | N
         return None
 
 
-def reap_parents(client: Any, exp_id: str) -> list[str]:
-    """End as KILLED every RUNNING parent run of this host whose process no longer exists; returns their ids."""
+def reap_runs(client: Any, exp_id: str) -> list[str]:
+    """End as KILLED every RUNNING run (a pipeline's parent, a stage's) of this host whose process no longer
+    exists (SIGKILLed: nothing ended it); returns their ids. Runs keep every metric they logged."""
     import psutil
 
     host, gone = socket.gethostname(), []
-    for run in client.search_runs([exp_id], f"tags.`{PARENT_TAG}` = 'true' and attributes.status = 'RUNNING' "
-                                            f"and tags.hostname = '{host}'"):
+    for run in client.search_runs([exp_id], f"attributes.status = 'RUNNING' and tags.hostname = '{host}'"):
         pid = int(run.data.tags.get("pid", "0") or 0)
         if pid and not psutil.pid_exists(pid):
             client.set_terminated(run.info.run_id, "KILLED")
             gone.append(run.info.run_id)
-            log.warning("parent run %s of a pipeline process that is gone (pid %d) ended as KILLED", run.info.run_id,
-                        pid)
+            log.warning("run %s (%s) of a process that is gone (pid %d) ended as KILLED", run.info.run_id,
+                        run.info.run_name, pid)
     return gone
 
 
