@@ -68,7 +68,8 @@ def report_markdown(results: dict[str, dict[str, dict[str, Any]]], ks: list[int]
     lines = ["# Evaluation", "",
              f"Sampled metrics at temperature {sampling.temperature}, top-p {sampling.top_p} (pass@1 is the mean "
              "over samples; maj@k the mean over disjoint blocks of k samples). 95% intervals in brackets: Wilson "
-             "for greedy accuracy, bootstrap over problems for the rest. Curves: pass_at_k.png.", ""]
+             "for greedy accuracy, bootstrap over problems for the rest (Wilson where every problem is at 0% or at "
+             "100%, where a bootstrap cannot move). Curves: pass_at_k.png.", ""]
     for split, by_model in results.items():
         lines += [f"## {split}", "", "| model | n | " + " | ".join(cols) + " | mean len | cut at max |",
                   "|---|---:|" + "---:|" * (len(cols) + 2)]
