@@ -1,4 +1,5 @@
-"""ADVANTAGES, POLICY_LOSSES, TOKEN_SELECTIONS, TIS and KL_ESTIMATORS registries, and loss aggregation.
+"""ADVANTAGES, POLICY_LOSSES, TOKEN_SELECTIONS and KL_ESTIMATORS registries, and loss aggregation (TIS:
+``posttrain.corrections``).
 
 Names follow the papers: ``logp`` (current policy), ``old_logp`` (behaviour policy), ``ref_logp`` (frozen
 reference), ``ratio = exp(logp - old_logp)``, ``adv``, ``mask`` (1 on completion tokens). Shapes in
@@ -245,31 +246,6 @@ def vanilla_pg(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, cf
 
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "ppo_clip": ppo_clip, "vanilla_pg": vanilla_pg,
-}
-
-def tis_token(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling, per token: w_t = min(pi_trainer(y_t) / pi_sampler(y_t), cap). [B, T]
-
-    The sampler (vLLM: other kernels, bf16) and the trainer disagree slightly on the same tokens, so the
-    samples are a little off-policy for the trainer; weighting each token's policy-gradient term by w_t
-    corrects toward the trainer's own distribution, truncated at ``cap`` to bound the variance (Yao et al.
-    2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"; verl's and OpenRLHF's TIS).
-    ``old_logp``: the trainer's log-probs of the policy that sampled; 0 where ``mask`` is 0."""
-    w = torch.exp((old_logp - sampler_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=cap)
-    return (w * mask).detach()
-
-
-def tis_sequence(old_logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling, per sequence: every token of a sequence gets
-    w = min(prod_t pi_trainer(y_t) / pi_sampler(y_t), cap) = min(exp(sum_t (old - sampler)), cap). [B, T]
-    (the sequence-level ratio: unbiased for sequence-level objectives, higher variance than per token)."""
-    s = ((old_logp - sampler_logp) * mask).sum(-1, keepdim=True)
-    w = torch.exp(s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).clamp(max=cap)
-    return (w.expand_as(old_logp) * mask).detach()
-
-
-TIS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
-    "token": tis_token, "sequence": tis_sequence,
 }
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")

@@ -231,7 +231,7 @@ def test_no_baseline_estimators_refuse_dynamic_sampling(adv):
 
 
 def test_truncated_importance_sampling_weights_by_hand():
-    from posttrain.algos import TIS
+    from posttrain.corrections import TIS
 
     ln = torch.log
     # trainer probs 0.5, 0.2, 0.9 (third token padding); sampler probs 0.25, 0.4, 0.3

@@ -184,7 +184,7 @@ def test_every_documented_refusal_fires_with_the_other_value_left_at_its_default
 
 def test_config_names_are_the_registries_names():
     """config validates names against torch-free tuples (config/names.py); each must be its registry's keys."""
-    from posttrain import algos, divergences, rewards, rollout
+    from posttrain import algos, corrections, divergences, rewards, rollout
     from posttrain.config import names
     from posttrain.rl import select
 
@@ -194,7 +194,7 @@ def test_config_names_are_the_registries_names():
     assert names.TOKEN_SELECTIONS == tuple(algos.TOKEN_SELECTIONS)
     assert names.PROMPT_SELECTIONS == tuple(select.PROMPT_SELECTIONS)
     assert names.KL_ESTIMATORS == tuple(algos.KL_ESTIMATORS)
-    assert names.TIS == tuple(algos.TIS)
+    assert names.TIS == tuple(corrections.TIS)
     assert sorted(names.DIVERGENCES) == sorted(divergences.DIVERGENCES)
     assert names.AGGREGATIONS == algos.AGGREGATIONS
     assert names.BACKENDS == tuple(rollout.BACKENDS)

@@ -79,9 +79,9 @@ class RefReset(Section):
 
 
 class Tis(Section):
-    """Truncated importance sampling of the sampler/trainer mismatch (posttrain.algos.TIS)."""
+    """Truncated importance sampling of the sampler/trainer mismatch (posttrain.corrections.TIS)."""
 
-    mode: Literal[names.TIS] = Field("token", description="a key of posttrain.algos.TIS: one weight "
+    mode: Literal[names.TIS] = Field("token", description="a key of posttrain.corrections.TIS: one weight "
                                                "per token, or one per sequence (the product of its ratios)")
     cap: float = Field(2.0, ge=1, le=1e6, description="weights min(pi_trainer / pi_sampler, cap)")
 

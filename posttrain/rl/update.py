@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from posttrain import algos, distributed, training
+from posttrain import algos, corrections, distributed, training
 from posttrain.config import Rl
 from posttrain.logprobs import Seq, batch_tensors, fill, token_logp_entropy
 from posttrain.modeling import adapter_off
@@ -80,7 +80,7 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     loss_fn = algos.POLICY_LOSSES[cfg.policy_loss]
     loss_cfg = algos.LossCfg(cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip)
     kl_fn = algos.KL_ESTIMATORS[cfg.kl_estimator]
-    tis_fn = algos.TIS[cfg.tis.mode] if cfg.tis is not None else None
+    tis_fn = corrections.TIS[cfg.tis.mode] if cfg.tis is not None else None
     use_kl = ref_model is not None and cfg.kl_coef > 0
     norm_len = cfg.sampling.max_new_tokens
     on_policy = cfg.epochs * cfg.minibatches == 1  # then old log-probs come from the update's own forward
