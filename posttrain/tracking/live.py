@@ -3,8 +3,9 @@
 At the start it opens the stage's MLflow run (a child of ``POSTTRAIN_MLFLOW_PARENT`` when a pipeline set one)
 and listens to every ``posttrain.trainlog.TrainLog`` row: each is logged to the run as it is made (one
 ``log_batch`` per row), so a user watches the curves during a multi-hour run and a killed run keeps them (its
-MLflow run stays ``RUNNING`` with every row logged before the kill). A worker thread does all of it (importing
-mlflow, opening the run, each ``log_batch``), so a step never waits on the store
+MLflow run stays ``RUNNING`` with every row logged before the kill). The run is opened before the stage's first
+step (a run opened later, in a thread, lost a killed run's early rows: tests/test_slow.py); a worker thread then
+sends each row (``log_batch``, queued rows batched), so a step never waits on the store
 (``benchmarks/tracking_overhead.py`` measures what tracking costs a stage). At the end the record
 (``records.build_record``) fills the same run: params, tags, final metrics, artifacts, registered models, and
 any row the live logging could not send.
@@ -39,9 +40,9 @@ CLOSE_TIMEOUT_S = 60.0  # the most a stage's end waits for rows still queued for
 
 
 class LiveRun:
-    """The stage's MLflow run while it runs, kept by one worker thread so the stage never waits on the store:
-    the thread imports mlflow and opens the run while the stage starts up, then logs each train-log row it is
-    handed (``row``, a ``TrainLog`` listener: a queue put). ``close`` waits for it: ``run_id`` (None when no
+    """The stage's MLflow run while it runs: opened at once, then fed by one worker thread so the stage never
+    waits on the store: it logs each train-log row it is handed (``row``, a ``TrainLog`` listener: a queue
+    put). ``close`` waits for it: ``run_id`` (None when no
     run could be opened), every per-step metric heard (``metrics``) and which of them reached the run
     (``sent``)."""
 
@@ -52,8 +53,15 @@ class LiveRun:
         self.sent: list[tuple[str, int]] = []
         self._rows: queue.Queue[list[tuple[str, float, int]] | None] = queue.Queue()
         self._stop = False  # set when close() gave up waiting: the worker logs nothing more
-        self._thread = threading.Thread(target=self._work, args=(experiment, stage, start_ms, parent, root),
-                                        name="mlflow-live", daemon=True)
+        client = None
+        try:  # before the stage's first step, so a run killed early still has its rows (only the one in flight)
+            self.run_id = open_run(uri, experiment, stage, start_ms, parent, root)
+            client = mlflow_client(uri)
+        except Exception as e:
+            log.warning("tracking store %s unreachable at the start of %s (%s: %s): no live metrics; the run's "
+                        "record is sent at the end, or kept in the outbox", uri, stage, type(e).__name__,
+                        str(e)[:200])
+        self._thread = threading.Thread(target=self._work, args=(client,), name="mlflow-live", daemon=True)
         self._thread.start()
 
     def row(self, name: str, row: dict[str, Any]) -> None:
@@ -80,17 +88,9 @@ class LiveRun:
                         "record", self.uri, timeout_s)
             self._stop = True
 
-    def _work(self, experiment: str, stage: str, start_ms: int, parent: str | None, root: Path) -> None:
-        client = None
-        try:
+    def _work(self, client: Any) -> None:
+        if client is not None:
             from mlflow.entities import Metric
-
-            self.run_id = open_run(self.uri, experiment, stage, start_ms, parent, root)
-            client = mlflow_client(self.uri)
-        except Exception as e:
-            log.warning("tracking store %s unreachable at the start of %s (%s: %s): no live metrics; the run's "
-                        "record is sent at the end, or kept in the outbox", self.uri, stage, type(e).__name__,
-                        str(e)[:200])
         done = False
         while not done:
             new = self._rows.get()
