@@ -397,3 +397,17 @@ def test_a_fill_interrupted_half_way_is_replayed_without_doubles(tmp_path, monke
     assert tracking.sync(tmp_path / "box", uri, tmp_path) == (1, 0, 0)
     assert len(client.get_metric_history(rec.run_id, "reward_mean")) == 250  # once
     assert len(client.search_model_versions("name = 'posttrain-rl'")) == 1
+
+
+def test_a_row_whose_answer_was_lost_is_not_logged_twice(tmp_path):
+    """Found by the CI-equivalent run (the server killed mid-stage): a live log_batch that reached the store but
+    whose answer was lost is not in ``sent``; the fill asks the store before logging it again."""
+    from mlflow.entities import Metric
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = store.mlflow_client(uri)
+    rec = _record(tmp_path)
+    rec.run_id = client.create_run(store._experiment_id(client, "t", tmp_path)).info.run_id
+    client.log_batch(rec.run_id, metrics=[Metric("reward_mean", 0.1, 0, 1)])  # arrived; rec.sent does not say so
+    tracking.send(rec, uri, tmp_path)
+    assert [m.step for m in client.get_metric_history(rec.run_id, "reward_mean")] == list(range(1, 251))

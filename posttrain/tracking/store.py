@@ -72,7 +72,12 @@ def send(rec: StageRecord, uri: str, root: Path | None) -> str:
             run = None
     if run is not None:
         sent = {(k, int(step)) for k, step in rec.sent}
-        _fill(c, run, rec, uri, [m for m in rec.metrics if (m[0], int(m[2])) not in sent], rec.tags)
+        todo = [m for m in rec.metrics if (m[0], int(m[2])) not in sent]
+        if todo:  # a log_batch that failed may have reached the store all the same (its answer was lost): ask it
+            have = {(k, h.step) for k in {m[0] for m in todo}
+                    for h in c.get_metric_history(run.info.run_id, metric_key(k))}
+            todo = [m for m in todo if (m[0], int(m[2])) not in have]
+        _fill(c, run, rec, uri, todo, rec.tags)
         return run.info.run_id
     progress = (list(rec.sent), [dict(m) for m in rec.models])
     tags = {"mlflow.runName": rec.stage, **rec.tags}
