@@ -66,3 +66,11 @@ def student_init(seed: int) -> int:
 def sft_format(seed: int, step: int) -> list[int]:
     """The generator key of SFT step ``step``'s chain-of-thought / bare-answer draws."""
     return [seed, STEP_STRIDE, step]
+
+
+def request(seed: int, i: int) -> int:
+    """Request ``i`` of one vLLM ``generate`` call (one prompt). vLLM seeds sample ``j`` of a request with
+    ``seed + j``, so requests are hashed 63 bits apart: no two requests' sample streams meet by chance."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, i]).generate_state(1, np.uint64)[0] >> np.uint64(1))

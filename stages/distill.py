@@ -137,9 +137,11 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     train_log = TrainLog(out["report_dir"] / "train_log.csv" if d.main else None, LOG_FIELDS)  # live: CSV + MLflow
     train_log.resume(restored)
     log_rows = train_log.rows
-    s_backend = BACKENDS[params.rollout.backend](d.plain(student), tok, params.rl.generate_batch_size,
-                                                 params.rollout.vllm)
-    t_backend = BACKENDS[params.rollout.backend](teacher, tok, params.rl.generate_batch_size, params.rollout.vllm)
+    # one engine per process at most (vLLM refuses a second sleep-mode engine in a process, and two engines
+    # would not fit beside the trainer): the teacher -- a checkpoint folder, frozen -- samples through
+    # rollout.backend; the student, built in memory and trained here, samples with the hf backend
+    s_backend = BACKENDS["hf"](d.plain(student), tok, params.rl.generate_batch_size)
+    t_backend = BACKENDS[params.rollout.backend](teacher, tok, params.rl.generate_batch_size, params.engine())
     specs = params.reward.rewards
     t_run = time.time()
     for step in tqdm(range(start, len(phases)), initial=start, total=len(phases), desc="distill",
@@ -176,6 +178,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
             sp = SamplingParams(cfg.temperature, 1.0, cfg.max_new_tokens, seeds.rank(seed, d.rank))
             n_student = 0 if phase == "warmup" else round(cfg.on_policy.student_frac * len(batch))
             rows = []
+            t_backend.load_weights(teacher, "teacher")  # an engine that slept at level 2 lost them
             with amp():  # each rank samples its share of each part; every rank then holds all the rows
                 for backend, part, who in ((s_backend, batch[:n_student], "student"),
                                            (t_backend, batch[n_student:], "teacher")):
@@ -229,7 +232,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                "phase_steps": {"warmup": cfg.warmup.steps, "on_policy": cfg.on_policy.steps, "grpo": cfg.grpo_steps},
                "seconds": round(elapsed, 1),
                "student_side_seconds": round(sum(r["seconds"] for r in log_rows), 1),
-               "generator": generator(params.rollout.backend)}
+               "generator": generator(params.rollout.backend) if params.rollout.backend == "hf" else
+               f"teacher: {generator(params.rollout.backend)}; student: {generator('hf')}"}
     write_json(out["metrics"], metrics)
     shutil.rmtree(out["checkpoints"], ignore_errors=True)
     log.info("student %d params; %d distill steps in %.1fs", metrics["student_params"], len(phases), elapsed)

@@ -110,7 +110,7 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
     gen_rows: list[dict[str, Any]] = []
     model = modeling.load_model(str(inputs["model"]), params.model.dtype, device)
     tok = modeling.load_tokenizer(str(inputs["model"]))
-    backend = BACKENDS[cfg.backend](model, tok, cfg.generate_batch_size, params.rollout.vllm)
+    backend = BACKENDS[cfg.backend](model, tok, cfg.generate_batch_size, params.engine())
     for split, probs in tqdm(splits.items(), desc=f"evaluate {name}", disable=not params.runtime.progress):
         t0 = time.time()
         ids = chat_prompt_ids(tok, [p["prompt"] for p in probs])

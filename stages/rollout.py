@@ -42,7 +42,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
     device = modeling.resolve_device(params.runtime.device)
     model = modeling.load_model(str(inputs["policy"]), params.model.dtype, device)
     tok = modeling.load_tokenizer(str(inputs["policy"]))
-    backend = BACKENDS[cfg.backend](model, tok, cfg.generate_batch_size, cfg.vllm)
+    backend = BACKENDS[cfg.backend](model, tok, cfg.generate_batch_size, params.engine())
     sp = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens, params.seed)
     rows, seconds = sample_rows(backend, tok, problems, cfg.samples_per_prompt, sp,
                                 policy=modeling.checkpoint_digest(inputs["policy"]),

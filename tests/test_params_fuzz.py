@@ -31,13 +31,18 @@ ACCEPTED = {
                         "prefect.retry_delay_s", "reward.audit_examples", "reward.max_unscorable_frac",
                         "rl.clip_eps_high", "rl.clip_eps_low", "rl.entropy_coef", "rl.kl_coef", "rl.kl_reward_coef",
                         "rl.max_refill_rounds", "rl.prior_budget", "rl.select.max_pass_rate",
-                        "rl.select.min_pass_rate", "rollout.vllm.enforce_eager", "rollout.vllm.sleep_level",
+                        "rl.select.min_pass_rate", "rollout.vllm.enforce_eager",
                         "runtime.progress", "sft.phases[0].cot_frac", "sft.phases[1].cot_frac", "sft.warmup_steps",
                         "sft.weight_decay", "task.min_multiplier", "tracking.enabled",
                         "evaluate.sampling.temperature", "rollout.sampling.temperature",  # 0 = greedy
                         "evaluate.max_unusable_frac")},  # 0 = no benchmark row may be dropped
     **{k: {"null"} for k in ("evaluate.limit", "evaluate.sample_prompts", "model.lora", "model.prompt.template",
-                             "rl.dual_clip", "rl.ref_reset", "rollout.vllm.max_model_len", "tracking.champion")},
+                             "rl.dual_clip", "rl.ref_reset", "rollout.vllm.max_model_len", "tracking.champion",
+                             "rollout.vllm.dtype",  # model.dtype, the trainer's
+                             "rollout.vllm.max_num_batched_tokens",  # vLLM's default
+                             )},
+    # null: the platform's (sleep: 2 on GPU, 0 on CPU; chunked prefill: off on CPU); 0/false: off
+    **{k: {"null", "zero"} for k in ("rollout.vllm.sleep_level", "rollout.vllm.enable_chunked_prefill")},
     "rollout.num_prompts": {"null"},  # the whole training split
     **{k: {"null", "wrong type"} for k in ("model.revision", "prefect.dvc_remote", "runtime.distributed.rdzv_endpoint",
                                            "tracking.uri")},  # optional text: "bogus" is a text

