@@ -36,7 +36,7 @@ import copy
 import datetime
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -286,8 +286,20 @@ def init(backend: str, strategy: str, timeout_s: float) -> Dist:
     return _CURRENT
 
 
+_BEFORE_SHUTDOWN: list[Callable[[], None]] = []
+
+
+def before_shutdown(fn: Callable[[], None]) -> None:
+    """Run ``fn`` before the process group is destroyed: for an engine whose own groups live inside it (vLLM
+    under ``external_launcher``), which would otherwise destroy them at exit after the group is gone."""
+    _BEFORE_SHUTDOWN.append(fn)
+
+
 def shutdown() -> None:
     global _CURRENT
     if tdist.is_initialized():
-        tdist.destroy_process_group()
+        while _BEFORE_SHUTDOWN:
+            _BEFORE_SHUTDOWN.pop()()
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
     _CURRENT = Dist()

@@ -22,6 +22,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -249,9 +250,10 @@ def apply_prompt(model: PreTrainedModel, tok: PreTrainedTokenizerBase, cfg: Prom
     gc.pad_token_id = tok.pad_token_id
 
 
-def stop_ids(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> list[int]:
-    """Every token id that ends generation: generation_config's EOS ids (one or a list) and the tokenizer's."""
-    eos = model.generation_config.eos_token_id
+def stop_ids(gc: GenerationConfig, tok: PreTrainedTokenizerBase) -> list[int]:
+    """Every token id that ends generation: ``gc``'s EOS ids (one or a list; a model's generation_config) and
+    the tokenizer's."""
+    eos = gc.eos_token_id
     ids = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
     return sorted(i for i in ids if i is not None)
 

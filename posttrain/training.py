@@ -69,6 +69,7 @@ def accumulate(model: torch.nn.Module, opt: torch.optim.Optimizer, items: Sequen
             (loss * (d.loss_scale if real else 0.0)).backward()
     grad_norm = d.clip_grad_norm(model, max_grad_norm)
     opt.step()
+    opt.zero_grad(set_to_none=True)  # no gradient memory held through the next generation (a colocated engine's)
     return grad_norm
 
 

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from posttrain import metrics as M
 from posttrain import modeling
 from posttrain.config import ConfigError, MathTask, Params, Validation
-from posttrain.rollout import BACKENDS, Completion, SamplingParams, chat_prompt_ids, generator
+from posttrain.rollout import BACKENDS, Checkpoint, Completion, SamplingParams, chat_prompt_ids, generator
 from posttrain.runner import model_arg, stage_main
 from posttrain.schema import GENERATION_SCHEMA, Problem, read_problems, write_json, write_parquet
 from posttrain.sources import check_usable, problems_from
@@ -108,8 +108,8 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
     results: dict[str, dict[str, Any]] = {}
     per_problem: dict[str, dict[str, dict[str, Any]]] = {s: {} for s in splits}  # split -> problem id -> metrics
     gen_rows: list[dict[str, Any]] = []
-    model = modeling.load_model(str(inputs["model"]), params.model.dtype, device)
     tok = modeling.load_tokenizer(str(inputs["model"]))
+    model = Checkpoint(str(inputs["model"]), params.model.dtype, device)  # each backend loads it its own way
     backend = BACKENDS[cfg.backend](model, tok, cfg.generate_batch_size, params.engine())
     for split, probs in tqdm(splits.items(), desc=f"evaluate {name}", disable=not params.runtime.progress):
         t0 = time.time()

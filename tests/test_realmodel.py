@@ -94,7 +94,7 @@ def test_plain_template_and_missing_template(tok):
 def test_generation_stops_at_every_eos_id_and_at_stop_strings(tok):
     model = qwen2(tok, hidden=32, layers=1, seed=3)
     modeling.apply_prompt(model, tok, PromptCfg(stop=["<|im_end|>"]), "q")
-    stops = set(modeling.stop_ids(model, tok))
+    stops = set(modeling.stop_ids(model.generation_config, tok))
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     assert im_end in stops and tok.eos_token_id in stops
     ids = chat_prompt_ids(tok, ["Natalia sold 48 clips.", "What is 7 times 8?"])

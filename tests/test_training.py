@@ -59,6 +59,18 @@ def test_any_micro_batch_size_gives_the_full_batch_gradient(tmp_path):
     assert all(torch.allclose(ends[0][k], ends[1][k], atol=1e-6) for k in ends[0])
 
 
+def test_no_gradient_memory_is_held_after_a_step():
+    """M3 of the vLLM issue (read): gradients stayed allocated from one update through the next generation, where
+    a colocated engine wants the memory. ``accumulate`` frees them once the optimizer has stepped."""
+    model, tok = _model()
+    opt = training.adamw(model, 1e-2, 0.0, training.ONLINE_BETAS)
+    ids = torch.tensor([training.encode_sft(tok, "1+1=", "2")[0]])
+    before = [p.detach().clone() for p in model.parameters()]
+    training.accumulate(model, opt, [ids], 1, lambda chunk, real: model(input_ids=chunk[0], labels=chunk[0]).loss, 1.0)
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))  # it stepped
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_fingerprint_ignores_knobs_that_do_not_change_the_result():
     base = checkpoint.fingerprint(Rl())
     assert checkpoint.fingerprint(Rl(micro_batch_size=8, pack=True, checkpoint_every=3)) == base

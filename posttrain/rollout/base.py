@@ -18,6 +18,17 @@ class SamplingParams:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """A model folder (or hub id) not loaded yet: what a stage that only generates (rollout, evaluate) hands
+    its backend. The hf backend loads it (``modeling.load_model``) onto ``device`` in ``dtype``; the vllm engine
+    loads the folder itself, so no second copy of the weights sits on the device beside the engine's."""
+
+    path: str
+    dtype: str = "float32"
+    device: Any = "cpu"
+
+
 @dataclass
 class Completion:
     text: str

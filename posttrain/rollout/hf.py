@@ -54,7 +54,7 @@ class HFBackend:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_size: int = 256):
         self.model, self.tok, self.batch_size = model, tokenizer, batch_size
         self.pad_id = tokenizer.pad_token_id
-        self.stop_ids = stop_ids(model, tokenizer)  # every EOS id of generation_config + the tokenizer's
+        self.stop_ids = stop_ids(model.generation_config, tokenizer)  # its EOS ids + the tokenizer's
         self.stop_strings = list(model.generation_config.stop_strings or [])
         self.stop_window = 4 * max((len(x) for x in self.stop_strings), default=0) + 1  # tokens: >= 1 byte each
 

@@ -39,7 +39,7 @@ import torch
 
 from posttrain import seeds
 from posttrain.config.base import ConfigError
-from posttrain.rollout.base import Completion, SamplingParams
+from posttrain.rollout.base import Checkpoint, Completion, SamplingParams
 from posttrain.rollout.vllm_sync import Engine, WeightSync, merged_weights
 
 log = logging.getLogger("vllm")
@@ -113,8 +113,11 @@ class VLLMBackend:
 
 
 def model_folder(model: Any) -> str:
-    """The folder (or hub id) ``model`` was loaded from: the engine loads its own copy from there. A model
-    built in memory has none (``_name_or_path == ""``): refused, never its repr passed as a path."""
+    """The folder (or hub id) of a ``Checkpoint``, or the one a live ``model`` was loaded from: the engine loads
+    its own copy from there. A model built in memory has none (``_name_or_path == ""``): refused, never its
+    repr passed as a path."""
+    if isinstance(model, Checkpoint):
+        return model.path
     folder = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
     if not folder:
         raise ConfigError("rollout.backend 'vllm': the model was built in memory and has no folder for the engine "
@@ -157,9 +160,31 @@ def engine_kwargs(options: Any, batch_size: int, device_type: str, sleep: int, w
     return kw
 
 
+def generation_config(model: Any) -> Any:
+    """A live model's generation_config, or a ``Checkpoint`` folder's (read from its files: the weights are
+    not loaded); a folder without one stops on the tokenizer's EOS only."""
+    from transformers import GenerationConfig
+
+    if not isinstance(model, Checkpoint):
+        return model.generation_config
+    try:
+        return GenerationConfig.from_pretrained(model.path)
+    except OSError:
+        return GenerationConfig()
+
+
+def _release_groups() -> None:
+    """vLLM's groups inside the trainer's process group, destroyed before it (``distributed.shutdown``); left
+    to the engine's own exit hook they would be destroyed after it, with a traceback at every exit."""
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
 def build(model: Any, tokenizer: Any, batch_size: int, options: Any = None) -> VLLMBackend:
-    """A colocated engine on the folder ``model`` was loaded from; ``options``: ``config.VLLMOptions``
-    (``rollout.vllm``; None: its defaults)."""
+    """A colocated engine on ``model``'s folder (a ``Checkpoint``, or the folder a live model was loaded from);
+    ``options``: ``config.VLLMOptions`` (``Params.engine()``; None: its defaults)."""
     from posttrain.config import VLLMOptions
     from posttrain.modeling import stop_ids
 
@@ -178,5 +203,9 @@ def build(model: Any, tokenizer: Any, batch_size: int, options: Any = None) -> V
     finally:  # vLLM's CPU worker makes torch.set_num_threads a no-op for the whole process: undo it
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
-    return VLLMBackend(engine, stop_ids(model, tokenizer), list(model.generation_config.stop_strings or []),
-                       sleep_level=sleep)
+    if world > 1:
+        from posttrain import distributed
+
+        distributed.before_shutdown(_release_groups)
+    gc = generation_config(model)
+    return VLLMBackend(engine, stop_ids(gc, tokenizer), list(gc.stop_strings or []), sleep_level=sleep)
