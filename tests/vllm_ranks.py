@@ -21,7 +21,7 @@ from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids
 
 
 def main(folder: str, out: str) -> None:
-    d = distributed.init("gloo", "ddp", 300)
+    d = distributed.init("auto", "ddp", 300)  # gloo on CPU, nccl on CUDA
     tok, model = load_tokenizer(folder), load_model(folder, "float32")
     backend = BACKENDS["vllm"](model, tok, 8, VLLMOptions(dtype="float32", max_model_len=128))
     ids = chat_prompt_ids(tok, [f"{d.rank + 3}*7="])

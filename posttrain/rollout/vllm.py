@@ -174,8 +174,9 @@ def generation_config(model: Any) -> Any:
 
 
 def _release_groups() -> None:
-    """vLLM's groups inside the trainer's process group, destroyed before it (``distributed.shutdown``); left
-    to the engine's own exit hook they would be destroyed after it, with a traceback at every exit."""
+    """vLLM's groups inside torch's default process group, destroyed before it (``distributed.shutdown``); left
+    to the engine's own exit hook they were destroyed after it: a traceback at the exit of every rl and distill
+    stage on vLLM, one process or several."""
     from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
     destroy_model_parallel()
@@ -203,9 +204,10 @@ def build(model: Any, tokenizer: Any, batch_size: int, options: Any = None) -> V
     finally:  # vLLM's CPU worker makes torch.set_num_threads a no-op for the whole process: undo it
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
-    if world > 1:
-        from posttrain import distributed
+    from posttrain import distributed
 
-        distributed.before_shutdown(_release_groups)
+    # vLLM's groups live in torch's default process group (the trainer's under torchrun; one vLLM created itself
+    # in a single process): a stage that shuts the group down must release them first
+    distributed.before_shutdown(_release_groups)
     gc = generation_config(model)
     return VLLMBackend(engine, stop_ids(gc, tokenizer), list(gc.stop_strings or []), sleep_level=sleep)
