@@ -131,6 +131,7 @@ def test_sft_then_evaluate(tiny, monkeypatch):
         assert json.loads((Path(p.paths.metrics_dir) / "evaluate" / f"{name}.json").read_text()) == res[name]
         r = res[name]["eval"]
         assert r["n"] == 12 and 0 <= r["greedy"] <= 1
+        assert {k for k, v in r.items() if isinstance(v, int | float)} == p.evaluate.metric_names()  # champion's
         greedy = [bool(g["correct"]) for g in gens if g["mode"] == "greedy"]
         assert r["greedy"] == pytest.approx(sum(greedy) / 12, abs=1e-4)
         assert r["greedy_ci"] == pytest.approx(list(wilson_ci(sum(greedy), 12)), abs=1e-4)  # a proportion: Wilson

@@ -35,6 +35,16 @@ class Evaluate(Section):
                                      "row or drops more than this share of its rows (a wrong format or file)")
     bootstrap: int = Field(1000, ge=10, le=1_000_000, description="bootstrap resamples for 95% intervals")
 
+    def metric_names(self) -> set[str]:
+        """The numbers each split of an evaluate@<name> summary holds (``stages/evaluate.py``; a test holds the two
+        equal): what ``tracking.champion`` may name."""
+        return {"n", "n_sampled", "unscorable", "greedy", "greedy_len", "len", "truncated", "seconds", "pass@1",
+                *(f"{m}@{k}" for m in ("pass", "maj") for k in self.ks)}
+
+    def split_names(self) -> list[str]:
+        """The summary's splits: the held-out ``eval`` split and each benchmark by name."""
+        return ["eval", *(b.name for b in self.benchmarks)]
+
     @model_validator(mode="after")
     def _rules(self) -> Evaluate:
         bad = [k for k in self.ks if k < 1 or k > self.samples_per_prompt]

@@ -73,6 +73,7 @@ class Params(Section):
             raise Refusal("rl.ref_reset", "with model.lora is not supported: the LoRA policy's reference is its "
                           "frozen base (adapter off), which a reset would have to overwrite with the merge")
         self._context()
+        self._champion()
         d = self.runtime.distributed
         if d.world_size > 1:
             if d.strategy == "fsdp2" and self.model.lora is not None:
@@ -80,6 +81,17 @@ class Params(Section):
                               "(LoRA's frozen base needs no sharding of gradients or optimizer state)")
         return self
 
+
+    def _champion(self) -> None:
+        """``tracking.champion`` names a number evaluate writes: a metric it never writes kept the champion alias
+        where it was, silently, at every evaluation."""
+        if self.tracking.champion is None:
+            return
+        split, metric = self.tracking.champion.split(".", 1)
+        splits, metrics = self.evaluate.split_names(), self.evaluate.metric_names()
+        if split not in splits or metric not in metrics:
+            raise Refusal("tracking.champion", f"{shown(self.tracking.champion)} names no metric evaluate writes: "
+                          f"<split>.<metric> with a split in {splits} and a metric in {sorted(metrics)}")
 
     def _context(self) -> None:
         """Prompt + completion within the model's context, where both are known before any work: the built
