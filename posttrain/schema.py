@@ -109,10 +109,18 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(path)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}{TMP_TAG}", dir=path.parent))
+    try:
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}{TMP_TAG}", dir=path.parent))
+    except OSError as e:  # an unwritable folder: the error names the output, not the temp name it tried
+        raise OSError(e.errno, e.strerror, str(path)) from None
     tmp = tmp_dir / path.name
     try:
-        yield tmp
+        try:
+            yield tmp
+        except OSError as e:  # e.g. a full disk while writing: name the output the file belongs to
+            if e.errno is None or not str(e.filename or "").startswith(str(tmp)):
+                raise
+            raise OSError(e.errno, e.strerror, str(path) + str(e.filename)[len(str(tmp)):]) from None
         _fsync_tree(tmp)
         if path.is_dir() and not path.is_symlink():
             os.replace(path, tmp_dir / f"{path.name}.old")  # removed with tmp_dir below

@@ -152,3 +152,26 @@ def test_a_benchmark_with_no_usable_row_stops_curate_and_evaluate(tiny, tmp_path
     with pytest.raises(StageError, match="3 dropped > evaluate.max_unusable_frac=0.5"):
         check_usable(p.curate.sources[0], 2, ["format: no answer"] * 3, p.evaluate.max_unusable_frac,
                      "evaluate.max_unusable_frac")
+
+
+@pytest.mark.parametrize("how", ["immutable", "read-only mount"])
+def test_a_real_unwritable_output_folder_exits_1_in_one_line_naming_it(tiny, tmp_path, capsys, how):
+    """The I/O faults above are raised by hand; here the file system refuses for real. Tests run as root, whom
+    permission bits do not stop, so the folder is made immutable (``chattr +i``) or a read-only tmpfs is mounted
+    on it; skipped where the machine allows neither."""
+    import subprocess
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    cmd = {"immutable": (["chattr", "+i", str(ro)], ["chattr", "-i", str(ro)]),
+           "read-only mount": (["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], ["umount", str(ro)])}
+    on, off = cmd[how]
+    if subprocess.run(on, capture_output=True).returncode != 0:
+        pytest.skip(f"{how}: not permitted on this machine")
+    try:
+        tiny["paths"]["curated_dir"] = str(ro / "curated")
+        code, err = _main(tmp_path, tiny, curate, capsys)
+    finally:
+        subprocess.run(off, capture_output=True)
+    line = _one_line(err)
+    assert code == 1 and str(ro / "curated") in line, line

@@ -50,3 +50,17 @@ def test_temp_folders_of_a_killed_run_are_removed_and_logged(tmp_path, caplog):
         schema.write_text(tmp_path / "student", "done")
     assert not stale.parent.exists() and other.exists()
     assert "killed while writing" in caplog.text and f".student{schema.TMP_TAG}abc123" in caplog.text
+
+
+def test_an_io_error_inside_an_atomic_output_names_the_output_not_its_temp_folder(tmp_path):
+    """Found with a real read-only folder (tests/test_errors.py): the one-line error named
+    ``.curated.tmp-t6dtbf77``, a name the user never configured."""
+    import errno
+
+    from posttrain.schema import atomic_path
+
+    out = tmp_path / "curated"
+    with pytest.raises(OSError) as e, atomic_path(out) as tmp:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "train.parquet"))
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(out / "train.parquet")
+    assert not out.exists() and not list(tmp_path.glob(".curated.tmp-*"))  # nothing half-written left
