@@ -24,7 +24,7 @@ from pydantic import BaseModel
 
 from posttrain import distributed
 from posttrain.config import NOT_RESULT
-from posttrain.schema import atomic_path
+from posttrain.outputs import atomic_path
 
 log = logging.getLogger("posttrain.checkpoint")
 

@@ -57,7 +57,8 @@ import yaml
 
 from posttrain.config import parse_params, read_yaml
 from posttrain.errors import StageError
-from posttrain.schema import atomic_path, write_text
+from posttrain.outputs import atomic_path
+from posttrain.schema import write_text
 
 log = logging.getLogger(__name__)
 

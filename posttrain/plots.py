@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.schema import atomic_path
+from posttrain.outputs import atomic_path
 
 
 def training_curves(rows: Sequence[dict[str, Any]], x: str, ys: Sequence[str], title: str, path: Path) -> None:

@@ -159,6 +159,10 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
             params = params.model_copy(update={"runtime": params.runtime.model_copy(update={"progress": False})})
             params = params.model_copy(update={"tracking": params.tracking.model_copy(update={"enabled": False})})
     setup(params)
+    if rank == 0:  # a stage killed while replacing its outputs as a set: finish the replacement first
+        from posttrain.outputs import finish_commits
+
+        finish_commits(params.paths.metrics_dir)
     if rank:
         seed_everything(seeds.process(params.seed, rank))  # dropout and other torch randomness differ per rank
     t0 = time.time()

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -21,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from posttrain.errors import StageError
+from posttrain.outputs import atomic_path
 
 log = logging.getLogger("posttrain.schema")
 
@@ -92,69 +89,6 @@ PASS_RATE_SCHEMA = pa.schema(
     [("prompt_id", pa.string()), ("n", pa.int32()), ("scorable", pa.int32()), ("n_correct", pa.int32()),
      ("pass_rate", pa.float32()), ("mean_reward", pa.float32())]
 )
-
-
-TMP_TAG = ".tmp-"  # temp folders are ``.<name>.tmp-<random>`` beside the output they will become
-
-
-@contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success fsync it (every file, then the folders) and rename
-    it over ``path`` (a file, or a folder: the old folder is renamed aside first, then the new one in, so a
-    reader never sees a half-written output). The parent folder is fsynced after the rename.
-
-    Temp folders a killed run left beside ``path`` (``.<name>.tmp-*``, model-sized for a checkpoint) are
-    removed when the next run writes ``path``, with a warning naming each.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(path)
-    try:
-        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}{TMP_TAG}", dir=path.parent))
-    except OSError as e:  # an unwritable folder: the error names the output, not the temp name it tried
-        raise OSError(e.errno, e.strerror, str(path)) from None
-    tmp = tmp_dir / path.name
-    try:
-        try:
-            yield tmp
-        except OSError as e:  # e.g. a full disk while writing: name the output the file belongs to
-            if e.errno is None or not str(e.filename or "").startswith(str(tmp)):
-                raise
-            raise OSError(e.errno, e.strerror, str(path) + str(e.filename)[len(str(tmp)):]) from None
-        _fsync_tree(tmp)
-        if path.is_dir() and not path.is_symlink():
-            os.replace(path, tmp_dir / f"{path.name}.old")  # removed with tmp_dir below
-        os.replace(tmp, path)
-        _fsync(path.parent)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-
-
-def _remove_stale(path: Path) -> None:
-    for stale in path.parent.glob(f".{path.name}{TMP_TAG}*"):
-        log.warning("removing %s: a temporary output left by a run that was killed while writing %s", stale, path)
-        shutil.rmtree(stale, ignore_errors=True)
-
-
-def _fsync(p: Path) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(p: Path) -> None:
-    """fsync a file, or every file of a folder and then each folder (bottom-up)."""
-    if not p.exists():
-        return
-    if p.is_file():
-        _fsync(p)
-        return
-    for root, _dirs, files in os.walk(p, topdown=False):
-        for f in files:
-            _fsync(Path(root) / f)
-        _fsync(Path(root))
 
 
 def write_parquet(path: str | Path, rows: Sequence[dict[str, Any]], schema: pa.Schema) -> None:

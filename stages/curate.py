@@ -24,8 +24,9 @@ from tqdm import tqdm
 from posttrain import decontam, seeds
 from posttrain.config import Curate, Params, SyntheticSource, Validation
 from posttrain.errors import StageError
+from posttrain.outputs import atomic_path
 from posttrain.runner import stage_main
-from posttrain.schema import PROBLEM_SCHEMA, Problem, atomic_path, write_json, write_jsonl, write_parquet, write_text
+from posttrain.schema import PROBLEM_SCHEMA, Problem, write_json, write_jsonl, write_parquet, write_text
 from posttrain.sources import check_usable, read_source, validate
 
 log = logging.getLogger("curate")

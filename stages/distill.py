@@ -42,11 +42,12 @@ from posttrain import checkpoint, distillation, distributed, modeling, plots, se
 from posttrain.config import Params
 from posttrain.errors import StageError
 from posttrain.logprobs import Seq
+from posttrain.outputs import as_one_set, atomic_path
 from posttrain.rewards import is_correct, score_rows
 from posttrain.rl import collect, select, update
 from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids, generator, sample_rows
 from posttrain.runner import stage_main
-from posttrain.schema import atomic_path, read_problems, write_json
+from posttrain.schema import read_problems, write_json
 from posttrain.trainlog import TrainLog
 
 log = logging.getLogger("distill")
@@ -96,6 +97,11 @@ def _student(params: Params, tok: Any, teacher: Any, device: torch.device) -> An
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Distill. ``inputs``: demos, train, teacher. ``out``: student_sft, student, checkpoints, report_dir, metrics."""
+    with as_one_set(out, "distill"):  # a kill leaves the old outputs or the new ones, never a mix
+        return _run(params, inputs, out)
+
+
+def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     cfg, rt, d = params.distill, params.runtime, distributed.current()
     device = modeling.resolve_device(rt.device)
     tok = modeling.load_tokenizer(str(inputs["teacher"]))

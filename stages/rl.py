@@ -41,6 +41,7 @@ from tqdm import tqdm
 from posttrain import checkpoint, distributed, modeling, plots, seeds, training
 from posttrain.config import Params
 from posttrain.errors import StageError
+from posttrain.outputs import as_one_set, atomic_path
 from posttrain.rewards import is_correct
 from posttrain.rl import collect, select, update
 from posttrain.rollout import BACKENDS, chat_prompt_ids, generator
@@ -48,7 +49,6 @@ from posttrain.runner import stage_main
 from posttrain.schema import (
     PROBLEM_SCHEMA,
     SHARD_SCHEMA,
-    atomic_path,
     read_parquet,
     read_problems,
     write_json,
@@ -65,6 +65,11 @@ LOG_FIELDS = ["step", "updated", "reward_mean", "pass_rate", "zero_var_frac", "g
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Train. ``inputs``: train, pass_rates, policy. ``out``: model, rl_dir, checkpoints, report_dir, metrics."""
+    with as_one_set(out, "rl"):  # a kill leaves the old outputs or the new ones, never a mix
+        return _run(params, inputs, out)
+
+
+def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     cfg, g, b = params.rl, params.rl.samples_per_prompt, params.rl.prompts_per_step
     rt, d = params.runtime, distributed.current()
     device = modeling.resolve_device(rt.device)

@@ -30,8 +30,9 @@ from typing import Any
 
 from posttrain import checkpoint, distributed, modeling, plots, training
 from posttrain.config import Params
+from posttrain.outputs import as_one_set, atomic_path
 from posttrain.runner import stage_main
-from posttrain.schema import atomic_path, read_problems, write_json
+from posttrain.schema import read_problems, write_json
 from posttrain.trainlog import TrainLog
 
 log = logging.getLogger("sft")
@@ -39,6 +40,11 @@ log = logging.getLogger("sft")
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Train. ``inputs``: demos (sft.parquet). ``out``: base_model, model, checkpoints, report_dir, metrics."""
+    with as_one_set(out, "sft"):  # a kill leaves the old outputs or the new ones, never a mix
+        return _run(params, inputs, out)
+
+
+def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     d = distributed.current()
     device = modeling.resolve_device(params.runtime.device)
     demos = read_problems(inputs["demos"])

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from posttrain import schema
+from posttrain import outputs, schema
 
 
 def test_folder_output_replaced_whole_and_fsynced(tmp_path, monkeypatch):
@@ -18,7 +18,7 @@ def test_folder_output_replaced_whole_and_fsynced(tmp_path, monkeypatch):
     synced = []
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
-    with schema.atomic_path(out) as tmp:
+    with outputs.atomic_path(out) as tmp:
         tmp.mkdir()
         (tmp / "model.safetensors").write_text("new")
         (tmp / "sub").mkdir()
@@ -33,7 +33,7 @@ def test_failure_keeps_the_previous_output_and_leaves_nothing(tmp_path):
     out = tmp_path / "metrics.json"
     schema.write_json(out, {"a": 1})
     with pytest.raises(RuntimeError):
-        with schema.atomic_path(out) as tmp:
+        with outputs.atomic_path(out) as tmp:
             tmp.write_text('{"a": 2')  # half-written, then the stage dies
             raise RuntimeError("killed")
     assert json.loads(out.read_text()) == {"a": 1}
@@ -41,15 +41,15 @@ def test_failure_keeps_the_previous_output_and_leaves_nothing(tmp_path):
 
 
 def test_temp_folders_of_a_killed_run_are_removed_and_logged(tmp_path, caplog):
-    stale = tmp_path / f".student{schema.TMP_TAG}abc123" / "student"
+    stale = tmp_path / f".student{outputs.TMP_TAG}abc123" / "student"
     stale.mkdir(parents=True)
     (stale / "model.safetensors").write_bytes(b"\0" * 1024)  # model-sized in real life
-    other = tmp_path / f".rl{schema.TMP_TAG}zzz"  # another output's temp: not this write's business
+    other = tmp_path / f".rl{outputs.TMP_TAG}zzz"  # another output's temp: not this write's business
     other.mkdir()
     with caplog.at_level(logging.WARNING, logger="posttrain.schema"):
         schema.write_text(tmp_path / "student", "done")
     assert not stale.parent.exists() and other.exists()
-    assert "killed while writing" in caplog.text and f".student{schema.TMP_TAG}abc123" in caplog.text
+    assert "killed while writing" in caplog.text and f".student{outputs.TMP_TAG}abc123" in caplog.text
 
 
 def test_an_io_error_inside_an_atomic_output_names_the_output_not_its_temp_folder(tmp_path):
@@ -57,7 +57,7 @@ def test_an_io_error_inside_an_atomic_output_names_the_output_not_its_temp_folde
     ``.curated.tmp-t6dtbf77``, a name the user never configured."""
     import errno
 
-    from posttrain.schema import atomic_path
+    from posttrain.outputs import atomic_path
 
     out = tmp_path / "curated"
     with pytest.raises(OSError) as e, atomic_path(out) as tmp:

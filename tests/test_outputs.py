@@ -1,0 +1,102 @@
+"""A stage's outputs replaced as one set (``posttrain.outputs``): a kill leaves the old set or the new one."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from posttrain import outputs
+
+
+def _digest(p: Path) -> str:
+    files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+    return hashlib.md5(b"".join(f.read_bytes() for f in files)).hexdigest()
+
+
+def _write_set(root: Path, version: str) -> None:
+    with outputs.output_set([root / "model", root / "metrics.json"], root, "t"):
+        with outputs.atomic_path(root / "model") as tmp:
+            tmp.mkdir()
+            (tmp / "weights").write_text(version)
+        with outputs.atomic_path(root / "metrics.json") as tmp:
+            tmp.write_text(version)
+        with outputs.atomic_path(root / "checkpoint") as tmp:  # not in the set: written at once
+            tmp.write_text(version)
+        assert (root / "checkpoint").read_text() == version
+        if version == "v1":
+            assert not (root / "model").exists()  # held back until the set commits
+
+
+def test_a_set_replaces_its_outputs_together_and_an_error_replaces_none(tmp_path):
+    _write_set(tmp_path, "v1")
+    assert (tmp_path / "model" / "weights").read_text() == (tmp_path / "metrics.json").read_text() == "v1"
+    with pytest.raises(KeyboardInterrupt), outputs.output_set([tmp_path / "model", tmp_path / "metrics.json"],
+                                                              tmp_path, "t"):
+        with outputs.atomic_path(tmp_path / "model") as tmp:
+            tmp.mkdir()
+            (tmp / "weights").write_text("v2")
+        raise KeyboardInterrupt  # killed between the model and the metrics
+    assert (tmp_path / "model" / "weights").read_text() == "v1"  # the old set, whole
+    assert not list(tmp_path.glob(".*.tmp-*"))
+
+
+def test_a_kill_during_the_renames_is_completed_by_the_next_start(tmp_path, monkeypatch):
+    _write_set(tmp_path, "v1")
+    real, calls = outputs._swap, []
+
+    def dies_on_second(*a):
+        calls.append(a)
+        if len(calls) == 3:  # 1: the checkpoint (at once), 2: the model (the commit's first), 3: the metrics
+            raise SystemExit("killed")
+        real(*a)
+
+    monkeypatch.setattr(outputs, "_swap", dies_on_second)
+    with pytest.raises(SystemExit):
+        _write_set(tmp_path, "v2")
+    monkeypatch.undo()
+    journals = list(tmp_path.glob(".commit-*.json"))
+    assert journals and {(tmp_path / "model" / "weights").read_text(), (tmp_path / "metrics.json").read_text()} == \
+        {"v1", "v2"}  # the mix a kill left
+    assert outputs.finish_commits(tmp_path) == ["t"]
+    assert (tmp_path / "model" / "weights").read_text() == (tmp_path / "metrics.json").read_text() == "v2"
+    assert not list(tmp_path.glob(".commit-*")) and not list(tmp_path.glob(".*.tmp-*"))
+
+
+def test_sft_killed_mid_training_leaves_its_previous_outputs_whole(tiny, tmp_path, monkeypatch):
+    """Found by the hardening issue's reading: sft wrote the base model at its start and the SFT model at its
+    end; a kill in between left the new base beside the old SFT model and metrics."""
+    from posttrain import training
+    from posttrain.config import parse_params
+    from stages import curate, sft
+
+    p = parse_params(tiny)
+    curate.run(p, *curate.paths(p))
+    sft.run(p, *sft.paths(p))
+    _, out = sft.paths(p)
+    before = {k: _digest(v) for k, v in out.items() if k != "checkpoints"}
+    p2 = parse_params({**tiny, "seed": 1})  # another base model
+    monkeypatch.setattr(training, "sft_train", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        sft.run(p2, *sft.paths(p2))
+    assert {k: _digest(v) for k, v in out.items() if k != "checkpoints"} == before
+
+
+def test_every_stage_start_completes_a_half_replaced_set(tiny, tmp_path, capsys):
+    from posttrain import runner
+    from stages import curate
+
+    metrics = Path(tiny["paths"]["metrics_dir"])
+    metrics.mkdir(parents=True)
+    twin_dir = metrics / ".x.json.tmp-abc"
+    twin_dir.mkdir()
+    (twin_dir / "x.json").write_text(json.dumps({"new": True}))
+    (metrics / ".commit-rl.json").write_text(json.dumps([[str(twin_dir), str(twin_dir / "x.json"),
+                                                          str(metrics / "x.json")]]))
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny))
+    runner.stage_main("curate", lambda p: curate.run(p, *curate.paths(p)), ["--params", str(tmp_path / "params.yaml")])
+    assert json.loads((metrics / "x.json").read_text()) == {"new": True} and not twin_dir.exists()
+    assert not (metrics / ".commit-rl.json").exists()
