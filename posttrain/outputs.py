@@ -53,11 +53,11 @@ _ACTIVE: contextvars.ContextVar[_Set | None] = contextvars.ContextVar("output_se
 
 
 @contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
+def atomic_path(path: str | Path, now: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success fsync it (every file, then the folders) and rename
     it over ``path`` (a file, or a folder: the old folder is renamed aside first, then the new one in, so a
     reader never sees a half-written output). The parent folder is fsynced after the rename. Inside an
-    ``output_set`` holding ``path`` the rename waits for the set's commit.
+    ``output_set`` holding ``path`` the rename waits for the set's commit, unless ``now``.
 
     Temp folders a killed run left beside ``path`` (``.<name>.tmp-*``, model-sized for a checkpoint) are
     removed when the next run writes ``path``, with a warning naming each.
@@ -70,7 +70,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     except OSError as e:  # an unwritable folder: the error names the output, not the temp name it tried
         raise OSError(e.errno, e.strerror, str(path)) from None
     tmp = tmp_dir / path.name
-    deferred = _ACTIVE.get()
+    deferred = None if now else _ACTIVE.get()
     kept = False
     try:
         try:

@@ -126,11 +126,12 @@ def write_text(path: str | Path, text: str) -> None:
         tmp.write_text(text)
 
 
-def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], fields: Sequence[str]) -> None:
-    """A training log as CSV (``dvc plots`` reads it)."""
+def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], fields: Sequence[str], now: bool = False) -> None:
+    """A training log as CSV (``dvc plots`` reads it); ``now``: replaced at once even inside an output set (the
+    live log, appended to while the stage runs)."""
     import csv
 
-    with atomic_path(path) as tmp, tmp.open("w", newline="") as f:
+    with atomic_path(path, now=now) as tmp, tmp.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(fields))
         w.writeheader()
         w.writerows(rows)

@@ -33,13 +33,13 @@ class TrainLog:
         self.path, self.fields, self.name = path, list(fields), name
         self.rows: list[dict[str, Any]] = []
         if path is not None:
-            write_csv(path, [], self.fields)  # the header: a watcher sees the file from the first step
+            write_csv(path, [], self.fields, now=True)  # the header: a watcher sees the file from the first step
 
     def resume(self, rows: list[dict[str, Any]]) -> None:
         """Start from a checkpoint's rows."""
         self.rows = list(rows)
         if self.path is not None:
-            write_csv(self.path, self.rows, self.fields)
+            write_csv(self.path, self.rows, self.fields, now=True)
         for row in self.rows:
             self._notify(row)
 
