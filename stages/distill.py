@@ -136,7 +136,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     phases = ["warmup"] * cfg.warmup.steps + ["on_policy"] * cfg.on_policy.steps + ["grpo"] * cfg.grpo_steps
     opt = training.adamw(student, cfg.warmup.lr, training.DISTILL_WEIGHT_DECAY, training.ONLINE_BETAS)
     fp = checkpoint.fingerprint(cfg, params.rl, params.reward, params.seed, fp0,
-                              modeling.checkpoint_digest(inputs["teacher"]), sorted(prompt_ids))
+                              modeling.checkpoint_digest(inputs["teacher"]), sorted(prompt_ids),
+                              *([] if params.rollout.backend == "hf" else [params.sampler_id()]))
     d_seed = params.seed + cfg.seed  # distill.seed: seeds of a distillation arm (the cold start stays fixed)
     cursor = select.PromptCursor(len(prompts), seeds.distill_cursor(d_seed))
     start, restored, cursor.pos = checkpoint.restore_loop_state(out["checkpoints"], fp, student, opt)
@@ -147,7 +148,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     # would not fit beside the trainer): the teacher -- a checkpoint folder, frozen -- samples through
     # rollout.backend; the student, built in memory and trained here, samples with the hf backend
     s_backend = BACKENDS["hf"](d.plain(student), tok, params.rl.generate_batch_size)
-    t_backend = BACKENDS[params.rollout.backend](teacher, tok, params.rl.generate_batch_size, params.engine())
+    t_backend = BACKENDS[params.rollout.backend](teacher, tok, params.rl.generate_batch_size, params.vllm_options())
+    t_backend.release()  # asleep until the teacher samples: its memory is the update's in every other step
     specs = params.reward.rewards
     t_run = time.time()
     for step in tqdm(range(start, len(phases)), initial=start, total=len(phases), desc="distill",

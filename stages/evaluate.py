@@ -36,7 +36,7 @@ from tqdm import tqdm
 from posttrain import metrics as M
 from posttrain import modeling
 from posttrain.config import ConfigError, MathTask, Params, Validation
-from posttrain.rollout import BACKENDS, Checkpoint, Completion, SamplingParams, chat_prompt_ids, generator
+from posttrain.rollout import BACKENDS, Completion, ModelFolder, SamplingParams, chat_prompt_ids, generator
 from posttrain.runner import model_arg, stage_main
 from posttrain.schema import GENERATION_SCHEMA, Problem, read_problems, write_json, write_parquet
 from posttrain.sources import check_usable, problems_from
@@ -109,8 +109,8 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
     per_problem: dict[str, dict[str, dict[str, Any]]] = {s: {} for s in splits}  # split -> problem id -> metrics
     gen_rows: list[dict[str, Any]] = []
     tok = modeling.load_tokenizer(str(inputs["model"]))
-    model = Checkpoint(str(inputs["model"]), params.model.dtype, device)  # each backend loads it its own way
-    backend = BACKENDS[cfg.backend](model, tok, cfg.generate_batch_size, params.engine())
+    model = ModelFolder(str(inputs["model"]), params.model.dtype, device)  # each backend loads it its own way
+    backend = BACKENDS[cfg.backend](model, tok, cfg.generate_batch_size, params.vllm_options())
     for split, probs in tqdm(splits.items(), desc=f"evaluate {name}", disable=not params.runtime.progress):
         t0 = time.time()
         ids = chat_prompt_ids(tok, [p["prompt"] for p in probs])

@@ -88,15 +88,14 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
                                                                         device)
     model = d.wrap(model)  # the training handle (the model itself in one process)
     opt = training.adamw(model, cfg.lr, cfg.weight_decay, training.ONLINE_BETAS)
-    backend = BACKENDS[params.rollout.backend](d.plain(model), tok, cfg.generate_batch_size, params.engine())
+    backend = BACKENDS[params.rollout.backend](d.plain(model), tok, cfg.generate_batch_size, params.vllm_options())
     policy0 = modeling.checkpoint_digest(inputs["policy"])
     prompt_ids = dict(zip([p["id"] for p in prompts], chat_prompt_ids(tok, [p["prompt"] for p in prompts]),
                           strict=True))
 
     ckpt_dir, shard_tmp = out["checkpoints"], out["checkpoints"] / "shards"
     m = params.model  # what changes the result: not rl.steps, save_steps, max_idle_steps (config.NOT_RESULT)
-    engine = params.rollout.backend if params.rollout.backend == "hf" else f"vllm:{params.engine().dtype}"
-    fp = checkpoint.fingerprint(cfg, params.reward, engine, m.lora, m.dtype, m.attn_implementation,
+    fp = checkpoint.fingerprint(cfg, params.reward, params.sampler_id(), m.lora, m.dtype, m.attn_implementation,
                                 params.seed, policy0, sorted(prompt_ids))
     rl_seed = params.seed + cfg.seed  # rl.seed: seeds of an RL arm on the same upstream (curate, sft)
     cursor = select.PromptCursor(len(prompts), rl_seed)

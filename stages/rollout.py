@@ -23,7 +23,7 @@ import torch
 
 from posttrain import modeling
 from posttrain.config import Params
-from posttrain.rollout import BACKENDS, Checkpoint, SamplingParams, generator, sample_rows
+from posttrain.rollout import BACKENDS, ModelFolder, SamplingParams, generator, sample_rows
 from posttrain.runner import stage_main
 from posttrain.schema import ROLLOUT_SCHEMA, read_problems, write_json, write_parquet
 
@@ -41,8 +41,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
              n_train)
     device = modeling.resolve_device(params.runtime.device)
     tok = modeling.load_tokenizer(str(inputs["policy"]))
-    policy = Checkpoint(str(inputs["policy"]), params.model.dtype, device)  # each backend loads it its own way
-    backend = BACKENDS[cfg.backend](policy, tok, cfg.generate_batch_size, params.engine())
+    policy = ModelFolder(str(inputs["policy"]), params.model.dtype, device)  # each backend loads it its own way
+    backend = BACKENDS[cfg.backend](policy, tok, cfg.generate_batch_size, params.vllm_options())
     sp = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens, params.seed)
     rows, seconds = sample_rows(backend, tok, problems, cfg.samples_per_prompt, sp,
                                 policy=modeling.checkpoint_digest(inputs["policy"]),

@@ -24,11 +24,12 @@ def main(folder: str, out: str) -> None:
     d = distributed.init("auto", "ddp", 300)  # gloo on CPU, nccl on CUDA
     tok, model = load_tokenizer(folder), load_model(folder, "float32")
     backend = BACKENDS["vllm"](model, tok, 8, VLLMOptions(dtype="float32", max_model_len=128))
-    ids = chat_prompt_ids(tok, [f"{d.rank + 3}*7="])
-    sp = SamplingParams(1.0, 1.0, 8, d.rank)
+    ids = chat_prompt_ids(tok, ["3*7="])  # the same request on every rank: only the weights differ
+    sp = SamplingParams(1.0, 1.0, 8, 0)
+    g = torch.Generator().manual_seed(d.rank)
     with torch.no_grad():
         for p in model.parameters():
-            p.mul_(1.0 + 0.05 * (d.rank + 1))  # each rank's trainer moves differently
+            p.add_(0.05 * torch.randn(p.shape, generator=g))  # each rank's trainer moves differently
     backend.load_weights(model, "v1")
     (group,) = backend.generate(ids, 2, sp)
     gaps = []
@@ -41,7 +42,8 @@ def main(folder: str, out: str) -> None:
     t = torch.tensor([d.rank + 1.0])
     torch.distributed.all_reduce(t)  # the trainer's group, after the engine joined it
     Path(out, f"rank{d.rank}.json").write_text(json.dumps(
-        {"world": d.world, "tokens": [c.token_ids for c in group], "max_gap": max(gaps), "all_reduce": float(t)}))
+        {"world": d.world, "tokens": [c.token_ids for c in group], "logprobs": [c.logprobs for c in group],
+         "max_gap": max(gaps), "all_reduce": float(t)}))
     distributed.shutdown()
 
 

@@ -50,11 +50,16 @@ class Params(Section):
     prefect: PrefectCfg = Field(default_factory=PrefectCfg)
     tracking: TrackingCfg = Field(default_factory=TrackingCfg)
 
-    def engine(self) -> VLLMOptions:
+    def vllm_options(self) -> VLLMOptions:
         """``rollout.vllm`` with the defaults that follow other sections filled in (``dtype``: ``model.dtype``,
         the trainer's): what every stage hands the vllm backend."""
         v = self.rollout.vllm
         return v if v.dtype is not None else v.model_copy(update={"dtype": self.model.dtype})
+
+    def sampler_id(self) -> str:
+        """What samples, as resume fingerprints see it: ``hf``, or ``vllm:<engine dtype>``."""
+        b = self.rollout.backend
+        return b if b == "hf" else f"{b}:{self.vllm_options().dtype}"
 
     @model_validator(mode="after")
     def _cross(self) -> Params:

@@ -29,8 +29,9 @@ class Sampling(Section):
 
 
 class VLLMOptions(Section):
-    """The vllm backend's engine (posttrain/rollout/vllm.py); the hf backend ignores it. None of it changes
-    which tokens are sampled: it is left out of DVC params and checkpoint fingerprints."""
+    """The vllm backend's engine (posttrain/rollout/vllm.py); the hf backend ignores it. Only ``dtype`` changes
+    the distribution sampled (a DVC param, in rl's and distill's fingerprints); the rest changes memory, batching
+    and kernels (floating-point order at most, not bit-exact), and is left out of both."""
 
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="share of GPU memory the engine may "
                                           "take (weights + KV cache); colocated with the trainer in rl/distill, "

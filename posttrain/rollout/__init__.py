@@ -10,8 +10,8 @@ model, so it has nothing to do). ``release()``: give the device memory back for 
 
 ``BACKENDS`` maps ``rollout.backend`` names to constructors with one signature
 ``(model, tokenizer, batch_size, vllm_options=None) -> RolloutBackend``: ``model`` is the live policy (rl,
-distill: its weights change and are synced) or a :class:`Checkpoint` (rollout, evaluate: a folder each backend
-loads its own way); ``vllm_options`` is ``Params.engine()`` (the vllm engine's settings, defaults when None; the
+distill: its weights change and are synced) or a :class:`ModelFolder` (rollout, evaluate: a folder each backend
+loads its own way); ``vllm_options`` is ``Params.vllm_options()`` (the vllm engine's settings, defaults when None; the
 hf backend has none). ``vllm`` is imported lazily from
 ``posttrain.rollout.vllm``: it exists only in vLLM's environments (``.venv-vllm`` with vLLM's CPU build,
 ``.venv-gpu`` on GPU workers; vLLM's pins conflict with prefect's, see ARCHITECTURE.md); elsewhere choosing it
@@ -28,9 +28,9 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from posttrain import seeds
-from posttrain.rollout.base import Checkpoint, Completion, RolloutBackend, SamplingParams, chat_prompt_ids
+from posttrain.rollout.base import Completion, ModelFolder, RolloutBackend, SamplingParams, chat_prompt_ids
 
-__all__ = ["BACKENDS", "Checkpoint", "Completion", "RolloutBackend", "SamplingParams", "chat_prompt_ids",
+__all__ = ["BACKENDS", "ModelFolder", "Completion", "RolloutBackend", "SamplingParams", "chat_prompt_ids",
            "generator", "sample_rows"]
 
 
@@ -38,7 +38,7 @@ def _hf(model: Any, tokenizer: PreTrainedTokenizerBase, batch_size: int, vllm_op
         ) -> RolloutBackend:
     from posttrain.rollout.hf import HFBackend
 
-    if isinstance(model, Checkpoint):
+    if isinstance(model, ModelFolder):
         from posttrain.modeling import load_model
 
         model = load_model(model.path, model.dtype, model.device)

@@ -19,7 +19,7 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
-class Checkpoint:
+class ModelFolder:
     """A model folder (or hub id) not loaded yet: what a stage that only generates (rollout, evaluate) hands
     its backend. The hf backend loads it (``modeling.load_model``) onto ``device`` in ``dtype``; the vllm engine
     loads the folder itself, so no second copy of the weights sits on the device beside the engine's."""

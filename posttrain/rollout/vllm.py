@@ -14,7 +14,7 @@ prefect's, so it lives in its own environment. The same ``RolloutBackend`` contr
   distribution actually sampled from, after temperature/top-p, as the trainer scores it),
   ``generation_config="vllm"`` (the folder's sampling defaults cannot silently change ours) and
   ``dtype`` = ``rollout.vllm.dtype`` (default: ``model.dtype``, the trainer's: ``"auto"`` would serve a
-  float32 checkpoint in bf16, a 1e-3 per-token gap to the trainer);
+  float32 checkpoint in bf16: a 5e-4 mean per-token gap to the trainer on the tiny model);
 - out: per prompt, ``n`` completions: token ids (the stop token included iff the sequence stopped on one, as
   vLLM returns them and as the hf backend does), one sampler log-prob per token, finish reason.
 
@@ -39,7 +39,7 @@ import torch
 
 from posttrain import seeds
 from posttrain.config.base import ConfigError
-from posttrain.rollout.base import Checkpoint, Completion, SamplingParams
+from posttrain.rollout.base import Completion, ModelFolder, SamplingParams
 from posttrain.rollout.vllm_sync import Engine, WeightSync, merged_weights
 
 log = logging.getLogger("vllm")
@@ -97,15 +97,15 @@ class VLLMBackend:
         return [TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sps
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
+        if self.sync.discarded:
+            raise RuntimeError("the engine's weights were discarded by its level-2 sleep: load_weights first")
         self.sync.wake()
         prompts, sps = self.request(prompt_ids, n, sampling)
         return to_completions(self.engine.generate(prompts, sps, use_tqdm=False), n)
 
     def load_weights(self, model: torch.nn.Module, version: str) -> None:
-        """The trainer's current weights into the engine (a LoRA policy's merged, streamed per tensor)."""
-        if version == self.sync.version:
-            self.sync.wake()
-            return
+        """The trainer's current weights into the engine (a LoRA policy's merged, streamed per tensor; the
+        stream is lazy: nothing is computed when the engine already serves ``version``)."""
         self.sync.load(merged_weights(model), version)
 
     def release(self) -> None:
@@ -113,10 +113,10 @@ class VLLMBackend:
 
 
 def model_folder(model: Any) -> str:
-    """The folder (or hub id) of a ``Checkpoint``, or the one a live ``model`` was loaded from: the engine loads
+    """The folder (or hub id) of a ``ModelFolder``, or the one a live ``model`` was loaded from: the engine loads
     its own copy from there. A model built in memory has none (``_name_or_path == ""``): refused, never its
     repr passed as a path."""
-    if isinstance(model, Checkpoint):
+    if isinstance(model, ModelFolder):
         return model.path
     folder = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
     if not folder:
@@ -161,49 +161,84 @@ def engine_kwargs(options: Any, batch_size: int, device_type: str, sleep: int, w
 
 
 def generation_config(model: Any) -> Any:
-    """A live model's generation_config, or a ``Checkpoint`` folder's (read from its files: the weights are
-    not loaded); a folder without one stops on the tokenizer's EOS only."""
+    """A live model's generation_config, or a ``ModelFolder`` folder's (read from its files: the weights are
+    not loaded); a folder without generation_config.json gets the one its config.json implies."""
     from transformers import GenerationConfig
 
-    if not isinstance(model, Checkpoint):
+    if not isinstance(model, ModelFolder):
         return model.generation_config
     try:
         return GenerationConfig.from_pretrained(model.path)
-    except OSError:
-        return GenerationConfig()
+    except OSError:  # as transformers builds a model's: from its config.json (eos_token_id among them)
+        from transformers import AutoConfig
+
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(model.path))
+
+
+def _dtype_name(model: Any) -> str:
+    dtype = model.dtype if isinstance(model, ModelFolder) else next(model.parameters()).dtype
+    return str(dtype).removeprefix("torch.")
+
+
+def _rng_state() -> tuple[Any, ...]:
+    import random
+
+    import numpy as np
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[Any, ...]) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    torch.set_rng_state(state[2])
+    if state[3] is not None:
+        torch.cuda.set_rng_state_all(state[3])
 
 
 def _release_groups() -> None:
     """vLLM's groups inside torch's default process group, destroyed before it (``distributed.shutdown``); left
     to the engine's own exit hook they were destroyed after it: a traceback at the exit of every rl and distill
     stage on vLLM, one process or several."""
-    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
+    try:
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+    except ImportError:  # registered by a stand-in engine (tests): nothing of vLLM's to release
+        return
     destroy_model_parallel()
     destroy_distributed_environment()
 
 
 def build(model: Any, tokenizer: Any, batch_size: int, options: Any = None) -> VLLMBackend:
-    """A colocated engine on ``model``'s folder (a ``Checkpoint``, or the folder a live model was loaded from);
-    ``options``: ``config.VLLMOptions`` (``Params.engine()``; None: its defaults)."""
+    """A colocated engine on ``model``'s folder (a ``ModelFolder``, or the folder a live model was loaded from);
+    ``options``: ``config.VLLMOptions`` (``Params.vllm_options()``; None: its defaults)."""
     from posttrain.config import VLLMOptions
     from posttrain.modeling import stop_ids
 
     options = options or VLLMOptions()
     folder = model_folder(model)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process: the weight reload reaches it
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process: the weight reload reaches it
     from vllm import LLM
     from vllm.platforms import current_platform
 
     sleep = sleep_level(options, current_platform.is_sleep_mode_available())
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if options.dtype is None:  # built without Params.vllm_options(): the model's own dtype, never "auto"
+        options = options.model_copy(update={"dtype": _dtype_name(model)})
     kwargs = engine_kwargs(options, batch_size, current_platform.device_type, sleep, world)
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    rng = _rng_state()
     try:
         engine = LLM(model=folder, tokenizer=folder, **kwargs)
-    finally:  # vLLM's CPU worker makes torch.set_num_threads a no-op for the whole process: undo it
+    finally:  # vLLM's CPU worker makes torch.set_num_threads a no-op for the whole process: undo it; and its
+        # workers seed torch, numpy and random with the engine seed: the stage's own streams go on as they were
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
+        _set_rng_state(rng)
     from posttrain import distributed
 
     # vLLM's groups live in torch's default process group (the trainer's under torchrun; one vLLM created itself

@@ -9,7 +9,8 @@ engine holds, and the traps around it:
   fails on vLLM's CPU build (``'Parameter' object has no attribute 'weight_loader'``: the CPU linear method
   repacks weights after loading) and skips that processing on GPU too. Why not vLLM's newer weight-transfer
   API (``init_weight_transfer_engine`` / ``update_weights``): it is built for a trainer in another process
-  (NCCL or IPC handles); colocated in one process, the iterator hands over the tensors without a copy;
+  (NCCL or IPC handles); colocated in one process, the iterator hands the tensors over with no serialization
+  or transport (vLLM's layer-wise reload still copies them into its kernel layout);
   ``reload_weights`` has the same signature on the GPU worker (``gpu_worker.Worker``) and the CPU worker,
   which inherits it.
 - after a level-2 sleep the engine's weights are gone: the next ``load`` copies even the same version;
@@ -67,6 +68,7 @@ class WeightSync:
     version: str | None = None
     asleep: set[str] = field(default_factory=set)  # the parts still asleep: "weights", "kv_cache"
     syncs: int = 0
+    discarded: bool = False  # a level-2 sleep threw the weights away and no load has put them back
     log: list[str] = field(default_factory=list)  # what was done, in order (for tests and debugging)
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]], version: str) -> bool:
@@ -79,7 +81,7 @@ class WeightSync:
         self.engine.collective_rpc(reload_weights, args=(weights,))
         self._wake("kv_cache")
         self.engine.reset_prefix_cache()  # cached KV entries were computed by the old weights
-        self.version, self.syncs = version, self.syncs + 1
+        self.version, self.syncs, self.discarded = version, self.syncs + 1, False
         self.log += [f"load {version}", "reset_prefix_cache"]
         return True
 
@@ -92,6 +94,7 @@ class WeightSync:
         self.log.append(f"sleep {self.sleep_level}")
         if self.sleep_level >= 2:
             self.version = None  # level 2 discards the weights: the same version must be loaded again
+            self.discarded = True
 
     def wake(self) -> None:
         for tag in ("weights", "kv_cache"):
@@ -118,12 +121,22 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
     base = model.base_model.model
     lora_modules = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    for m in lora_modules.values():
+        extra = [what for what, on in (("DoRA", any(m.use_dora.values())),
+                                       ("lora_bias", any(getattr(m, "lora_bias", {}).values()))) if on]
+        if extra:
+            raise NotImplementedError(f"streaming merged LoRA weights with {extra[0]} is not implemented")
+    # a weight tied to an adapted one (lm_head to embed_tokens): merged as peft's merge_and_unload leaves it
+    tied = {m.base_layer.weight.data_ptr(): m for m in lora_modules.values()}
     for key, value in base.state_dict().items():
+        if ".modules_to_save." in key or ".original_module." in key:
+            raise NotImplementedError("streaming merged LoRA weights with modules_to_save is not implemented")
         if ".lora_" in key:
             continue
         owner, _, leaf = key.rpartition(".base_layer.")
         if not owner:  # not inside a LoRA-wrapped module
-            yield key, value.detach()
+            shared = tied.get(value.data_ptr()) if key.endswith(".weight") else None
+            yield key, _merged(shared, value) if shared is not None else value.detach()
             continue
         module = lora_modules[owner]
         yield f"{owner}.{leaf}", _merged(module, value) if leaf == "weight" else value.detach()
@@ -132,11 +145,12 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 @torch.no_grad()
 def _merged(module: Any, weight: torch.Tensor) -> torch.Tensor:
     """One LoRA-wrapped weight plus its active adapters' deltas (peft's own ``get_delta_weight``: scale,
-    fan-in/fan-out layout), as a new tensor."""
+    fan-in/fan-out layout; Linear and Embedding adapters), summed in float32 and cast back once (a bf16 base
+    would otherwise round each delta first)."""
     if module.merged:  # already inside the base weight
         return weight.detach()
-    out = weight.detach().clone()
+    out = weight.detach().to(torch.float32, copy=True)  # never the live base weight itself
     for adapter in module.active_adapters:
-        if adapter in module.lora_A:
-            out += module.get_delta_weight(adapter).to(out.dtype)
-    return out
+        if adapter in module.lora_A or adapter in getattr(module, "lora_embedding_A", {}):
+            out += module.get_delta_weight(adapter).float()
+    return out.to(weight.dtype)
