@@ -403,3 +403,29 @@ def test_a_row_whose_answer_was_lost_is_not_logged_twice(tmp_path):
     client.log_batch(rec.run_id, metrics=[Metric("reward_mean", 0.1, 0, 1)])  # arrived; rec.sent does not say so
     tracking.send(rec, uri, tmp_path)
     assert [m.step for m in client.get_metric_history(rec.run_id, "reward_mean")] == list(range(1, 251))
+
+
+def test_a_failed_evaluate_run_outside_dvc_reaches_mlflow_through_the_outbox(tmp_path, monkeypatch, capsys):
+    """The hardening issue's finding, reproduced: a failed ``python -m stages.evaluate`` left an outbox record
+    MLflow always refused. The cause: outside a DVC repo the record's params were keyed by the stage name,
+    ``evaluate@sft``, and MLflow takes no "@" in a param name. Now keyed by the section (``evaluate.*``)."""
+    import yaml
+
+    from posttrain import runner
+    from stages import evaluate
+
+    raw = tiny_raw(tmp_path)
+    raw["tracking"] = {"enabled": True, "uri": f"http://127.0.0.1:{_free_port()}", "experiment": "t",
+                       "outbox": str(tmp_path / "box")}
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(SystemExit) as e:  # no eval.parquet: the stage fails, one line
+        runner.stage_main("evaluate@sft", lambda p: evaluate.run(p, *evaluate.paths(p, "sft")),
+                          ["--params", str(tmp_path / "params.yaml")])
+    assert e.value.code == 1
+    assert len(list((tmp_path / "box").glob("*/record.json"))) == 1
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert tracking.sync(tmp_path / "box", uri, tmp_path) == (1, 0, 0)  # sent, not refused
+    client = store.mlflow_client(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+    assert run.info.status == "FAILED" and "evaluate.samples_per_prompt" in run.data.params

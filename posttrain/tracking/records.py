@@ -136,8 +136,9 @@ def build_record(stage: str, params: Params, root: Path, start_ms: int, status: 
     rec = StageRecord(stage, params.tracking.experiment, start_ms, int(time.time() * 1000), status,
                       os.environ.get(PARENT_ENV) or None)
     deps, outs, declared = dvc_hashes(root, stage)
-    if not declared:  # outside a DVC repo: the stage's own section
-        declared = {stage: params.model_dump(mode="json").get(stage), "seed": params.seed}
+    if not declared:  # outside a DVC repo: the stage's own section (evaluate@<name>: evaluate's; "@" is not a
+        section = stage.split("@")[0]  # name MLflow takes, so a record keyed by it was refused at every sync)
+        declared = {section: params.model_dump(mode="json").get(section), "seed": params.seed}
     for k, v in flatten(declared).items():  # the params dvc.yaml declares for the stage, as DVC reads them
         rec.params[k] = json.dumps(v) if isinstance(v, list | dict) else str(v)
     torch = sys.modules.get("torch")  # curate never imports it
