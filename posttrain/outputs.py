@@ -129,9 +129,10 @@ def _replay(pairs: list[list[str]]) -> None:
 
 
 def finish_commits(journal_dir: str | Path) -> list[str]:
-    """Complete every set commit a killed stage left half-done in ``journal_dir``; returns their names."""
+    """Complete every set commit a killed stage left half-done in ``journal_dir`` or a folder below it (evaluate's
+    journals are beside its metrics, in ``<metrics_dir>/evaluate``); returns their names."""
     done = []
-    for journal in sorted(Path(journal_dir).glob(JOURNAL.format(name="*"))):
+    for journal in sorted(Path(journal_dir).rglob(JOURNAL.format(name="*"))):
         _replay(json.loads(journal.read_text()))
         journal.unlink()
         name = journal.name.removeprefix(".commit-").removesuffix(".json")
@@ -174,8 +175,9 @@ def _fsync_tree(p: Path) -> None:
         _fsync(Path(root))
 
 
-def as_one_set(out: dict[str, Path], name: str, resumable: Sequence[str] = ("checkpoints",)
+def as_one_set(out: dict[str, Path], name: str, at_once: Sequence[str] = ("checkpoints",)
                ) -> contextlib.AbstractContextManager[None]:
-    """``output_set`` over a stage's ``out`` paths but its resumable ones (written at once: a resume reads
-    them), journaled beside its metrics file."""
-    return output_set([p for k, p in out.items() if k not in resumable], Path(out["metrics"]).parent, name)
+    """``output_set`` over a stage's ``out`` paths but those under ``at_once`` keys, journaled beside its metrics
+    file. Written at once: resumable checkpoints (a resume reads them) and the report of a stage that can stop
+    on a threshold (reward: the report says why it stopped)."""
+    return output_set([p for k, p in out.items() if k not in at_once], Path(out["metrics"]).parent, name)

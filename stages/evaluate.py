@@ -36,6 +36,7 @@ from tqdm import tqdm
 from posttrain import metrics as M
 from posttrain import modeling
 from posttrain.config import ConfigError, MathTask, Params, Validation
+from posttrain.outputs import as_one_set
 from posttrain.rollout import BACKENDS, Completion, ModelFolder, SamplingParams, chat_prompt_ids, generator
 from posttrain.runner import model_arg, stage_main
 from posttrain.schema import GENERATION_SCHEMA, Problem, read_problems, write_json, write_parquet
@@ -91,6 +92,11 @@ def summarize(rows: list[dict[str, Any]], n_unscorable: int, n_boot: int, seed: 
 def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[str, Any]:
     """Evaluate one model. ``inputs``: eval (eval.parquet), name, model (checkpoint path or hub id). ``out``:
     dir (summary.json, per_problem.json, generations.parquet), metrics. Returns ``{split: summary}``."""
+    with as_one_set(out, f"evaluate@{inputs['name']}"):  # a kill leaves the old set of outputs or the new one
+        return _run(params, inputs, out)
+
+
+def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[str, Any]:
     cfg, name = params.evaluate, inputs["name"]
     torch.set_num_threads(params.runtime.generate_threads)
     device = modeling.resolve_device(params.runtime.device)

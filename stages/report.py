@@ -24,6 +24,7 @@ from posttrain import metrics as M
 from posttrain import plots
 from posttrain.config import Params
 from posttrain.errors import StageError
+from posttrain.outputs import as_one_set
 from posttrain.runner import stage_main
 from posttrain.schema import write_json, write_text
 
@@ -99,6 +100,11 @@ def report_markdown(results: dict[str, dict[str, dict[str, Any]]], ks: list[int]
 
 def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[str, Any]:
     """Merge. ``inputs``: models_dir (one folder per model). ``out``: dir, metrics. Returns the paired diffs."""
+    with as_one_set(out, "report"):  # a kill leaves the old outputs or the new ones, never a mix
+        return _run(params, inputs, out)
+
+
+def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[str, Any]:
     names = list(params.evaluate.models)
     missing = [n for n in names if not (inputs["models_dir"] / n / "summary.json").is_file()]
     if missing:

@@ -23,6 +23,7 @@ import numpy as np
 
 from posttrain.config import Params
 from posttrain.errors import StageError
+from posttrain.outputs import as_one_set
 from posttrain.rewards import pass_rates, score_rows
 from posttrain.runner import stage_main
 from posttrain.schema import PASS_RATE_SCHEMA, SCORED_SCHEMA, read_parquet, write_json, write_parquet, write_text
@@ -86,6 +87,11 @@ def audit_markdown(a: dict[str, Any]) -> str:
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Score. ``inputs``: rollouts. ``out``: scored, pass_rates, report_dir, metrics."""
+    with as_one_set(out, "reward", at_once=("report_dir",)):  # a kill: the old set of outputs or the new one
+        return _run(params, inputs, out)
+
+
+def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     cfg = params.reward
     scored = score_rows(read_parquet(inputs["rollouts"]), cfg.rewards)
     rates = pass_rates(scored)

@@ -23,6 +23,7 @@ import torch
 
 from posttrain import modeling
 from posttrain.config import Params
+from posttrain.outputs import as_one_set
 from posttrain.rollout import BACKENDS, ModelFolder, SamplingParams, generator, sample_rows
 from posttrain.runner import stage_main
 from posttrain.schema import ROLLOUT_SCHEMA, read_problems, write_json, write_parquet
@@ -32,6 +33,11 @@ log = logging.getLogger("rollout")
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Sample. ``inputs``: train (train.parquet), policy (checkpoint). ``out``: rollouts, metrics."""
+    with as_one_set(out, "rollout"):  # a kill leaves the old outputs or the new ones, never a mix
+        return _run(params, inputs, out)
+
+
+def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     cfg = params.rollout
     torch.set_num_threads(params.runtime.generate_threads)
     problems = read_problems(inputs["train"])

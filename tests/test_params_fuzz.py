@@ -145,3 +145,47 @@ def test_reward_kwargs_and_weights_are_checked_at_load(kwargs, weight, expected)
     raw["reward"]["rewards"][2].update(kwargs=kwargs, weight=weight)
     with pytest.raises(ConfigError, match=expected.replace("[", r"\[").replace("]", r"\]")):
         parse_params(raw)
+
+
+def _with_accepted(raw: dict, which: int) -> tuple[dict, list[str]]:
+    """``raw`` with the ``which``-th accepted mutation (sorted by name; mutations that leave the value as it is
+    left out) of every ACCEPTED key that has one and that ``raw`` holds; returns it and the mutations applied."""
+    raw, applied = copy.deepcopy(raw), []
+    leaves = dict((_dotted(path), path) for path, _ in _leaves(raw))
+    for key, names in sorted(ACCEPTED.items()):
+        if key not in leaves:
+            continue
+        path, node = leaves[key], raw
+        for p in path[:-1]:
+            node = node[p]
+        names = sorted(n for n in names if MUTATIONS[n](node[path[-1]]) != node[path[-1]])
+        if which >= len(names):
+            continue
+        node[path[-1]] = MUTATIONS[names[which]](node[path[-1]])
+        applied.append(f"{key}={names[which]}")
+    return raw, applied
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", [0, 1])
+def test_every_accepted_mutation_at_once_runs_the_whole_dag(tmp_path, which):
+    """The fuzz test's accepted values proven harmless by running them: every accepted mutation of the tiny
+    params applied at once (the first of each key's accepted mutations, then the second where a key has two),
+    and the whole DAG under ``dvc repro`` ends with exit 0 and every model evaluated."""
+    import json
+    import os
+
+    from conftest import copy_repo, tiny_raw
+
+    raw, applied = _with_accepted(tiny_raw(None), which)
+    assert len(applied) >= (30 if which == 0 else 3), applied
+    parse_params(raw)  # the combination is itself valid
+    repo = tmp_path / "repo"
+    copy_repo(repo, raw)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    r = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, (applied, r.stdout[-3000:] + r.stderr[-3000:])
+    assert "Traceback" not in r.stdout + r.stderr, (r.stdout + r.stderr)[-3000:]
+    for name in raw["evaluate"]["models"]:
+        assert "eval" in json.loads((repo / raw["paths"]["metrics_dir"] / "evaluate" / f"{name}.json").read_text())
