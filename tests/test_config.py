@@ -147,6 +147,8 @@ REFUSALS = {
     "a synthetic source, or no `curate.eval.source`, with `task.kind: math`": ({"task": {"kind": "math"}}, "curate"),
     "`report.compare` naming a model not in `evaluate.models`": ({"report": {"compare": [["sft", "teacher"]]}},
                                                                  "report.compare"),
+    "`model.prompt.system` for the tiny model (its chat template has no system turn)":
+        ({"model": {"prompt": {"system": "You are helpful."}}}, "model.prompt.system"),
     "`tracking.champion` naming a metric evaluate does not write": ({"tracking": {"champion": "eval.pass@5"}},
                                                                     "tracking.champion"),
     "`task.min_digits` > `task.max_digits`": ({"task": {"kind": "arith", "min_digits": 5}}, "task.min_digits"),

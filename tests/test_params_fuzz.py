@@ -2,7 +2,8 @@
 naming the key (exit 2 in a stage or the CLI), or accepted because the value means something (a default, "off",
 "none"); and the file-level faults of a params file. Found by this test: 213 of 1,528 mutations of
 params.yaml were accepted before the bounds (inf learning rates, empty paths, negative seeds, 10^12 threads,
-unchecked reward kwargs); now 63, each a meaningful setting (ACCEPTED)."""
+unchecked reward kwargs); now 67 of 1,560 (the mutated file has more leaves now), each a meaningful setting
+(ACCEPTED), and each that is not the default runs through the whole DAG (the slow test at the end)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ ACCEPTED = {
     "rollout.num_prompts": {"null"},  # the whole training split
     **{k: {"null", "wrong type"} for k in ("model.revision", "prefect.dvc_remote", "runtime.distributed.rdzv_endpoint",
                                            "tracking.uri")},  # optional text: "bogus" is a text
-    "model.prompt.system": {"null", "empty", "wrong type"},  # no system message / an empty one / a text
+    "model.prompt.system": {"null", "empty"},  # no system message / an empty one
     "model.prompt.instruction": {"empty"},  # no instruction (the default)
     "tracking.model_prefix": {"empty"},  # registered names "sft", "rl", ...
     **{f"reward.rewards[{i}].weight": {"zero", "negative"} for i in range(3)},  # logged only, a penalty
@@ -178,7 +179,7 @@ def test_every_accepted_mutation_at_once_runs_the_whole_dag(tmp_path, which):
     from conftest import copy_repo, tiny_raw
 
     raw, applied = _with_accepted(tiny_raw(None), which)
-    assert len(applied) >= (30 if which == 0 else 3), applied
+    assert len(applied) >= (30 if which == 0 else 2), applied
     parse_params(raw)  # the combination is itself valid
     repo = tmp_path / "repo"
     copy_repo(repo, raw)

@@ -90,6 +90,15 @@ class ModelCfg(Section):
         "and a GPU)")
     prompt: PromptCfg = Field(default_factory=PromptCfg)
 
+    @model_validator(mode="after")
+    def _system_turn(self) -> ModelCfg:
+        """Found by running the fuzz test's accepted values: a system prompt for the tiny model passed every check
+        and the sft stage then stopped (its chat template has no system turn)."""
+        if self.base == "tiny" and self.prompt.system and self.prompt.template is None:
+            raise Refusal("prompt.system", "the tiny model's chat template has no system turn; put the text in "
+                          "model.prompt.instruction")
+        return self
+
     @field_validator("dtype")
     @classmethod
     def _dtype(cls, v: str) -> str:
