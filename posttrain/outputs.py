@@ -111,7 +111,7 @@ def _commit(s: _Set) -> None:
     if not s.twins:
         return
     s.journal.parent.mkdir(parents=True, exist_ok=True)
-    pairs = [[str(d), str(t), str(p)] for d, t, p in s.twins]
+    pairs = [[str(x.absolute()) for x in twin] for twin in s.twins]  # a recovery may run from another folder
     tmp = s.journal.with_name(s.journal.name + ".tmp")
     tmp.write_text(json.dumps(pairs))
     _fsync(tmp)

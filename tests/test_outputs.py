@@ -118,3 +118,21 @@ def test_the_live_train_log_is_written_at_once_inside_a_set(tmp_path):
         assert (report / "train_log.csv").read_text().splitlines() == ["step,loss", "1,0.5"]  # live, this run's
         log.close()
     assert (report / "train_log.csv").read_text().splitlines() == ["step,loss", "1,0.5"]
+
+
+def test_a_journal_names_absolute_paths_so_any_folder_can_complete_it(tmp_path, monkeypatch):
+    """Found in the last read of the change: stages pass relative paths, and the journal kept them relative,
+    so a recovery started from another folder would have looked for the twins in the wrong place."""
+    monkeypatch.chdir(tmp_path)
+    with outputs.output_set([Path("model")], Path("."), "t"):
+        with outputs.atomic_path(Path("model")) as tmp:
+            tmp.write_text("v1")
+    monkeypatch.setattr(outputs, "_replay", lambda pairs: (_ for _ in ()).throw(SystemExit("killed")))
+    with pytest.raises(SystemExit), outputs.output_set([Path("model")], Path("."), "t"):
+        with outputs.atomic_path(Path("model")) as tmp:
+            tmp.write_text("v2")
+    monkeypatch.undo()
+    (journal,) = tmp_path.glob(".commit-*.json")
+    assert all(Path(x).is_absolute() for pair in json.loads(journal.read_text()) for x in pair)
+    monkeypatch.chdir("/")
+    assert outputs.finish_commits(tmp_path) == ["t"] and (tmp_path / "model").read_text() == "v2"
