@@ -43,7 +43,7 @@ from posttrain.config import Params
 from posttrain.errors import StageError
 from posttrain.logprobs import Seq
 from posttrain.outputs import as_one_set, atomic_path
-from posttrain.rewards import is_correct, score_rows
+from posttrain.rewards import RewardPool, is_correct, score_rows
 from posttrain.rl import collect, select, update
 from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids, generator, sample_rows
 from posttrain.runner import stage_main
@@ -97,11 +97,11 @@ def _student(params: Params, tok: Any, teacher: Any, device: torch.device) -> An
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Distill. ``inputs``: demos, train, teacher. ``out``: student_sft, student, checkpoints, report_dir, metrics."""
-    with as_one_set(out, "distill"):  # a kill leaves the old outputs or the new ones, never a mix
-        return _run(params, inputs, out)
+    with as_one_set(out, "distill"), RewardPool(params.reward.workers, params.reward.timeout_s) as pool:
+        return _run(params, inputs, out, pool)  # (a kill leaves the old outputs or the new ones, never a mix)
 
 
-def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
+def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: RewardPool) -> dict[str, Any]:
     cfg, rt, d = params.distill, params.runtime, distributed.current()
     device = modeling.resolve_device(rt.device)
     tok = modeling.load_tokenizer(str(inputs["teacher"]))
@@ -165,7 +165,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
                 g["lr"] = params.rl.lr
             with amp():
                 sb = collect.collect_step(s_backend, tok, prompts, cursor, params.rl, specs, seed,
-                                       policy=f"student@{step}")
+                                       policy=f"student@{step}", pool=pool)
             first = [r for grp in sb.sampled[: params.rl.prompts_per_step] for r in grp]
             torch.set_num_threads(rt.train_threads)
             s_backend.release()
@@ -192,7 +192,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
                                            (t_backend, batch[n_student:], "teacher")):
                     if part:
                         mine = sample_rows(backend, tok, d.shard(part), pc.samples_per_prompt, sp, who)[0]
-                        rows += d.gather_shards(score_rows(mine, specs))
+                        rows += d.gather_shards(score_rows(mine, specs, pool))
             if phase == "warmup" and cfg.warmup.filter_correct:
                 rows = [r for r in rows if is_correct(r["rewards"])]
             row["sample_pass_rate"] = _pass_rate(rows)

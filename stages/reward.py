@@ -24,7 +24,7 @@ import numpy as np
 from posttrain.config import Params
 from posttrain.errors import StageError
 from posttrain.outputs import as_one_set
-from posttrain.rewards import pass_rates, score_rows
+from posttrain.rewards import ERROR_KEY, RewardPool, pass_rates, score_rows
 from posttrain.runner import stage_main
 from posttrain.schema import PASS_RATE_SCHEMA, SCORED_SCHEMA, read_parquet, write_json, write_parquet, write_text
 from posttrain.tasks import get_task
@@ -40,7 +40,7 @@ def audit(scored: list[dict[str, Any]], rates: list[dict[str, Any]], n_examples:
     comps: dict[str, list[float]] = {}
     for r in scored:
         for k, v in json.loads(r["rewards"]).items():
-            if v is not None:
+            if v is not None and k != ERROR_KEY:
                 comps.setdefault(k, []).append(v)
     examples: dict[str, list[dict[str, str]]] = {}
     for r in scored:
@@ -51,6 +51,8 @@ def audit(scored: list[dict[str, Any]], rates: list[dict[str, Any]], n_examples:
     pr = [x["pass_rate"] for x in rates if x["pass_rate"] is not None]
     hist = Counter(f"{x:.3f}" for x in pr)
     # the verifiers' guards: completions refused before any equivalence check (hedges, several answers, ...)
+    # samples a reward function, a timeout or a dead worker could not score (the error's reason: never a reward)
+    errors = Counter(e for r in scored if (e := json.loads(r["rewards"]).get(ERROR_KEY)) is not None)
     guards = Counter(g for r in scored if (g := get_task(r["task"]).guard(r["completion"])) is not None)
     return {
         "samples": len(rewards), "unscorable": len(rewards) - len(scorable),
@@ -62,6 +64,7 @@ def audit(scored: list[dict[str, Any]], rates: list[dict[str, Any]], n_examples:
         "pass_rate_histogram": dict(sorted(hist.items())),
         "never_solved": sum(x == 0 for x in pr), "always_solved": sum(x == 1 for x in pr),
         "guards": dict(sorted(guards.items())), "examples": examples,
+        **({"errors": dict(sorted(errors.items()))} if errors else {}),  # (absent when none: outputs unchanged)
     }
 
 
@@ -74,6 +77,10 @@ def audit_markdown(a: dict[str, Any]) -> str:
     lines += [f"| {k} | {v:.4f} |" for k, v in a["component_means"].items()]
     lines += ["", "Verifier guards (completions refused before any equivalence check; they earn nothing):", "",
               "| guard | samples |", "|---|---:|"] + [f"| {k} | {v} |" for k, v in a["guards"].items()]
+    if "errors" in a:
+        lines += ["", "Unscorable because scoring failed (timeout, dead worker, a reward that raised or returned "
+                  "no number):", "", "| error | samples |", "|---|---:|"]
+        lines += [f"| {k} | {v} |" for k, v in a["errors"].items()]
     lines += ["", "| reward | samples |", "|---|---:|"] + [f"| {k} | {v} |" for k, v in a["reward_buckets"].items()]
     lines += ["", "| pass rate | prompts |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in a["pass_rate_histogram"].items()]
@@ -93,7 +100,8 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
 
 def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     cfg = params.reward
-    scored = score_rows(read_parquet(inputs["rollouts"]), cfg.rewards)
+    with RewardPool(cfg.workers, cfg.timeout_s) as pool:
+        scored = score_rows(read_parquet(inputs["rollouts"]), cfg.rewards, pool)
     rates = pass_rates(scored)
     a = audit(scored, rates, cfg.audit_examples)
     write_parquet(out["scored"], scored, SCORED_SCHEMA)

@@ -42,7 +42,7 @@ from posttrain import checkpoint, distributed, modeling, plots, seeds, training
 from posttrain.config import Params
 from posttrain.errors import StageError
 from posttrain.outputs import as_one_set, atomic_path
-from posttrain.rewards import is_correct
+from posttrain.rewards import RewardPool, is_correct
 from posttrain.rl import collect, select, update
 from posttrain.rollout import BACKENDS, chat_prompt_ids, generator
 from posttrain.runner import stage_main
@@ -65,11 +65,11 @@ LOG_FIELDS = ["step", "updated", "reward_mean", "pass_rate", "zero_var_frac", "g
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Train. ``inputs``: train, pass_rates, policy. ``out``: model, rl_dir, checkpoints, report_dir, metrics."""
-    with as_one_set(out, "rl"):  # a kill leaves the old outputs or the new ones, never a mix
-        return _run(params, inputs, out)
+    with as_one_set(out, "rl"), RewardPool(params.reward.workers, params.reward.timeout_s) as pool:
+        return _run(params, inputs, out, pool)  # (a kill leaves the old outputs or the new ones, never a mix)
 
 
-def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
+def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: RewardPool) -> dict[str, Any]:
     cfg, g, b = params.rl, params.rl.samples_per_prompt, params.rl.prompts_per_step
     rt, d = params.runtime, distributed.current()
     device = modeling.resolve_device(rt.device)
@@ -126,7 +126,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
         seed = seeds.rl_step(rl_seed, step)
         with amp():
             sb = collect.collect_step(backend, tok, prompts, cursor, cfg, params.reward.rewards, seed,
-                                   policy=f"{policy0}@step{step}", prior=prior)
+                                   policy=f"{policy0}@step{step}", prior=prior, pool=pool)
         used = [row for grp in sb.groups for row in grp]
 
         torch.set_num_threads(rt.train_threads)

@@ -1,4 +1,6 @@
-"""``reward:``: which rewards label a completion (the ``REWARDS`` registry, by name) and the audit."""
+"""``reward:``: which rewards label a completion (the ``REWARDS`` registry by name, or a plug-in function by
+``package.module:function``), how they are run (in-process, or a process pool with a per-sample timeout) and the
+audit."""
 
 from __future__ import annotations
 
@@ -6,8 +8,8 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from posttrain.config import names
-from posttrain.config.base import MAX_NEW_TOKENS, Refusal, Section, registered
+from posttrain.config import names, plugins
+from posttrain.config.base import MAX_NEW_TOKENS, MAX_THREADS, NOT_RESULT, Refusal, Section, registered
 
 
 class NoKwargs(Section):
@@ -32,7 +34,8 @@ REWARD_KWARGS: dict[str, type[Section]] = {"correct": NoKwargs, "math_verify": N
 class RewardSpec(Section):
     """One reward of the weighted sum."""
 
-    name: str = Field(description="a key of posttrain.rewards.REWARDS")
+    name: str = Field(description="a key of posttrain.rewards.REWARDS, or a plug-in 'package.module:function' "
+                      "(imported and checked at load: fn(sample, **kwargs) -> float | None)")
     weight: float = Field(1.0, ge=-1e6, le=1e6, description="weight in the summed reward (0 = logged only; "
                           "negative: a penalty)")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the reward function")
@@ -40,10 +43,19 @@ class RewardSpec(Section):
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
+        if plugins.is_plugin(v):
+            plugins.load_reward(v)
+            return v
         return registered("reward", v, names.REWARDS)
 
     @model_validator(mode="after")
     def _kwargs(self) -> RewardSpec:
+        if plugins.is_plugin(self.name):  # its own signature declares its kwargs
+            try:
+                plugins.check_kwargs(self.name, plugins.load_reward(self.name), self.kwargs)
+            except ValueError as e:
+                raise Refusal("kwargs", str(e)) from None
+            return self
         try:
             REWARD_KWARGS[self.name].model_validate(self.kwargs)
         except ValidationError as e:
@@ -60,4 +72,10 @@ class Reward(Section):
 
     rewards: list[RewardSpec] = Field(min_length=1, description="summed with their weights")
     max_unscorable_frac: float = Field(0.05, ge=0, le=1, description="fail the stage above this unscorable share")
+    workers: int = Field(0, ge=0, le=MAX_THREADS, json_schema_extra=NOT_RESULT,
+                         description="scoring processes: 0 or 1 = in this process, one sample at a time (no timeout "
+                         "beyond math-verify's own); >= 2 = a process pool (results identical to in-process)")
+    timeout_s: float = Field(30.0, gt=0, le=3600, json_schema_extra=NOT_RESULT,
+                             description="with workers >= 2: seconds one sample may take; a sample past it (or "
+                             "whose worker dies) is unscorable, its worker killed and replaced")
     audit_examples: int = Field(3, ge=0, le=1000, description="scored completions shown per reward bucket in the audit")

@@ -17,7 +17,7 @@ import torch
 
 from posttrain import algos, distributed, seeds
 from posttrain.config import Rl
-from posttrain.rewards import score_rows
+from posttrain.rewards import RewardPool, score_rows
 from posttrain.rl.select import PriorState, PromptCursor
 from posttrain.rollout import RolloutBackend, SamplingParams, sample_rows
 
@@ -35,8 +35,8 @@ class StepBatch:
 
 
 def collect_step(backend: RolloutBackend, tokenizer: Any, prompts: Sequence[dict[str, Any]], cursor: PromptCursor,
-                 cfg: Rl, reward_specs: Sequence[Any], seed: int, policy: str, prior: PriorState | None = None
-                 ) -> StepBatch:
+                 cfg: Rl, reward_specs: Sequence[Any], seed: int, policy: str, prior: PriorState | None = None,
+                 pool: RewardPool | None = None) -> StepBatch:
     """Rollout -> reward for one step, with DAPO dynamic sampling (``cfg.dynamic_sampling``).
 
     ``off`` keeps every group; ``skip`` drops zero-variance groups (no signal under a group baseline);
@@ -47,7 +47,7 @@ def collect_step(backend: RolloutBackend, tokenizer: Any, prompts: Sequence[dict
     prompt whose prior the group rejects (``algos.fuse``'s test) gets G more samples from the same policy, in
     order, until the step's budget of extra samples is spent; their mean reward replaces the stale prior
     (count: their number), so the fused baseline rests on fresh evidence. They are recorded (in ``sampled``)
-    but not trained on. Seeded ``seeds.prior_round``.
+    but not trained on. Seeded ``seeds.prior_round``. ``pool``: where rewards are scored (None: in this thread).
     """
     d = distributed.current()
     g, b, sp = cfg.samples_per_prompt, cfg.prompts_per_step, cfg.sampling
@@ -64,7 +64,7 @@ def collect_step(backend: RolloutBackend, tokenizer: Any, prompts: Sequence[dict
                                  policy=policy, chunk_prompts=max(1, cfg.generate_batch_size // g))
         gen_s += secs
         t = time.time()
-        rows = d.gather_shards(score_rows(rows, reward_specs))
+        rows = d.gather_shards(score_rows(rows, reward_specs, pool))
         reward_s += time.time() - t
         return rows
 

@@ -1,4 +1,4 @@
-"""REWARDS registry: per-sample reward functions, picked by name in ``params.yaml``.
+"""The built-in rewards (the ``REWARDS`` registry), picked by name in ``params.yaml``, and ``Sample``.
 
 One signature: ``fn(s: Sample, **kwargs) -> float | None``. ``None`` means *unscorable* (e.g. the gold
 answer cannot be parsed): such a sample is counted and kept out of the update, never given a free reward.
@@ -12,11 +12,9 @@ weighted component is None.
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from posttrain.tasks import get_task, mathfmt
 
@@ -79,55 +77,3 @@ REWARDS: dict[str, Callable[..., float | None]] = {
     "format": format_reward,
     "overlong": overlong,
 }
-
-
-def combine(s: Sample, specs: Sequence[Any]) -> tuple[float | None, dict[str, float | None]]:
-    """Weighted sum of the configured rewards, and each component (by name). None if any is None."""
-    parts: dict[str, float | None] = {}
-    total: float | None = 0.0
-    for spec in specs:
-        v = REWARDS[spec.name](s, **spec.kwargs)
-        parts[spec.name] = v
-        if spec.weight != 0:
-            total = None if v is None or total is None else total + spec.weight * v
-    return total, parts
-
-
-def score_rows(rows: Sequence[dict[str, Any]], specs: Sequence[Any]) -> list[dict[str, Any]]:
-    """Add ``reward`` (None = unscorable) and ``rewards`` (JSON of components) to rollout rows.
-
-    The one scoring path: the reward stage and every RL step call this. Runs in the calling (main)
-    thread, as math-verify requires.
-    """
-    out = []
-    for r in rows:
-        s = Sample(r["completion"], r["answer"], r["task"], len(r["token_ids"]), r["max_new_tokens"],
-                   r["finish_reason"])
-        total, parts = combine(s, specs)
-        out.append({**r, "reward": total, "rewards": json.dumps(parts)})
-    return out
-
-
-def is_correct(rewards_json: str) -> bool | None:
-    """Whether a scored sample is correct: its ``correct`` (else ``math_verify``) component is 1.0."""
-    parts = json.loads(rewards_json)
-    for key in ("correct", "math_verify"):
-        if key in parts:
-            return None if parts[key] is None else parts[key] == 1.0
-    return None
-
-
-def pass_rates(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per-prompt pass rate over scorable samples (``schema.PASS_RATE_SCHEMA``), in first-seen order."""
-    by: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        by.setdefault(r["prompt_id"], []).append(r)
-    out = []
-    for pid, group in by.items():
-        verdicts = [is_correct(r["rewards"]) for r in group]
-        scorable = [v for v in verdicts if v is not None]
-        rewards = [r["reward"] for r in group if r["reward"] is not None]
-        out.append({"prompt_id": pid, "n": len(group), "scorable": len(scorable), "n_correct": sum(scorable),
-                    "pass_rate": sum(scorable) / len(scorable) if scorable else None,
-                    "mean_reward": sum(rewards) / len(rewards) if rewards else None})
-    return out

@@ -1,0 +1,121 @@
+"""``RewardPool``: score samples in worker processes, each sample under a timeout; or in-process, serially.
+
+Why pebble (``pebble.ProcessPool``) and not the standard library: ``concurrent.futures.ProcessPoolExecutor``
+and ``multiprocessing.Pool`` (even with ``maxtasksperchild``) can stop *waiting* for a task but cannot stop
+the task: a worker stuck in sympy, or in C code that never returns to the interpreter, keeps its process and
+its slot forever, and a pool whose worker dies is broken as a whole (``BrokenProcessPool``). pebble's pool
+times each task from the moment a worker starts it, kills that worker (SIGTERM, then SIGKILL when it does not
+exit: a C loop ignores Python-level handlers) and starts a new one; a worker that dies mid-task fails that
+task alone (``ProcessExpired``). Both become an unscorable sample with its reason, never a crash or a hang.
+
+Workers are forked from a ``forkserver`` that has imported ``posttrain.rewards`` (math-verify) and the stage's
+module once, and holds no model, thread or engine: starting or replacing a worker costs milliseconds, workers
+never inherit the stage's torch threads, model or vLLM engine (forking the stage itself would), and
+math-verify runs in each worker's main thread, where its own ``signal.alarm`` timeouts work. Workers ignore SIGINT and die with the stage (``PR_SET_PDEATHSIG``); the
+pool stops when its ``with`` block ends, also on SIGTERM of the stage (turned into ``SystemExit`` while the
+pool is open, when nothing else handles SIGTERM).
+
+``workers`` 0 or 1 scores in the calling thread with ``combine``, one sample at a time: the same function
+the workers run, so results are identical (tests/test_reward_pool.py checks it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+from types import FrameType, TracebackType
+from typing import Any
+
+from pebble import ProcessExpired, ProcessPool
+
+from posttrain.rewards.builtin import Sample
+from posttrain.rewards.scoring import Spec, combine, failed, specs_of
+
+EXIT_SIGTERM = 128 + signal.SIGTERM
+
+
+def _init_worker(sys_path: list[str], environ: dict[str, str]) -> None:
+    """In each worker: the stage's import path (plug-ins) and environment as the pool started (the forkserver
+    holds those of its own start), no Ctrl-C tracebacks, death with the stage."""
+    sys.path[:] = sys_path
+    os.environ.clear()
+    os.environ.update(environ)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform == "linux":  # SIGKILL when the process that started us dies (even by SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
+def _score_one(sample: Sample, specs: tuple[Spec, ...]) -> tuple[float | None, dict[str, Any]]:
+    return combine(sample, specs)
+
+
+def _preload() -> list[str]:
+    """What the forkserver imports once, before it forks any worker: the rewards and the stage's own module
+    (``python -m stages.rl``: each worker re-runs its ``__main__`` as ``__mp_main__``, as every non-fork start
+    method does; with its imports already loaded, that costs nothing)."""
+    main = getattr(getattr(sys.modules["__main__"], "__spec__", None), "name", None)
+    return ["posttrain.rewards", *([main] if main and not main.endswith("__main__") else [])]
+
+
+def _sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(EXIT_SIGTERM)
+
+
+class RewardPool:
+    """``with RewardPool(workers, timeout_s) as pool: pool.score(samples, specs)``.
+
+    ``workers`` >= 2 starts that many scoring processes; 0 or 1 scores in this process (no processes, no
+    timeout). ``timeout_s``: seconds one sample may take in a worker before it is unscorable."""
+
+    def __init__(self, workers: int = 0, timeout_s: float = 30.0) -> None:
+        self.workers, self.timeout_s = workers, timeout_s
+        self._pool: ProcessPool | None = None
+        self._old_sigterm: Any = None
+
+    def __enter__(self) -> RewardPool:
+        if self.workers >= 2:
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(_preload())
+            self._pool = ProcessPool(max_workers=self.workers, initializer=_init_worker,
+                                     initargs=(list(sys.path), dict(os.environ)), context=ctx)
+            main = threading.current_thread() is threading.main_thread()
+            if main and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                self._old_sigterm = signal.signal(signal.SIGTERM, _sigterm)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers (a task still running is killed) and restore the SIGTERM handler."""
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            pool.stop()
+            pool.join()
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+
+    def score(self, samples: Sequence[Sample], specs: Sequence[Any]) -> list[tuple[float | None, dict[str, Any]]]:
+        """``combine(sample, specs)`` for each sample, in order; a sample that times out or whose worker dies
+        scores ``(None, {name: None, ..., "error": why})``."""
+        plain = specs_of(specs)
+        if self._pool is None:
+            return [combine(s, plain) for s in samples]
+        futures = [self._pool.schedule(_score_one, args=(s, plain), timeout=self.timeout_s) for s in samples]
+        out = []
+        for f in futures:
+            try:
+                out.append(f.result())
+            except FutureTimeout:
+                out.append(failed(plain, f"timeout after {self.timeout_s:g}s"))
+            except ProcessExpired as e:
+                out.append(failed(plain, f"worker died (exit code {e.exitcode})"))
+        return out

@@ -1,0 +1,224 @@
+"""Rewards in a process pool (``RewardPool``) and reward plug-ins (``package.module:function``).
+
+The pool scores exactly as serial scoring does; a sample that hangs (also in C code, deaf to SIGTERM) or kills
+its worker is unscorable with a reason, never a crash or a hang; a plug-in is checked at load (exit 2, one line
+naming the key) and is held to the unscorable-is-never-a-reward rule like the built-ins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import yaml
+from conftest import REPO, repo_params
+from test_rewards import ARITH_ATTACKS, COT, MATH_ATTACKS
+
+from posttrain.config import ConfigError, parse_params
+from posttrain.rewards import ERROR_KEY, RewardPool, Sample, Spec, score_rows
+
+PLUGIN = '''
+import math, os, signal, time
+
+def length_bonus(sample, scale: float = 0.01):
+    """A plug-in: a small bonus per token, None when the gold is empty (nothing to score against)."""
+    return None if not sample.answer else scale * sample.num_tokens
+
+def hang(sample):
+    """Hangs as a worker stuck in C code does: deaf to SIGTERM, only SIGKILL ends it."""
+    if "hang" in sample.completion:
+        with open(os.environ["PIDFILE"], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(3600)
+    return 0.0
+
+def die(sample):
+    """Kills its own worker."""
+    if "die" in sample.completion:
+        os._exit(7)
+    return 0.0
+
+def bad_values(sample):
+    """Returns what is not a reward: NaN, a string, or raises."""
+    if sample.completion == "nan":
+        return math.nan
+    if sample.completion == "str":
+        return "1.0"
+    if sample.completion == "raise":
+        raise ZeroDivisionError("boom")
+    return 1.0
+
+class NotAFunction:
+    pass
+
+def _make():
+    def inner(sample):
+        return 1.0
+    return inner
+
+closure = _make()
+'''
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    """A plug-in module ``rwplug_<test>`` in a temp dir on sys.path; returns its name."""
+    name = f"rwplug_{abs(hash(str(tmp_path))) % 10**8}"
+    (tmp_path / f"{name}.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PIDFILE", str(tmp_path / "pids"))
+    return name
+
+
+def _samples() -> list[Sample]:
+    math_golds = ["5", "\\frac{1}{2}", "3\\sqrt{2}", "(1, 2)", "\\frac{"]
+    out = [Sample(COT, "33166", "arith", 40, 80), Sample("answer: 1", "n/a", "arith", 5, 80)]
+    out += [Sample(c, "33166", "arith", 20, 80) for c, _ in ARITH_ATTACKS]
+    for gold in math_golds:
+        out += [Sample(f"so the answer is \\boxed{{{gold}}}", gold, "math", 70, 80, "length")]
+        out += [Sample(c, gold, "math", 20, 80) for c, _ in MATH_ATTACKS[:12]]
+    return out
+
+
+SPECS = [Spec("correct", 1.0, {}), Spec("math_verify", 0.0, {}), Spec("format", 0.1, {}),
+         Spec("overlong", 1.0, {"buffer": 16})]
+
+
+def test_pool_scores_exactly_as_serial():
+    samples = _samples()
+    with RewardPool(0) as serial:
+        want = serial.score(samples, SPECS)
+    with RewardPool(2, timeout_s=30) as pool:
+        got = pool.score(samples, SPECS)
+    assert got == want  # floats equal bit for bit: the same function, the same inputs
+    assert any(t is None for t, _ in want) and any(t == 1.1 for t, _ in want)  # unscorable and correct both present
+    rows = [{"completion": s.completion, "answer": s.answer, "task": s.task, "token_ids": [0] * s.num_tokens,
+             "max_new_tokens": s.max_new_tokens, "finish_reason": s.finish_reason, "prompt_id": str(i)}
+            for i, s in enumerate(samples)]
+    with RewardPool(3, timeout_s=30) as pool:
+        assert score_rows(rows, SPECS, pool) == score_rows(rows, SPECS)  # the rows the reward stage writes
+
+
+def test_a_hung_worker_is_killed_and_its_sample_unscorable(plugin, tmp_path):
+    """A reward stuck where SIGTERM cannot reach it (C code): the sample times out, its worker is SIGKILLed and
+    replaced, and the samples after it are scored."""
+    specs = [Spec("correct", 1.0, {}), Spec(f"{plugin}:hang", 1.0, {})]
+    samples = [Sample("answer: 5", "5", "arith", 5, 80), Sample("hang", "5", "arith", 5, 80),
+               *[Sample("answer: 5", "5", "arith", 5, 80)] * 4]
+    t = time.time()
+    with RewardPool(2, timeout_s=1.0) as pool:
+        got = pool.score(samples, specs)
+        again = pool.score(samples[:1], specs)  # the pool still works after the kill
+    assert time.time() - t < 20
+    assert got[1] == (None, {"correct": None, f"{plugin}:hang": None, ERROR_KEY: "timeout after 1s"})
+    assert [x[0] for x in got[:1] + got[2:]] == [1.0] * 5 and again[0][0] == 1.0
+    pid = int((tmp_path / "pids").read_text().split()[0])
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_a_worker_that_dies_fails_its_sample_alone(plugin):
+    specs = [Spec(f"{plugin}:die", 1.0, {})]
+    samples = [Sample(c, "5", "arith", 5, 80) for c in ("a", "die", "b", "c")]
+    with RewardPool(2, timeout_s=10) as pool:
+        got = pool.score(samples, specs)
+    assert got[1] == (None, {f"{plugin}:die": None, ERROR_KEY: "worker died (exit code 7)"})
+    assert [x[0] for x in got[:1] + got[2:]] == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_plugin_that_raises_or_returns_no_number_is_unscorable_never_paid(plugin, workers):
+    specs = [Spec(f"{plugin}:bad_values", 1.0, {}), Spec("format", 0.0, {})]
+    samples = [Sample(c, "5", "arith", 5, 80) for c in ("nan", "str", "raise", "fine")]
+    with RewardPool(workers) as pool:
+        got = pool.score(samples, specs)
+    name = f"{plugin}:bad_values"
+    assert [(t, p[name], p.get(ERROR_KEY)) for t, p in got] == [
+        (None, None, f"{name} returned nan"), (None, None, f"{name} returned str"),
+        (None, None, f"{name} raised ZeroDivisionError"), (1.0, 1.0, None)]
+
+
+def _params_with(rewards: list[dict]) -> dict:
+    raw = repo_params()
+    raw["reward"]["rewards"] = rewards
+    return raw
+
+
+def test_a_plugin_named_in_params_is_loaded_and_scored(plugin):
+    p = parse_params(_params_with([{"name": "correct"}, {"name": f"{plugin}:length_bonus", "weight": 2.0,
+                                                          "kwargs": {"scale": 0.5}}]))
+    rows = [{"completion": "answer: 5", "answer": "5", "task": "arith", "token_ids": [1, 2, 3], "max_new_tokens": 8,
+             "finish_reason": "stop"}]
+    (row,) = score_rows(rows, p.reward.rewards)
+    # correct 1.0 + 2.0 x (0.5 x 3 tokens) = 4.0
+    assert row["reward"] == 4.0 and json.loads(row["rewards"]) == {"correct": 1.0, f"{plugin}:length_bonus": 1.5}
+    (row,) = score_rows([{**rows[0], "answer": ""}], p.reward.rewards)
+    assert row["reward"] is None  # the plug-in's None makes the sample unscorable: never a free reward
+
+
+@pytest.mark.parametrize("name,kwargs,key,says", [
+    ("no_such_module_xyz:fn", {}, "reward.rewards[0].name", "cannot import 'no_such_module_xyz'"),
+    ("{plugin}:missing", {}, "reward.rewards[0].name", "has no attribute 'missing'"),
+    ("{plugin}:NotAFunction", {}, "reward.rewards[0].name", "not a function"),
+    ("{plugin}:closure", {}, "reward.rewards[0].name", "_make.<locals>.inner"),
+    ("{plugin}:length_bonus", {"scael": 1}, "reward.rewards[0].kwargs", "unexpected keyword argument 'scael'"),
+    ("{plugin}:hang", {"x": 1}, "reward.rewards[0].kwargs", "cannot be called"),
+    ("not a ref:", {}, "reward.rewards[0].name", "is not 'package.module:function'"),
+])
+def test_a_bad_plugin_is_refused_at_load_naming_the_key(plugin, name, kwargs, key, says):
+    with pytest.raises(ConfigError) as e:
+        parse_params(_params_with([{"name": name.format(plugin=plugin), "kwargs": kwargs}]))
+    assert f"params: {key}: " in str(e.value) and says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_bad_plugin_exits_2_in_one_line(tmp_path):
+    bad = tmp_path / "params.yaml"
+    bad.write_text(yaml.safe_dump(_params_with([{"name": "correct"}, {"name": "no_such_module_xyz:score"}])))
+    r = subprocess.run([sys.executable, "-m", "stages.reward", "--params", str(bad)], capture_output=True,
+                       text=True, cwd=REPO)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "reward.rewards[1].name: Value error, cannot import 'no_such_module_xyz'" in r.stderr, r.stderr
+
+
+def test_sigterm_of_the_stage_stops_the_pool(plugin, tmp_path):
+    """A stage killed (SIGTERM) while its pool scores: it exits, and no worker outlives it."""
+    script = tmp_path / "stage.py"
+    script.write_text(textwrap.dedent(f"""
+        from posttrain.rewards import RewardPool, Sample, Spec
+        if __name__ == "__main__":
+            with RewardPool(2, timeout_s=600) as pool:
+                pool.score([Sample("hang", "5", "arith", 5, 80)] * 2, [Spec("{plugin}:hang", 1.0, {{}})])
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp_path)
+    pids: list[int] = []
+    for _ in range(300):  # both workers are hanging
+        time.sleep(0.1)
+        if (tmp_path / "pids").exists() and len(pids := [int(x) for x in (tmp_path / "pids").read_text().split()]) == 2:
+            break
+    assert len(pids) == 2
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    time.sleep(0.5)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_workers_param_is_bounded_and_not_part_of_the_result():
+    from posttrain.config.base import NOT_RESULT
+    from posttrain.config.reward import Reward
+
+    assert Reward.model_fields["workers"].json_schema_extra == NOT_RESULT
+    raw = repo_params()
+    raw["reward"]["workers"] = -1
+    with pytest.raises(ConfigError, match="reward.workers"):
+        parse_params(raw)
