@@ -10,10 +10,10 @@ task alone (``ProcessExpired``). Both become an unscorable sample with its reaso
 
 Workers are forked from a ``forkserver`` that has imported ``posttrain.rewards`` (math-verify) and the stage's
 module once, and holds no model, thread or engine: starting or replacing a worker costs milliseconds, workers
-never inherit the stage's torch threads, model or vLLM engine (forking the stage itself would), and
-math-verify runs in each worker's main thread, where its own ``signal.alarm`` timeouts work. Workers ignore SIGINT and die with the stage (``PR_SET_PDEATHSIG``); the
-pool stops when its ``with`` block ends, also on SIGTERM of the stage (turned into ``SystemExit`` while the
-pool is open, when nothing else handles SIGTERM).
+never inherit the stage's torch threads, model or vLLM engine (forking the stage itself would), and math-verify
+runs in each worker's main thread, where its own ``signal.alarm`` timeouts work. Workers ignore SIGINT and die
+with the stage (``PR_SET_PDEATHSIG``); the pool stops when its ``with`` block ends, also on SIGTERM of the stage
+(turned into ``SystemExit`` while the pool is open, when nothing else handles SIGTERM).
 
 ``workers`` 0 or 1 scores in the calling thread with ``combine``, one sample at a time: the same function
 the workers run, so results are identical (tests/test_reward_pool.py checks it).
