@@ -38,6 +38,7 @@ from posttrain.rewards.builtin import Sample
 from posttrain.rewards.scoring import Spec, combine, failed, specs_of
 
 EXIT_SIGTERM = 128 + signal.SIGTERM
+MAX_CHUNK = 16  # samples sent to a worker at once (fewer when there are few: every worker gets work)
 
 
 def _init_worker(sys_path: list[str], environ: dict[str, str]) -> None:
@@ -51,8 +52,8 @@ def _init_worker(sys_path: list[str], environ: dict[str, str]) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
-def _score_one(sample: Sample, specs: tuple[Spec, ...]) -> tuple[float | None, dict[str, Any]]:
-    return combine(sample, specs)
+def _score_chunk(samples: Sequence[Sample], specs: tuple[Spec, ...]) -> list[tuple[float | None, dict[str, Any]]]:
+    return [combine(s, specs) for s in samples]
 
 
 def _preload() -> list[str]:
@@ -109,13 +110,29 @@ class RewardPool:
         plain = specs_of(specs)
         if self._pool is None:
             return [combine(s, plain) for s in samples]
-        futures = [self._pool.schedule(_score_one, args=(s, plain), timeout=self.timeout_s) for s in samples]
-        out = []
+        # Chunks amortise the per-task cost (a few ms of pipes and threads). A chunk gets one sample's time: one
+        # that runs past it, or loses its worker, is redone a sample at a time, so a sample is unscorable only
+        # when it alone runs out of time (or kills its worker), and the results stay those of serial scoring.
+        k = max(1, min(MAX_CHUNK, len(samples) // (4 * self.workers)))
+        chunks = [samples[i : i + k] for i in range(0, len(samples), k)]
+        out: list[tuple[float | None, dict[str, Any]]] = []
+        for chunk, got in zip(chunks, self._run(_score_chunk, [(c, plain) for c in chunks]), strict=True):
+            if isinstance(got, str) and len(chunk) > 1:  # redo it one sample at a time
+                got = [r[0] if isinstance(r, list) else failed(plain, r)
+                       for r in self._run(_score_chunk, [([x], plain) for x in chunk])]
+            out += got if isinstance(got, list) else [failed(plain, got)]
+        return out
+
+    def _run(self, fn: Any, args: list[tuple[Any, ...]]) -> list[Any]:
+        """``fn(*a)`` for each ``a`` in the pool: its result, or why it has none (a string)."""
+        assert self._pool is not None
+        futures = [self._pool.schedule(fn, args=a, timeout=self.timeout_s) for a in args]
+        out: list[Any] = []
         for f in futures:
             try:
                 out.append(f.result())
             except FutureTimeout:
-                out.append(failed(plain, f"timeout after {self.timeout_s:g}s"))
+                out.append(f"timeout after {self.timeout_s:g}s")
             except ProcessExpired as e:
-                out.append(failed(plain, f"worker died (exit code {e.exitcode})"))
+                out.append(f"worker died (exit code {e.exitcode})")
         return out
