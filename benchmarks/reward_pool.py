@@ -5,8 +5,8 @@ working, then a final answer that is the gold, an equivalent rewriting of it (sp
 "The answer is"), a wrong answer (a digit changed), a hedge, two boxes or no answer at all, so math-verify
 does the work it does in an RL step. Each repeat scores one step (``--prompts`` prompts x G samples, distinct
 prompts per repeat so no gold-parse cache carries over) with every arm, in alternating order; every repeat is
-reported. The pool is started once per arm and kept (as the rl stage keeps it for the run); its start-up is
-reported apart. Results must be identical across arms (checked).
+reported. The pool is started once per arm and kept (as the rl stage keeps it for the run); its start-up and
+warm-up (on golds no repeat uses) is reported apart. Results must be identical across arms (checked).
 
     python benchmarks/reward_pool.py [--prompts 8] [--group 64] [--repeats 3] [--workers 2 4]
     # prints a table, writes benchmarks/results/reward_pool.json
@@ -75,12 +75,14 @@ def main() -> None:
     args = ap.parse_args()
     golds = [json.loads(x)["answer"] for x in args.math500.read_text().splitlines()]
     arms = [0, *args.workers]
+    load0 = os.getloadavg()
     pools, startup = {}, {}
     for w in arms:
         t = time.perf_counter()
         pools[w] = RewardPool(w, args.timeout).__enter__()
-        if w >= 2:  # workers start lazily: time the first (tiny) task as start-up
-            pools[w].score(step_samples(golds[-1:], 1, 0), SPECS)
+        # workers start lazily, and math-verify's first calls are slow (sympy's lazy set-up): warm every arm
+        # up on golds the repeats never use, and report that apart
+        pools[w].score(step_samples(golds[-4:], 16 * max(w, 1), seed=99), SPECS)
         startup[w] = time.perf_counter() - t
     rows = []
     try:
@@ -109,7 +111,7 @@ def main() -> None:
         summary[str(w)] = {"median_completions_per_s": sorted(rates)[len(rates) // 2], "all": rates,
                            "startup_s": round(startup[w], 3)}
     base = summary["0"]["median_completions_per_s"]
-    print("\n| workers | completions/s (median) | every repeat | vs serial | pool start-up s |")
+    print("\n| workers | completions/s (median) | every repeat | vs serial | start-up + warm-up s |")
     print("|---:|---:|---|---:|---:|")
     for w in arms:
         s = summary[str(w)]
@@ -119,7 +121,7 @@ def main() -> None:
     out.write_text(json.dumps({"args": {**vars(args), "math500": str(args.math500)},
                                "specs": [s._asdict() for s in SPECS],
                                "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                           "load_avg_at_end": os.getloadavg()},
+                                           "load_avg_at_start": load0, "load_avg_at_end": os.getloadavg()},
                                "summary": summary, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
 

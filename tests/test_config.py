@@ -159,6 +159,8 @@ REFUSALS = {
     "a renamed key (table above)": ({"rl": {"group_size": 8}}, "rl.group_size: renamed to rl.samples_per_prompt"),
     "`reward.rewards[].kwargs` a reward function does not take, or of another type":
         ({"reward": {"rewards": [{"name": "overlong", "kwargs": {"bufer": 16}}]}}, "reward.rewards[0].kwargs.bufer"),
+    "`reward.rewards[].name` a plug-in (`package.module:function`) that does not import, or is not a module-level "
+    "function": ({"reward": {"rewards": [{"name": "no_such_module_xyz:score"}]}}, "reward.rewards[0].name"),
     "`rl.save_steps` outside 1..`rl.steps`": ({"rl": {"save_steps": [41]}}, "rl.save_steps"),
     "`curate.sft_size` ≥ the rows synthetic sources generate": ({"curate": {"sft_size": 20000}}, "curate.sft_size"),
     "a `max_new_tokens` that, with the longest prompt, exceeds the model's context":

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -225,3 +226,45 @@ def test_workers_param_is_bounded_and_not_part_of_the_result():
     raw["reward"]["workers"] = -1
     with pytest.raises(ConfigError, match="reward.workers"):
         parse_params(raw)
+
+
+def test_the_reward_stage_writes_the_same_bytes_with_the_pool(tiny, tmp_path):
+    """reward.workers changes how the stage scores, not what it writes: scored rows, pass rates and the audit are
+    byte-identical with 0 (in-process, the default) and 2 workers."""
+    from posttrain.schema import ROLLOUT_SCHEMA, write_parquet
+    from stages import reward
+
+    rows = []
+    for i, s in enumerate(_samples()):
+        rows.append({"prompt_id": f"p:{i // 4}", "sample": i % 4, "prompt": "q", "answer": s.answer, "task": s.task,
+                     "completion": s.completion, "token_ids": [1] * s.num_tokens, "logprobs": [-0.5] * s.num_tokens,
+                     "finish_reason": s.finish_reason, "policy": "p", "temperature": 1.0, "top_p": 1.0,
+                     "max_new_tokens": s.max_new_tokens, "seed": 0})
+    write_parquet(tmp_path / "r.parquet", rows, ROLLOUT_SCHEMA)
+    got = {}
+    for workers in (0, 2):
+        tiny["reward"].update(workers=workers, max_unscorable_frac=1.0)
+        tiny["reward"]["rewards"] = [{"name": n.name, "weight": n.weight, "kwargs": n.kwargs} for n in SPECS]
+        for k in ("reward_dir", "reward_report_dir", "metrics_dir"):
+            tiny["paths"][k] = str(tmp_path / f"w{workers}" / k)
+        p = parse_params(tiny)
+        _, out = reward.paths(p)
+        reward.run(p, {"rollouts": tmp_path / "r.parquet"}, out)
+        got[workers] = [Path(out[k]).read_bytes() for k in ("scored", "pass_rates", "metrics")]
+        got[workers].append((Path(out["report_dir"]) / "audit.json").read_bytes())
+    assert got[0] == got[2]
+    assert b'"errors"' not in got[0][3]  # nothing failed: the audit has no errors table (as before the pool)
+
+
+def test_the_audit_counts_why_samples_could_not_be_scored(plugin):
+    from posttrain.rewards import pass_rates
+    from stages import reward
+
+    name = f"{plugin}:bad_values"
+    rows = [{"prompt_id": "p", "prompt": "q", "answer": "5", "task": "arith", "completion": c, "token_ids": [1],
+             "max_new_tokens": 8, "finish_reason": "stop"} for c in ("nan", "raise", "raise", "fine")]
+    scored = score_rows(rows, [Spec(name, 1.0, {}), Spec("correct", 1.0, {})])
+    a = reward.audit(scored, pass_rates(scored), 1)
+    assert a["errors"] == {f"{name} raised ZeroDivisionError": 2, f"{name} returned nan": 1}
+    assert a["unscorable"] == 3 and a["component_means"] == {name: 1.0, "correct": 0.0}
+    assert "| error | samples |" in reward.audit_markdown(a)
