@@ -61,7 +61,8 @@ def _preload() -> list[str]:
     (``python -m stages.rl``: each worker re-runs its ``__main__`` as ``__mp_main__``, as every non-fork start
     method does; with its imports already loaded, that costs nothing)."""
     main = getattr(getattr(sys.modules["__main__"], "__spec__", None), "name", None)
-    return ["posttrain.rewards", *([main] if main and not main.endswith("__main__") else [])]
+    stage = [main] if main and not main.endswith("__main__") else []
+    return ["posttrain.rewards.forkserver", "posttrain.rewards", *stage]
 
 
 def _sigterm(signum: int, frame: FrameType | None) -> None:
