@@ -268,3 +268,27 @@ def test_the_audit_counts_why_samples_could_not_be_scored(plugin):
     assert a["errors"] == {f"{name} raised ZeroDivisionError": 2, f"{name} returned nan": 1}
     assert a["unscorable"] == 3 and a["component_means"] == {name: 1.0, "correct": 0.0}
     assert "| error | samples |" in reward.audit_markdown(a)
+
+
+def test_an_rl_step_collects_the_same_rows_with_the_pool():
+    """collect_step (the rl and distill stages' rollout -> reward) with a pool: the same rows, rewards and groups."""
+    from posttrain.config import Rl, TinyModel
+    from posttrain.modeling import build_char_tokenizer, build_tiny_model
+    from posttrain.rl import collect, select
+    from posttrain.rollout import BACKENDS
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 0)
+    backend = BACKENDS["hf"](model.eval(), tok, 64)
+    prompts = [{"id": f"p{i}", "prompt": f"{10 + i}*3=", "answer": str((10 + i) * 3), "task": "arith"}
+               for i in range(6)]
+    specs = [Spec("correct", 1.0, {}), Spec("overlong", 1.0, {"buffer": 6})]  # length gives reward variance
+    cfg = Rl(prompts_per_step=3, samples_per_prompt=4, dynamic_sampling="skip", sampling={"max_new_tokens": 8})
+    got = []
+    for workers in (0, 2):
+        with RewardPool(workers) as pool:
+            got.append(collect.collect_step(backend, tok, prompts, select.PromptCursor(len(prompts), seed=0), cfg,
+                                            specs, seed=0, policy="p", pool=pool))
+    serial, pooled = got
+    assert pooled.sampled == serial.sampled and pooled.groups == serial.groups
+    assert len({r["reward"] for grp in serial.sampled for r in grp}) > 1  # the rewards are not all one value
