@@ -12,8 +12,8 @@ Workers are forked from a ``forkserver`` that has imported ``posttrain.rewards``
 module once, and holds no model, thread or engine: starting or replacing a worker costs milliseconds, workers
 never inherit the stage's torch threads, model or vLLM engine (forking the stage itself would), and math-verify
 runs in each worker's main thread, where its own ``signal.alarm`` timeouts work. Workers ignore SIGINT and die
-with the stage (``PR_SET_PDEATHSIG``); the pool stops when its ``with`` block ends, also on SIGTERM of the stage
-(turned into ``SystemExit`` while the pool is open, when nothing else handles SIGTERM).
+with the stage, also when it is SIGKILLed (``_init_worker``); the pool stops when its ``with`` block ends, also
+on SIGTERM of the stage (turned into ``SystemExit`` while the pool is open, when nothing else handles SIGTERM).
 
 ``workers`` 0 or 1 scores in the calling thread with ``combine``, one sample at a time: the same function
 the workers run, so results are identical (tests/test_reward_pool.py checks it).
@@ -29,6 +29,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
+from multiprocessing import forkserver
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -43,13 +44,26 @@ MAX_CHUNK = 16  # samples sent to a worker at once (fewer when there are few: ev
 
 def _init_worker(sys_path: list[str], environ: dict[str, str]) -> None:
     """In each worker: the stage's import path (plug-ins) and environment as the pool started (the forkserver
-    holds those of its own start), no Ctrl-C tracebacks, death with the stage."""
+    holds those of its own start), no Ctrl-C tracebacks, death with the stage.
+
+    Death with the stage, even by SIGKILL and even for a worker stuck in C code: the worker dies with its
+    parent, the forkserver (``PR_SET_PDEATHSIG``), and the forkserver exits when no client holds its "alive"
+    pipe. multiprocessing hands every process it starts that pipe's write end (so that children may start
+    processes too); a scoring worker never does, so it closes it: otherwise a hung worker would keep the
+    forkserver alive and the forkserver the worker, forever, after the stage was killed."""
     sys.path[:] = sys_path
     os.environ.clear()
     os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.platform == "linux":  # SIGKILL when the process that started us dies (even by SIGKILL)
+    server = getattr(forkserver, "_forkserver", None)
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:  # (a private attribute of multiprocessing.forkserver, read defensively)
+        os.close(alive)
+        server._forkserver_alive_fd = None  # type: ignore[union-attr]
+    if sys.platform == "linux":  # SIGKILL when the process that forked us (the forkserver) dies
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # it died before the line above
+            os._exit(1)
 
 
 def _score_chunk(samples: Sequence[Sample], specs: tuple[Spec, ...]) -> list[tuple[float | None, dict[str, Any]]]:
