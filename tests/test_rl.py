@@ -433,3 +433,18 @@ def test_adaptive_budget_refreshes_rejected_priors_with_fresh_samples():
     assert all(prior.p[i] == 0.0 and prior.n[i] == 2.0 for i in refreshed)  # every fresh sample was wrong
     with pytest.raises(ValueError, match="prior_fused"):
         Rl(prior_budget=4)
+
+
+def test_a_prompt_sampled_twice_in_one_step_keeps_each_groups_own_advantages():
+    """A prompt appears twice in a step when the selected prompts are fewer than ``prompts_per_step`` (1-shot
+    RLVR: ``top_k`` 2, 4 prompts a step) or refill rounds cross an epoch of the cursor. Its groups [1, 0] and
+    [0, 0]: GRPO gives [0.707107, -0.707107] (unbiased std of [1, 0]: sqrt(1/2)) and [0, 0]. Found here: keyed by
+    (prompt_id, sample), the later group's [0, 0] overwrote the first's, which then carried no gradient."""
+    tok, model, seqs, _ = _setup()
+    rows = [{"prompt_id": "p", "sample": j, "reward": r, "token_ids": seqs[j].completion_ids,
+             "logprobs": seqs[j].logprobs} for grp in ([1.0, 0.0], [0.0, 0.0]) for j, r in enumerate(grp)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    m, adv = update.update_from_groups(model.train(), opt, collect.StepBatch.from_rows(rows, 2),
+                                       Rl(samples_per_prompt=2), {"p": seqs[0].prompt_ids}, tok.pad_token_id)
+    assert adv.tolist() == [pytest.approx([0.707107, -0.707107], abs=1e-5), [0.0, 0.0]]
+    assert m["grad_norm"] > 0  # the first group's samples carry the policy gradient
