@@ -79,6 +79,8 @@ class Dist:
     strategy: str = "ddp"
     comm_device: str = "cpu"  # where reduced tensors live: NCCL reduces only CUDA tensors (cuda:<local rank>)
     _copies: dict[int, torch.nn.Module] = field(default_factory=dict, repr=False)  # FSDP2: full-weight copies
+    gathered_bytes: int = 0  # received by ``gather_tensor`` (all-gathers of numeric data), over the job
+    sent_bytes: int = 0  # sent to rank 0 by ``stream_to_main``
 
     @property
     def main(self) -> bool:
@@ -96,12 +98,56 @@ class Dist:
         return list(items[lo:hi])
 
     def gather_shards(self, local: list[T]) -> list[T]:
-        """Concatenate every rank's ``shard`` results in rank order (the inverse of ``shard``), on every rank."""
+        """Concatenate every rank's ``shard`` results in rank order (the inverse of ``shard``), on every rank.
+        Pickled Python objects: for small ones (RNG states, the rows of the sft/distill stages); numeric data
+        goes through ``gather_tensor``."""
         if not self.active:
             return list(local)
         parts: list[Any] = [None] * self.world
         tdist.all_gather_object(parts, local)
         return [x for p in parts for x in p]
+
+    def gather_tensor(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``local`` ([n_rank, ...], n_rank may differ, same trailing shape and dtype) concatenated
+        in rank order along dim 0, on every rank: ``all_gather`` of the sizes, then of the rows padded to the
+        largest (no pickling). The bytes this rank receives are counted in ``gathered_bytes``."""
+        if not self.active:
+            return local.clone()
+        n = torch.tensor([local.shape[0]], dtype=torch.int64, device=self.comm_device)
+        sizes = [torch.zeros_like(n) for _ in range(self.world)]
+        tdist.all_gather(sizes, n)
+        counts = [int(x) for x in sizes]
+        pad = local.new_zeros((max(counts), *local.shape[1:]), device=self.comm_device)
+        pad[: local.shape[0]] = local
+        parts = [torch.empty_like(pad) for _ in range(self.world)]
+        tdist.all_gather(parts, pad)
+        self.gathered_bytes += sum(x.numel() * x.element_size() for x in (*sizes, *parts))
+        return torch.cat([x[:c] for x, c in zip(parts, counts, strict=True)]).to(local.device)
+
+    def stream_to_main(self, payload: bytes) -> Iterator[bytes]:
+        """Rank 0 gets every rank's ``payload`` (its own first), one at a time in rank order, through
+        point-to-point sends of a byte tensor: only rank 0 receives, and it holds one rank's payload at a time
+        (the rl stage's per-step shard, written as it arrives). Other ranks get an empty iterator; every rank
+        must iterate it to the end. Bytes sent count in ``sent_bytes``."""
+        if not self.active:
+            yield payload
+            return
+        if not self.main:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.zeros(0,
+                                                                                                  dtype=torch.uint8)
+            tdist.send(torch.tensor([data.numel()], dtype=torch.int64, device=self.comm_device), 0)
+            if data.numel():
+                tdist.send(data.to(self.comm_device), 0)
+            self.sent_bytes += data.numel() + 8
+            return
+        yield payload
+        for r in range(1, self.world):
+            n = torch.zeros(1, dtype=torch.int64, device=self.comm_device)
+            tdist.recv(n, r)
+            data = torch.empty(int(n), dtype=torch.uint8, device=self.comm_device)
+            if data.numel():
+                tdist.recv(data, r)
+            yield data.cpu().numpy().tobytes()
 
     def micro_count(self, n_local: int) -> int:
         """The number of micro-batches every rank runs: the largest rank's (at least one)."""

@@ -12,8 +12,8 @@ Used by every training forward: rl (policy, old log-probs, reference), distill (
 Generation keeps only the last position's logits (``logits_to_keep=1`` in ``rollout/hf.py``).
 
 The batch a forward takes is built here too: ``Seq`` (prompt ids + a sampled completion + per-token
-log-probs), ``batch_tensors`` (padded, or packed with ``pack_rows`` into block-diagonal rows) and ``fill``
-(a model's log-probs of every sequence without grad, each rank scoring its share).
+log-probs, all tensors), ``batch_tensors`` (padded, or packed with ``pack_rows`` into block-diagonal rows) and
+``fill`` (a model's log-probs of the sequences a rank holds, without grad).
 
 Why by hand: Liger's fused linear + cross-entropy is the field's kernel for this, but it needs Triton and a
 GPU (this pipeline must train on CPU too), returns a loss rather than per-token log-probs and entropies
@@ -29,8 +29,6 @@ from typing import Literal
 
 import torch
 from torch.utils.checkpoint import checkpoint
-
-from posttrain import distributed
 
 DEFAULT_CHUNK = 256  # positions per head chunk: 256 x 151,936 fp32 logits = 156 MB per copy
 
@@ -115,16 +113,27 @@ def token_logp_entropy(model: torch.nn.Module, t: dict[str, torch.Tensor], tempe
 class Seq:
     """One training sequence: chat-formatted prompt ids, the sampled completion, the sampler's per-token
     log-probs (``logprobs``, as in the rollout rows), and (filled in by the RL update, ``fill``) the trainer's
-    old-policy and reference log-probs. Distillation uses the ids alone (``adv`` unused)."""
+    old-policy and reference log-probs. Distillation uses the ids alone (``adv`` unused).
 
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
+    Per-token fields are 1-D tensors (ids int64, the rest float32: the dtype every forward uses), whatever
+    sequence type is passed in: a step's per-token data lives in tensors, never in Python lists."""
+
+    prompt_ids: torch.Tensor
+    completion_ids: torch.Tensor
+    logprobs: torch.Tensor
     adv: float
-    old_logp: list[float] | None = None
-    ref_logp: list[float] | None = None
-    entropy: list[float] | None = None  # per token, under the policy that sampled (token selection)
-    pg_mask: list[float] | None = None  # 1 where the token carries the policy gradient (None: every token)
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None  # per token, under the policy that sampled (token selection)
+    pg_mask: torch.Tensor | None = None  # 1 where the token carries the policy gradient (None: every token)
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = torch.as_tensor(self.prompt_ids, dtype=torch.long)
+        self.completion_ids = torch.as_tensor(self.completion_ids, dtype=torch.long)
+        for k in ("logprobs", "old_logp", "ref_logp", "entropy", "pg_mask"):
+            v = getattr(self, k)
+            if v is not None:
+                setattr(self, k, torch.as_tensor(v, dtype=torch.float32))
 
 
 def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
@@ -162,11 +171,11 @@ def batch_tensors(seqs: Sequence[Seq], pad_id: int, device: torch.device, pack: 
         p, c = len(s.prompt_ids), len(s.completion_ids)
         span = slice(p - 1, p - 1 + c)  # target t+1 is a completion token
         aligned["mask"][i, span] = 1
-        aligned["pg_mask"][i, span] = 1 if s.pg_mask is None else torch.tensor(s.pg_mask)
+        aligned["pg_mask"][i, span] = 1 if s.pg_mask is None else s.pg_mask
         for k in ("logprobs", "old_logp", "ref_logp"):
             v = getattr(s, k)
             if v is not None:
-                aligned[k][i, span] = torch.tensor(v)
+                aligned[k][i, span] = v
     out = {"adv": torch.tensor([s.adv for s in seqs]), **aligned}
     if pack:
         w = 2 * width
@@ -178,7 +187,7 @@ def batch_tensors(seqs: Sequence[Seq], pad_id: int, device: torch.device, pack: 
             off = 0
             for i in members:
                 s, n = seqs[i], lens[i]
-                ids[r, off : off + n] = torch.tensor(s.prompt_ids + s.completion_ids)
+                ids[r, off : off + n] = torch.cat((s.prompt_ids, s.completion_ids))
                 pos[r, off : off + n] = torch.arange(n)
                 gather[i, : n - 1] = r * (w - 1) + off + torch.arange(n - 1)
                 off += n
@@ -189,7 +198,7 @@ def batch_tensors(seqs: Sequence[Seq], pad_id: int, device: torch.device, pack: 
         ids = torch.full((b, width), pad_id, dtype=torch.long)
         attn = torch.zeros((b, width), dtype=torch.long)
         for i, s in enumerate(seqs):
-            ids[i, : lens[i]] = torch.tensor(s.prompt_ids + s.completion_ids)
+            ids[i, : lens[i]] = torch.cat((s.prompt_ids, s.completion_ids))
             attn[i, : lens[i]] = 1
         out |= {"ids": ids, "attn": attn}
     return {k: v.to(device) for k, v in out.items()}
@@ -199,21 +208,16 @@ def batch_tensors(seqs: Sequence[Seq], pad_id: int, device: torch.device, pack: 
 def fill(model: torch.nn.Module, seqs: Sequence[Seq], attr: str, pad_id: int, micro: int, pack: bool,
           temperature: float, with_entropy: bool = False) -> None:
     """Set ``seq.<attr>`` to ``model``'s log-probs of each completion token (no grad), and with
-    ``with_entropy`` ``seq.entropy`` to its per-token entropies. ``model`` is a plain (unwrapped) model;
-    under torchrun each rank scores its share and the values are gathered."""
+    ``with_entropy`` ``seq.entropy`` to its per-token entropies, each a tensor. ``model`` is a plain
+    (unwrapped) model. No collective: under torchrun each rank fills exactly the sequences it holds, the ones
+    it will update (``rl.update``), so nothing per-token crosses ranks."""
     device = next(model.parameters()).device
-    d = distributed.current()
-    mine = d.shard(seqs)
-    attrs = [attr, "entropy"] if with_entropy else [attr]
-    for start in range(0, len(mine), micro):
-        chunk = mine[start : start + micro]
+    for start in range(0, len(seqs), micro):
+        chunk = seqs[start : start + micro]
         lp, ent = token_logp_entropy(model, batch_tensors(chunk, pad_id, device, pack), temperature,
                                      entropy="detached" if with_entropy else "off")
         for j, s in enumerate(chunk):
             span = slice(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + len(s.completion_ids))
-            for a, x in zip(attrs, (lp, ent), strict=False):
-                setattr(s, a, x[j, span].tolist())
-    if d.active:
-        for a in attrs:
-            for s, v in zip(seqs, d.gather_shards([getattr(s, a) for s in mine]), strict=True):
-                setattr(s, a, v)
+            setattr(s, attr, lp[j, span].float().cpu().clone())
+            if with_entropy:
+                s.entropy = ent[j, span].float().cpu().clone()

@@ -44,11 +44,14 @@ def adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[f
 
 
 def accumulate(model: torch.nn.Module, opt: torch.optim.Optimizer, items: Sequence[T], micro_batch_size: int,
-               loss_of_batch: Callable[[list[T], bool], torch.Tensor], max_grad_norm: float) -> float:
+               loss_of_batch: Callable[[list[T], bool], torch.Tensor], max_grad_norm: float,
+               local: bool = False) -> float:
     """One optimizer step over ``items`` (the *global* batch: every rank passes the same list); returns the
     gradient norm before clipping.
 
-    This rank takes its contiguous share, in micro-batches of ``micro_batch_size``; ``loss_of_batch(chunk,
+    This rank takes its contiguous share (``local``: ``items`` already are this rank's share, possibly
+    empty; then ``loss_of_batch`` may get an empty chunk for a zero-weight pass), in micro-batches of
+    ``micro_batch_size``; ``loss_of_batch(chunk,
     real)`` returns the chunk's share of the full-batch loss (divided by full-batch totals, so the summed
     micro-batch gradients are the full batch's gradient), recording its own statistics only when ``real``.
     A rank with fewer micro-batches than the busiest one repeats its first (or the batch's first item) with
@@ -58,7 +61,7 @@ def accumulate(model: torch.nn.Module, opt: torch.optim.Optimizer, items: Sequen
     """
     d = distributed.current()
     opt.zero_grad(set_to_none=True)
-    mine = d.shard(items)
+    mine = list(items) if local else d.shard(items)
     chunks = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
     n_micro = d.micro_count(len(chunks))
     for k in range(n_micro):

@@ -166,18 +166,19 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
             with amp():
                 sb = collect.collect_step(s_backend, tok, prompts, cursor, params.rl, specs, seed,
                                        policy=f"student@{step}", pool=pool)
-            first = [r for grp in sb.sampled[: params.rl.prompts_per_step] for r in grp]
+            first = sb.first_round().numpy()  # [B * G, 3]: reward, correct, length (NaN: unknown)
+            reward, correct = first[:, collect.REWARD], first[:, collect.CORRECT]
             torch.set_num_threads(rt.train_threads)
             s_backend.release()
             student.train()
             with amp():
-                m, _ = update.update_from_groups(student, opt, sb.groups, params.rl, prompt_ids, tok.pad_token_id,
+                m, _ = update.update_from_groups(student, opt, sb, params.rl, prompt_ids, tok.pad_token_id,
                                                seed=seed)
-            scorable = [r["reward"] for r in first if r["reward"] is not None]
+            known, scorable = ~np.isnan(correct), ~np.isnan(reward)
             row.update({"loss": m.get("loss"), "entropy": m.get("entropy"), "grad_norm": m.get("grad_norm"),
-                        "response_len": float(np.mean([len(r["token_ids"]) for r in first])),
-                        "sample_pass_rate": _pass_rate(first),
-                        "reward_mean": float(np.mean(scorable)) if scorable else None})
+                        "response_len": float(np.mean(first[:, collect.LENGTH])),
+                        "sample_pass_rate": float(np.mean(correct[known] == 1)) if known.any() else None,
+                        "reward_mean": float(np.mean(reward[scorable])) if scorable.any() else None})
         else:
             pc = cfg.warmup if phase == "warmup" else cfg.on_policy
             for g in opt.param_groups:

@@ -18,8 +18,10 @@ goes to ``paths.rl_checkpoints`` together with the shards so far (not DVC outs, 
 finds them and continues without repeating or skipping a step).
 
 Several processes (``runtime.distributed``): the same command relaunches under torchrun; each rank generates
-and scores its share of every step's prompts (whole groups), every rank sees the whole step, each trains on its
-share of every minibatch, gradients all-reduced (``training.accumulate``); rank 0 writes shards and outputs.
+and scores its share of every step's prompts (whole groups) and keeps those rows: only per-sample scalars
+(reward, correctness, length) are gathered, so every rank takes the same decisions; each trains on the samples
+it drew, gradients all-reduced (``training.accumulate``); rank 0 writes shards (the rows sent to it alone) and
+outputs.
 
 Run: ``dvc repro rl`` or ``python -m stages.rl [--params params.yaml]``.
 """
@@ -42,18 +44,11 @@ from posttrain import checkpoint, distributed, modeling, plots, seeds, training
 from posttrain.config import Params
 from posttrain.errors import StageError
 from posttrain.outputs import as_one_set, atomic_path
-from posttrain.rewards import RewardPool, is_correct
-from posttrain.rl import collect, select, update
+from posttrain.rewards import RewardPool
+from posttrain.rl import collect, select, shards, update
 from posttrain.rollout import BACKENDS, chat_prompt_ids, generator
 from posttrain.runner import stage_main
-from posttrain.schema import (
-    PROBLEM_SCHEMA,
-    SHARD_SCHEMA,
-    read_parquet,
-    read_problems,
-    write_json,
-    write_parquet,
-)
+from posttrain.schema import PROBLEM_SCHEMA, read_parquet, read_problems, write_json, write_parquet
 from posttrain.trainlog import TrainLog
 
 log = logging.getLogger("rl")
@@ -70,7 +65,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
 
 
 def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: RewardPool) -> dict[str, Any]:
-    cfg, g, b = params.rl, params.rl.samples_per_prompt, params.rl.prompts_per_step
+    cfg, g = params.rl, params.rl.samples_per_prompt
     rt, d = params.runtime, distributed.current()
     device = modeling.resolve_device(rt.device)
     problems, rates = read_problems(inputs["train"]), read_parquet(inputs["pass_rates"])
@@ -127,15 +122,14 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
         with amp():
             sb = collect.collect_step(backend, tok, prompts, cursor, cfg, params.reward.rewards, seed,
                                    policy=f"{policy0}@step{step}", prior=prior, pool=pool)
-        used = [row for grp in sb.groups for row in grp]
 
         torch.set_num_threads(rt.train_threads)
         backend.release()  # vLLM: its memory goes back to the trainer for the update
         model.train()
         t2 = time.time()
         with amp():
-            metrics, advs = update.update_from_groups(model, opt, sb.groups, cfg, prompt_ids, tok.pad_token_id, ref,
-                                                    seed=seed, prior=prior)
+            metrics, adv = update.update_from_groups(model, opt, sb, cfg, prompt_ids, tok.pad_token_id, ref,
+                                                   seed=seed, prior=prior)
         update_s = time.time() - t2
         if cfg.ref_reset is not None and (step + 1) % cfg.ref_reset.every == 0:
             update.reset_reference(ref, d.plain(model), opt if cfg.ref_reset.optimizer else None)
@@ -144,34 +138,28 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
         if idle:
             log.warning("step %d: nothing to update (%d groups sampled, %d kept by dynamic sampling %r, none "
                         "scorable or all skipped); %d such step(s) in a row, the stage stops at %d",
-                        step + 1, len(sb.sampled), len(sb.groups), cfg.dynamic_sampling, idle, cfg.max_idle_steps)
+                        step + 1, len(sb.prompt_ids), len(sb.used), cfg.dynamic_sampling, idle, cfg.max_idle_steps)
             if idle >= cfg.max_idle_steps:
                 raise StageError(f"{idle} steps in a row had nothing to update (every group had zero reward "
                                  f"variance or no scorable sample; zero-variance share {sb.zero_var_frac:.2f}). "
                                  "Check the reward audit and rl.select, or set rl.dynamic_sampling: refill "
                                  "(rl.max_idle_steps)")
 
-        all_rows = [row for grp in sb.sampled for row in grp]
-        used_ids = {(row["prompt_id"], row["sample"]) for row in used if row["reward"] is not None}
-        if d.main:
-            write_parquet(shard_tmp / f"step_{step + 1:05d}.parquet", [
-                {**row, "step": step + 1, "advantage": advs.get((row["prompt_id"], row["sample"])),
-                 "used": (row["prompt_id"], row["sample"]) in used_ids} for row in all_rows], SHARD_SCHEMA)
-        first_rows = all_rows[: b * g]  # the first round: the step's on-policy sample of the prompt set
-        scorable = [row for row in first_rows if row["reward"] is not None]
-        correct = [is_correct(row["rewards"]) for row in scorable]
+        shards.write_shard(shard_tmp / f"step_{step + 1:05d}.parquet", sb, adv, step + 1)  # rank 0 writes
+        first = sb.first_round().numpy()  # [B * G, 3]: the step's on-policy sample of the prompt set
+        reward, scorable = first[:, collect.REWARD], ~np.isnan(first[:, collect.REWARD])
+        n_samples = sb.stats.shape[0] * g  # every completion sampled this step: refills and prior extras too
         step_s = time.time() - t0
         train_log.append({
             "step": step + 1, "updated": int(bool(metrics)),
-            "reward_mean": round(float(np.mean([row["reward"] for row in scorable])), 4) if scorable else None,
-            "pass_rate": round(float(np.mean([bool(c) for c in correct])), 4) if correct else None,
-            "zero_var_frac": round(sb.zero_var_frac, 4), "groups_used": len(sb.groups), "refill_rounds": sb.rounds,
+            "reward_mean": round(float(np.mean(reward[scorable])), 4) if scorable.any() else None,
+            "pass_rate": round(float(np.mean(first[scorable, collect.CORRECT] == 1)), 4) if scorable.any() else None,
+            "zero_var_frac": round(sb.zero_var_frac, 4), "groups_used": len(sb.used), "refill_rounds": sb.rounds,
             **{k: float(f"{metrics.get(k, 0.0):.4g}") for k in ("loss", "clipfrac", "kl", "entropy", "ratio_max",
                                                                  "grad_norm", "logprob_gap", "tis_capped",
                                                                  "pg_tokens")},
-            "response_len": round(float(np.mean([len(row["token_ids"]) for row in first_rows])), 2),
-            "samples": len(all_rows),  # every completion sampled this step: refills and prior-budget extras too
-            "samples_per_s": round(len(all_rows) / step_s, 1), "gen_s": round(sb.gen_s, 3),
+            "response_len": round(float(np.mean(first[:, collect.LENGTH])), 2),
+            "samples": n_samples, "samples_per_s": round(n_samples / step_s, 1), "gen_s": round(sb.gen_s, 3),
             "reward_s": round(sb.reward_s, 3), "update_s": round(update_s, 3)})
         bar.set_postfix(reward=log_rows[-1]["reward_mean"], zero_var=sb.zero_var_frac)
         done = step + 1

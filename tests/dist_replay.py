@@ -17,7 +17,7 @@ import torch
 
 from posttrain import distillation, distributed, logprobs, modeling, training
 from posttrain.config import Params, load_params
-from posttrain.rl import update
+from posttrain.rl import collect, update
 from posttrain.rollout import chat_prompt_ids
 from posttrain.schema import read_parquet
 
@@ -36,7 +36,7 @@ def variant(dist: distributed.Dist, params: Params, policy: str, shard: str) -> 
     torch.manual_seed(params.seed)  # as stage_main seeds a stage (LoRA adapters start from the same draw)
     cfg, g = params.rl, params.rl.samples_per_prompt
     rows = read_parquet(Path(shard))
-    groups = [rows[i : i + g] for i in range(0, len(rows), g)]
+    sb = collect.StepBatch.from_rows(rows, g)  # each rank keeps its share of the groups, as collect_step does
     tok = modeling.load_tokenizer(policy)
     model = modeling.load_policy(policy, params.model, torch.device("cpu"))
     ref = modeling.load_model(policy) if cfg.kl_coef > 0 else None
@@ -44,7 +44,7 @@ def variant(dist: distributed.Dist, params: Params, policy: str, shard: str) -> 
     prompt_ids = dict(zip(prompts, chat_prompt_ids(tok, list(prompts.values())), strict=True))
     model = dist.wrap(model)
     opt = training.adamw(model, cfg.lr, cfg.weight_decay, training.ONLINE_BETAS)  # as stages/rl.py
-    metrics, _ = update.update_from_groups(model, opt, groups, cfg, prompt_ids, tok.pad_token_id, ref, seed=7)
+    metrics, _ = update.update_from_groups(model, opt, sb, cfg, prompt_ids, tok.pad_token_id, ref, seed=7)
     teacher = dist.plain(model)
     updated = {k: v.clone() for k, v in teacher.state_dict().items()}
     with torch.no_grad():  # a teacher measurably unlike the student: the updated policy, its head scaled

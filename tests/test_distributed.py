@@ -215,3 +215,48 @@ def test_checkpoint_optimizer_state_is_keyed_by_name_and_loads_back():
     opt2 = torch.optim.AdamW(m.parameters(), lr=0.1)
     d.load_state(m, opt2, msd, osd)
     torch.testing.assert_close(opt2.state_dict()["state"][2]["exp_avg"], opt.state_dict()["state"][2]["exp_avg"])
+
+
+@pytest.mark.slow
+def test_rl_step_at_world_size_2_gathers_scalars_only_and_every_rank_gets_the_hand_computed_groups(tmp_path):
+    """``tests/dist_collect.py``: one rl step (collect -> update -> shard) on a stand-in sampler, as one process and
+    at world size 2 (gloo). Prompt i's sample j is correct iff j < i: rewards [0000], [1000], [1100], [1110].
+    Each rank keeps its own groups (rank 0: p0, p1; rank 1: p2, p3) and its own tokens; what is all-gathered is
+    exactly, per rank (2 ranks):
+      collect: the sizes (2 x 8 bytes) + 2 x (8 samples x 3 float64 scalars) = 16 + 384 = 400 bytes;
+      update:  the sizes (16) + 2 x (8 sequences x 2 int64: rank, length)   = 16 + 256 = 272 bytes,
+    whatever the completions' lengths (the step holds 1,240 tokens; a pickled gather of rows, the old path, sent
+    every token id and log-prob to every rank). No ``all_gather_object`` runs (it raises in the script). Every
+    rank computes GRPO's advantages of every group, by hand (unbiased std): [1000] -> mean 1/4, std 1/2 ->
+    [1.5, -0.5, -0.5, -0.5]; [1100] -> mean 1/2, std sqrt(1/3) -> +-0.866025; [1110] -> [0.5, 0.5, 0.5, -1.5];
+    [0000] -> 0. Rank 0's shard holds the step's rows in sampling order, the same as one process writes."""
+    import pyarrow.parquet as pq
+
+    runs = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"w{nproc}"
+        out.mkdir()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(REPO / "tests" / "dist_collect.py"), str(out)]
+        r = subprocess.run(cmd if nproc == 2 else [sys.executable, *cmd[5:]], cwd=REPO, env=ENV, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[nproc] = [torch.load(out / f"rank{k}.pt") for k in range(nproc)]
+    hand = torch.tensor([[0.0, 0, 0, 0], [1.5, -0.5, -0.5, -0.5], [0.866025, 0.866025, -0.866025, -0.866025],
+                         [0.5, 0.5, 0.5, -1.5]])
+    one, (r0, r1) = runs[1][0], runs[2]
+    for res in (one, r0, r1):
+        assert torch.allclose(res["adv"], hand, atol=1e-5) and res["zero_var_frac"] == 0.25
+        assert res["rewards"].tolist() == [[0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]]
+    assert (r0["local_groups"], r1["local_groups"]) == ([0, 1], [2, 3])  # each rank holds only its own rows
+    assert r0["local_tokens"] + r1["local_tokens"] == one["local_tokens"] == 1240
+    for res in (r0, r1):
+        assert res["collect_bytes"] == 400 and res["step_bytes"] == 400 + 272
+        assert res["metrics"] == r0["metrics"]  # the same reduced metrics on every rank
+    assert r0["sent_bytes"] == 0 and r1["sent_bytes"] > 4 * 684  # rank 1's rows reach rank 0 (to be written) only
+    assert one["collect_bytes"] == one["step_bytes"] == 0  # one process: nothing to gather
+    for k in ("loss", "entropy", "grad_norm", "logprob_gap"):
+        assert r0["metrics"][k] == pytest.approx(one["metrics"][k], rel=1e-5), k
+    assert max(float((r0["state"][k] - one["state"][k]).abs().max()) for k in one["state"]) < TOL
+    w1, w2 = (pq.read_table(tmp_path / f"w{n}" / "shard.parquet").drop_columns(["seed"]) for n in (1, 2))
+    assert w2.equals(w1) and w1.num_rows == 16  # the same rows in the same order (seeds differ by rank)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import REPO, repo_params
 from test_rewards import ARITH_ATTACKS, COT, MATH_ATTACKS
@@ -302,5 +303,7 @@ def test_an_rl_step_collects_the_same_rows_with_the_pool():
             got.append(collect.collect_step(backend, tok, prompts, select.PromptCursor(len(prompts), seed=0), cfg,
                                             specs, seed=0, policy="p", pool=pool))
     serial, pooled = got
-    assert pooled.sampled == serial.sampled and pooled.groups == serial.groups
-    assert len({r["reward"] for grp in serial.sampled for r in grp}) > 1  # the rewards are not all one value
+    assert torch.equal(pooled.stats.nan_to_num(-9.0), serial.stats.nan_to_num(-9.0)) and pooled.used == serial.used
+    assert {k: [(r["completion"], r["rewards"]) for r in v] for k, v in pooled.rows.items()} == \
+        {k: [(r["completion"], r["rewards"]) for r in v] for k, v in serial.rows.items()}
+    assert len(set(serial.stats[..., 0].flatten().tolist())) > 1  # the rewards are not all one value

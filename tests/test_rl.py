@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -149,10 +150,13 @@ def test_dynamic_sampling_modes():
                  sampling={"max_new_tokens": 4})
         cursor = select.PromptCursor(len(prompts), seed=0)
         out[mode] = (collect.collect_step(backend, tok, prompts, cursor, cfg, specs, seed=0, policy="p"), cursor.pos)
-    assert [len(out[m][0].groups) for m in ("off", "skip", "refill")] == [3, 0, 0]
+    assert [len(out[m][0].used) for m in ("off", "skip", "refill")] == [3, 0, 0]
     assert out["skip"][0].zero_var_frac == 1.0 and out["skip"][0].rounds == 0
     refill, pos = out["refill"]
-    assert refill.rounds == 2 and len(refill.sampled) == 9 and pos == 9  # 3 rounds of 3 prompts, all kept on disk
+    assert refill.rounds == 2 and len(refill.prompt_ids) == 9 and pos == 9  # 3 rounds of 3 prompts, all on disk
+    assert sorted(refill.rows) == list(range(9)) and refill.segments == [(0, 3), (3, 6), (6, 9)]
+    assert all(isinstance(x["token_ids"], np.ndarray) and x["logprobs"].dtype == np.float32
+               for grp in refill.rows.values() for x in grp)  # per-token fields are arrays
 
 
 def test_pack_rows_first_fit_decreasing():
@@ -216,8 +220,10 @@ def test_policy_update_is_the_same_packed_or_padded():
 
 def test_kl_in_the_reward_hand_values():
     # r - coef * sum_t (sampler logp_t - ref logp_t): 1 - 0.1 * ((-0.5 + 0.7) + (-1.0 + 0.6)) = 1 - 0.1 * (-0.2) = 1.02
-    shaped = update.kl_shaped_rewards([1.0, 0.0], [[-0.5, -1.0], [-2.0]], [[-0.7, -0.6], [-1.0]], 0.1)
-    assert shaped == pytest.approx([1.02, 0.1])  # second: 0 - 0.1 * (-2.0 + 1.0) = 0.1
+    k1 = [update.seq_k1(torch.tensor(s), torch.tensor(q)) for s, q in (([-0.5, -1.0], [-0.7, -0.6]), ([-2.0], [-1.0]))]
+    assert k1 == pytest.approx([-0.2, -1.0])
+    shaped = update.kl_shaped_rewards(torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor(k1), 0.1)
+    assert shaped.tolist() == pytest.approx([1.02, 0.1])  # second: 0 - 0.1 * (-2.0 + 1.0) = 0.1
 
 
 def test_kl_in_the_reward_separates_a_group_of_equal_rewards():
@@ -230,16 +236,18 @@ def test_kl_in_the_reward_separates_a_group_of_equal_rewards():
             for j, s in enumerate(seqs)]
     prompt_ids = {"p": seqs[0].prompt_ids}
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    _, plain = update.update_from_groups(model, opt, [rows], Rl(samples_per_prompt=2), prompt_ids, tok.pad_token_id)
-    assert list(plain.values()) == [0.0, 0.0]
-    m, shaped = update.update_from_groups(model, opt, [rows], Rl(samples_per_prompt=2, kl_reward_coef=0.1), prompt_ids,
-                                        tok.pad_token_id, ref_model=ref)
+    sb = collect.StepBatch.from_rows(rows, 2)
+    _, plain = update.update_from_groups(model, opt, sb, Rl(samples_per_prompt=2), prompt_ids, tok.pad_token_id)
+    assert plain.tolist() == [[0.0, 0.0]]
+    m, adv = update.update_from_groups(model, opt, sb, Rl(samples_per_prompt=2, kl_reward_coef=0.1), prompt_ids,
+                                       tok.pad_token_id, ref_model=ref)
+    shaped = {("p", j): float(adv[0, j]) for j in range(2)}
     k1 = []
     for s in seqs:
         t = logprobs.batch_tensors([s], tok.pad_token_id, torch.device("cpu"))
         with torch.no_grad():
             rlp, _ = logprobs.token_logp_entropy(ref, t)
-        k1.append(sum(s.logprobs) - float((rlp * t["mask"]).sum()))
+        k1.append(float(s.logprobs.sum()) - float((rlp * t["mask"]).sum()))
     assert k1[0] != pytest.approx(k1[1])
     expect = [0.707107, -0.707107] if k1[0] < k1[1] else [-0.707107, 0.707107]
     assert [shaped[("p", 0)], shaped[("p", 1)]] == pytest.approx(expect, abs=1e-4)
@@ -266,7 +274,7 @@ def test_truncated_importance_sampling_reweights_the_policy_gradient():
             t = logprobs.batch_tensors([s], 0, torch.device("cpu"))
             lp, _ = logprobs.token_logp_entropy(model, t)
             p = len(s.prompt_ids)
-            s.logprobs = lp[0, p - 1 : p - 1 + len(s.completion_ids)].tolist()
+            s.logprobs = lp[0, p - 1 : p - 1 + len(s.completion_ids)].clone()
     same, m = _grads(model, seqs, cfg.model_copy(update={"tis": Tis(mode="token", cap=3.0)}), tok)
     for a, b in zip(plain, same, strict=True):
         torch.testing.assert_close(a, b)
@@ -274,7 +282,7 @@ def test_truncated_importance_sampling_reweights_the_policy_gradient():
     # a sampler that gave every token half the trainer's probability: weight 2 per token (under the cap of 3), so
     # the policy-gradient loss and its gradient double; with a cap of 1.5 they are x1.5 and every token is capped
     for s in seqs:
-        s.logprobs = [x - math.log(2) for x in s.logprobs]
+        s.logprobs = s.logprobs - math.log(2)
     for cap, factor in ((3.0, 2.0), (1.5, 1.5)):
         got, m = _grads(model, seqs, cfg.model_copy(update={"tis": Tis(mode="token", cap=cap)}), tok)
         for a, b in zip(plain, got, strict=True):
@@ -373,11 +381,10 @@ def test_prior_state_starts_from_the_reward_stage_and_is_updated_each_step(tmp_p
     prior = select.PriorState.from_rates([{"prompt_id": "a", "mean_reward": 0.5, "scorable": 8},
                                         {"prompt_id": "b", "mean_reward": 0.1, "scorable": 20},
                                         {"prompt_id": "c", "mean_reward": None, "scorable": 0}])
-    rows = [{"prompt_id": pid, "reward": x} for pid, rs in (("a", [1, 0, 0, 0]), ("b", [1, 1, 1, 1]),
-                                                               ("c", [1, 0, 1, 0])) for x in rs]
-    adv = update.group_advantages(rows, 4, "prior_fused", prior)
-    assert adv[:4] == pytest.approx([7 / 12, -5 / 12, -5 / 12, -5 / 12], abs=1e-6)  # test_algos: by hand
-    assert adv[8:] == pytest.approx([0.5, -0.5, 0.5, -0.5])  # c has no prior: its group mean
+    r = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 1], [1, 0, 1, 0]])
+    adv = update.group_advantages(r, torch.ones(3, 4, dtype=torch.bool), ["a", "b", "c"], None, "prior_fused", prior)
+    assert adv[0].tolist() == pytest.approx([7 / 12, -5 / 12, -5 / 12, -5 / 12], abs=1e-6)  # test_algos: by hand
+    assert adv[2].tolist() == pytest.approx([0.5, -0.5, 0.5, -0.5])  # c has no prior: its group mean
     # a accepted: (5/12, (8 + 4) * 0.5 = 6); b rejected: (1.0, 4 * 0.5 = 2); c: (0.5, 2)
     assert prior.p == pytest.approx({"a": 5 / 12, "b": 1.0, "c": 0.5}) and prior.n == {"a": 6.0, "b": 2.0, "c": 2.0}
 
@@ -399,18 +406,16 @@ def test_adaptive_budget_refreshes_rejected_priors_with_fresh_samples():
     from types import SimpleNamespace
 
     prior = select.PriorState({"a": 0.1, "b": 0.5}, {"a": 20.0, "b": 8.0})
-    rows = [{"prompt_id": pid, "sample": j, "reward": x} for pid, rs in (("a", [1, 1, 1, 1]), ("b", [1, 0, 0, 0]))
-            for j, x in enumerate(rs)]
+    r, valid = torch.tensor([[1.0, 1, 1, 1], [1, 0, 0, 0]]), torch.ones(2, 4, dtype=torch.bool)
     asked = []
 
-    def sample(problems):
-        asked.extend(p["id"] for p in problems)
-        return [{"prompt_id": p["id"], "sample": j, "reward": x} for p in problems for j, x in enumerate([1, 1, 0, 1])]
+    def sample(ids):
+        asked.extend(ids)
+        return torch.tensor([[1.0, 1, 0, 1]] * len(ids)), torch.ones(len(ids), 4, dtype=torch.bool)
 
-    extra = collect.refresh_priors(prior, rows, 4, 5, sample, {"a": {"id": "a"}, "b": {"id": "b"}})
-    assert asked == ["a"] and [x["sample"] for x in extra[0]] == [4, 5, 6, 7]
+    assert collect.refresh_priors(prior, ["a", "b"], r, valid, 5, sample) == ["a"] and asked == ["a"]
     assert (prior.p["a"], prior.n["a"]) == (0.75, 4.0) and (prior.p["b"], prior.n["b"]) == (0.5, 8.0)
-    assert collect.refresh_priors(prior, rows, 4, 0, sample, {}) == []  # no budget: nothing sampled
+    assert collect.refresh_priors(prior, ["a", "b"], r, valid, 0, sample) == []  # no budget: nothing sampled
 
     tok = build_char_tokenizer()
     model = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 0)
@@ -422,9 +427,24 @@ def test_adaptive_budget_refreshes_rejected_priors_with_fresh_samples():
              sampling={"max_new_tokens": 4})
     sb = collect.collect_step(BACKENDS["hf"](model.eval(), tok, 64), tok, prompts, select.PromptCursor(6, 0), cfg,
                            specs, seed=0, policy="p", prior=prior)
-    assert len(sb.groups) == 3 and len(sb.sampled) == 3 + 2  # budget 4 = two extra groups of G = 2
-    assert sb.sampled[:3] == sb.groups and all(x["sample"] in (2, 3) for grp in sb.sampled[3:] for x in grp)
-    refreshed = {grp[0]["prompt_id"] for grp in sb.sampled[3:]}
+    assert len(sb.used) == 3 and len(sb.prompt_ids) == 3 + 2  # budget 4 = two extra groups of G = 2
+    assert sb.used == [0, 1, 2] and all(x["sample"] in (2, 3) for i in (3, 4) for x in sb.rows[i])
+    refreshed = set(sb.prompt_ids[3:])
     assert all(prior.p[i] == 0.0 and prior.n[i] == 2.0 for i in refreshed)  # every fresh sample was wrong
     with pytest.raises(ValueError, match="prior_fused"):
         Rl(prior_budget=4)
+
+
+def test_a_prompt_sampled_twice_in_one_step_keeps_each_groups_own_advantages():
+    """A prompt appears twice in a step when the selected prompts are fewer than ``prompts_per_step`` (1-shot
+    RLVR: ``top_k`` 2, 4 prompts a step) or refill rounds cross an epoch of the cursor. Its groups [1, 0] and
+    [0, 0]: GRPO gives [0.707107, -0.707107] (unbiased std of [1, 0]: sqrt(1/2)) and [0, 0]. Found here: keyed by
+    (prompt_id, sample), the later group's [0, 0] overwrote the first's, which then carried no gradient."""
+    tok, model, seqs, _ = _setup()
+    rows = [{"prompt_id": "p", "sample": j, "reward": r, "token_ids": seqs[j].completion_ids,
+             "logprobs": seqs[j].logprobs} for grp in ([1.0, 0.0], [0.0, 0.0]) for j, r in enumerate(grp)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    m, adv = update.update_from_groups(model.train(), opt, collect.StepBatch.from_rows(rows, 2),
+                                       Rl(samples_per_prompt=2), {"p": seqs[0].prompt_ids}, tok.pad_token_id)
+    assert adv.tolist() == [pytest.approx([0.707107, -0.707107], abs=1e-5), [0.0, 0.0]]
+    assert m["grad_norm"] > 0  # the first group's samples carry the policy gradient

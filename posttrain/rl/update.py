@@ -10,13 +10,14 @@
 - ``reset_reference``: ProRL's reference resets.
 
 Under torchrun the minibatches are global; each rank runs its share of every minibatch, normalised by the
-global counts, gradients all-reduced (``training.accumulate``).
+global counts, gradients all-reduced (``training.accumulate``). A rank's share is the samples it drew
+(``collect``): it fills their old and reference log-probs itself, and no per-token data crosses ranks
+(per-token fields are tensors on ``logprobs.Seq``; entropies and losses enter the metrics as running sums).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
@@ -25,42 +26,49 @@ from posttrain import algos, corrections, distributed, training
 from posttrain.config import Rl
 from posttrain.logprobs import Seq, batch_tensors, fill, token_logp_entropy
 from posttrain.modeling import adapter_off
-from posttrain.rl.collect import reward_matrix
+from posttrain.rl.collect import StepBatch
 from posttrain.rl.select import PriorState
 
 
-def group_advantages(rows: Sequence[dict[str, Any]], g: int, name: str, prior: PriorState | None = None
-                     ) -> list[float]:
-    """Advantages of ``rows`` (G consecutive per prompt) by ``algos.ADVANTAGES[name]``; with ``prior`` its
-    per-prompt (p, n) is passed in, then updated with these groups."""
-    r, valid = reward_matrix(rows, g)
-    ids = [rows[k * g]["prompt_id"] for k in range(len(rows) // g)]
-    lengths = (torch.tensor([len(x["token_ids"]) for x in rows]).view(-1, g)  # [N, G] completion tokens
-               if rows and "token_ids" in rows[0] else None)
-    adv = algos.ADVANTAGES[name](r, valid, None if prior is None else prior.tensor(ids), lengths).flatten().tolist()
+def group_advantages(r: torch.Tensor, valid: torch.Tensor, ids: Sequence[str], lengths: torch.Tensor | None,
+                     name: str, prior: PriorState | None = None) -> torch.Tensor:
+    """Advantages [N, G] of groups with rewards ``r`` and ``valid`` [N, G] (prompts ``ids``, completion
+    ``lengths``) by ``algos.ADVANTAGES[name]``; with ``prior`` its per-prompt (p, n) is passed in, then updated
+    with these groups."""
+    adv = algos.ADVANTAGES[name](r, valid, None if prior is None else prior.tensor(ids), lengths)
     if prior is not None:
         prior.update(ids, r, valid)
     return adv
 
 
-def select_tokens(seqs: Sequence[Seq], name: str, rho: float) -> float:
+def select_tokens(seqs: Sequence[Seq], name: str, rho: float, start: int = 0) -> float:
     """Set each sequence's ``pg_mask`` by ``algos.TOKEN_SELECTIONS[name]`` over every completion token of the
-    batch (its ``entropy`` filled); returns the share of tokens kept."""
-    flat = torch.tensor([e for s in seqs for e in s.entropy])
-    keep = algos.TOKEN_SELECTIONS[name](flat, rho).float().tolist()
-    at = 0
+    batch (its ``entropy`` filled); returns the share of tokens kept. Under torchrun the selection ranks the
+    whole batch's tokens: every rank's entropies are all-gathered as one float32 tensor (4 bytes a token, only
+    when ``rl.token_select`` is not ``all``) and ``start`` is this rank's first token in it."""
+    d = distributed.current()
+    local = torch.cat([s.entropy for s in seqs]) if seqs else torch.zeros(0)
+    keep = algos.TOKEN_SELECTIONS[name](d.gather_tensor(local), rho).float()  # [n] over the whole batch
+    at = start
     for s in seqs:
         s.pg_mask, at = keep[at : at + len(s.completion_ids)], at + len(s.completion_ids)
-    return sum(keep) / max(len(keep), 1)
+    return float(keep.sum()) / max(keep.numel(), 1)
 
 
-def kl_shaped_rewards(rewards: Sequence[float], sampler_logp: Sequence[Sequence[float]],
-                      ref_logp: Sequence[Sequence[float]], coef: float) -> list[float]:
+def seq_k1(sampler_logp: torch.Tensor, ref_logp: torch.Tensor) -> float:
+    """sum_t (sampler logp_t - ref logp_t) of one sequence, each sum accumulated in float64 in token order."""
+    def total(x: torch.Tensor) -> float:
+        return float(np.cumsum(x.double().numpy())[-1]) if x.numel() else 0.0
+    return total(sampler_logp) - total(ref_logp)
+
+
+def kl_shaped_rewards(rewards: torch.Tensor, k1: torch.Tensor, coef: float) -> torch.Tensor:
     """KL in the reward (RLOO, Ahmadian et al. 2024; REINFORCE++, Hu 2025): r - coef * sum_t k1_t with
-    k1_t = sampler logp_t - ref logp_t of each sampled token (a constant for the gradient: it enters through
-    the advantage). Sequence level: REINFORCE++'s per-token returns give the first token exactly this; later
-    tokens there also drop the KL of their prefix, which is not modelled here."""
-    return [r - coef * (sum(s) - sum(q)) for r, s, q in zip(rewards, sampler_logp, ref_logp, strict=True)]
+    k1_t = sampler logp_t - ref logp_t of each sampled token (``k1``: the per-sequence sums, ``seq_k1``; a
+    constant for the gradient: it enters through the advantage). Sequence level: REINFORCE++'s per-token
+    returns give the first token exactly this; later tokens there also drop the KL of their prefix, which is
+    not modelled here."""
+    return rewards - coef * k1
 
 
 def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequence[Seq], cfg: Rl, pad_id: int,
@@ -73,7 +81,9 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     reference.
 
     ``model`` is the training handle (``distributed.Dist.wrap``; the model itself in one process); each
-    minibatch is one ``training.accumulate`` step."""
+    minibatch is one ``training.accumulate`` step. ``seqs`` are this rank's sequences (every one in one
+    process): the batch is every rank's, in rank order; minibatches are drawn over it and each rank runs
+    the members it holds, normalised by the minibatch's global counts (gathered: one length per sequence)."""
     d = distributed.current()
     device = next(model.parameters()).device
     temp = cfg.sampling.temperature
@@ -85,30 +95,35 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     norm_len = cfg.sampling.max_new_tokens
     on_policy = cfg.epochs * cfg.minibatches == 1  # then old log-probs come from the update's own forward
     selecting = cfg.token_select != "all"  # token selection needs the sampling policy's entropies first
-    if not on_policy or selecting:
+    # the batch is every rank's seqs in rank order; each rank needs only their lengths (one int per sequence)
+    lens_local = torch.tensor([[d.rank, len(s.completion_ids)] for s in seqs], dtype=torch.int64).view(-1, 2)
+    glob = d.gather_tensor(lens_local)
+    lens, offset = glob[:, 1], int((glob[:, 0] < d.rank).sum())  # [n] completion tokens; my first sequence
+    if not on_policy or selecting:  # each rank scores exactly the sequences it updates
         fill(d.plain(model), seqs, "old_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp, with_entropy=selecting)
-    pg_tokens = select_tokens(seqs, cfg.token_select, cfg.token_rho) if selecting else 1.0
+    pg_tokens = select_tokens(seqs, cfg.token_select, cfg.token_rho, int(lens[:offset].sum())) if selecting else 1.0
     if use_kl and any(s.ref_logp is None for s in seqs):
         with adapter_off(ref_model):
             fill(ref_model, seqs, "ref_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp)
+    filler = [Seq([pad_id], [pad_id], [0.0], 0.0)]  # a zero-weight forward for a rank without a sequence
 
     sums = {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "gap": 0.0, "tis_capped": 0.0}
     ratio_max, tokens, gap_tokens, n_opt = 0.0, 0.0, 0.0, 0
     gen = torch.Generator().manual_seed(seed)
     for epoch in range(cfg.epochs):
-        order = torch.randperm(len(seqs), generator=gen).tolist() if not on_policy else list(range(len(seqs)))
+        order = torch.randperm(len(lens), generator=gen).tolist() if not on_policy else list(range(len(lens)))
         for mb in np.array_split(np.asarray(order, dtype=int), cfg.minibatches):
-            mb_seqs = [seqs[i] for i in mb.tolist()]
-            if not mb_seqs:
+            if not len(mb):
                 continue
-            n_tok = sum(len(s.completion_ids) for s in mb_seqs)
+            mb_seqs = [seqs[i - offset] for i in mb.tolist() if offset <= i < offset + len(seqs)]  # mine
+            n_tok, n_mb = int(lens[mb].sum()), len(mb)  # the global minibatch's
             if not cfg.pack:  # similar lengths share a micro-batch (less padding); exact: aggregate() is order-free
                 mb_seqs.sort(key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
 
-            def loss_of(chunk: list[Seq], real: bool, n_seqs: int = len(mb_seqs), n_tok: int = n_tok,
+            def loss_of(chunk: list[Seq], real: bool, n_seqs: int = n_mb, n_tok: int = n_tok,
                         first_pass: bool = epoch == 0) -> torch.Tensor:
                 nonlocal ratio_max, tokens, gap_tokens
-                t = batch_tensors(chunk, pad_id, device, cfg.pack)
+                t = batch_tensors(chunk or filler, pad_id, device, cfg.pack)
                 m = t["mask"]
                 logp, ent = distributed.forward(model, token_logp_entropy, t, temp,
                                                 "grad" if cfg.entropy_coef else "detached")
@@ -141,7 +156,7 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
                 return loss
 
             sums["grad_norm"] += training.accumulate(model, opt, mb_seqs, cfg.micro_batch_size, loss_of,
-                                                     cfg.max_grad_norm)
+                                                     cfg.max_grad_norm, local=True)
             n_opt += 1
     keys = ("loss", "clipfrac", "kl", "entropy", "gap", "tis_capped")  # every rank's share -> the batch's totals
     *totals, tokens, gap_tokens = d.sum(*(sums[k] for k in keys), tokens, gap_tokens)
@@ -154,44 +169,49 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
             "pg_tokens": pg_tokens, "optimizer_steps": n_opt}
 
 
-def update_from_groups(model: torch.nn.Module, opt: torch.optim.Optimizer, groups: Sequence[Sequence[dict[str, Any]]],
-                       cfg: Rl, prompt_ids: dict[str, list[int]], pad_id: int,
-                       ref_model: torch.nn.Module | None = None, seed: int = 0, prior: PriorState | None = None
-                       ) -> tuple[dict[str, float], dict[tuple[str, int], float]]:
-    """Advantages over ``groups`` (``cfg.advantage``; ``prior``: per-prompt priors, read and updated), then
-    ``policy_update`` on the scorable samples.
+def update_from_groups(model: torch.nn.Module, opt: torch.optim.Optimizer, sb: StepBatch, cfg: Rl,
+                       prompt_ids: dict[str, list[int]], pad_id: int, ref_model: torch.nn.Module | None = None,
+                       seed: int = 0, prior: PriorState | None = None) -> tuple[dict[str, float], torch.Tensor]:
+    """Advantages over the step's used groups (``sb.used``; ``cfg.advantage``; ``prior``: per-prompt priors,
+    read and updated), computed on every rank from the gathered rewards, then ``policy_update`` on the
+    scorable samples this rank holds.
 
     With ``cfg.kl_reward_coef`` > 0 the rewards are first shaped by the KL to ``ref_model``
-    (:func:`kl_shaped_rewards`). Returns the update's metrics ({} when nothing was scorable) and each
-    sample's advantage keyed by (prompt_id, sample). Unscorable samples get an advantage of 0 and never
-    enter the loss.
+    (:func:`kl_shaped_rewards`): each rank scores its own samples, and one number per sample is gathered.
+    Returns the update's metrics ({} when nothing was scorable) and the advantages [len(sb.used), G].
+    Unscorable samples get an advantage of 0 and never enter the loss.
     """
-    rows = [r for grp in groups for r in grp]
-    if not rows:
-        return {}, {}
-    scorable = [r for r in rows if r["reward"] is not None]
-    seqs = [Seq(prompt_ids[r["prompt_id"]], list(r["token_ids"]), list(r["logprobs"]), 0.0) for r in scorable]
+    d = distributed.current()
+    g = sb.g
+    if not sb.used:
+        return {}, torch.zeros(0, g)
+    r, valid = sb.reward_matrix(sb.used)  # [N, G]
+    mine = [(k, j, row) for k, i in enumerate(sb.used) for j, row in enumerate(sb.rows.get(i, []))
+            if row["reward"] is not None]  # this rank's scorable samples: (group position, sample, row)
+    seqs = [Seq(prompt_ids[row["prompt_id"]], row["token_ids"], row["logprobs"], 0.0) for _, _, row in mine]
     kl_reward = None
-    if cfg.kl_reward_coef > 0 and seqs:
+    if cfg.kl_reward_coef > 0 and bool(valid.any()):
         if ref_model is None:
             raise ValueError("rl.kl_reward_coef > 0 needs the reference model")
         with adapter_off(ref_model):
             fill(ref_model, seqs, "ref_logp", pad_id, cfg.micro_batch_size, cfg.pack, cfg.sampling.temperature)
-        shaped = kl_shaped_rewards([r["reward"] for r in scorable], [s.logprobs for s in seqs],
-                                   [s.ref_logp for s in seqs], cfg.kl_reward_coef)
-        new = {(r["prompt_id"], r["sample"]): v for r, v in zip(scorable, shaped, strict=True)}
-        rows = [{**r, "reward": new.get((r["prompt_id"], r["sample"]))} for r in rows]
-        kl_reward = float(np.mean([sum(s.logprobs) - sum(s.ref_logp) for s in seqs]))
-    adv = group_advantages(rows, cfg.samples_per_prompt, cfg.advantage, prior)
-    advs = {(r["prompt_id"], r["sample"]): a for r, a in zip(rows, adv, strict=True)}
-    for s, r in zip(seqs, scorable, strict=True):
-        s.adv = advs[(r["prompt_id"], r["sample"])]
-    if not seqs:
-        return {}, advs
+        k1 = d.gather_tensor(torch.tensor([[k, j, seq_k1(s.logprobs, s.ref_logp)] for (k, j, _), s
+                                           in zip(mine, seqs, strict=True)], dtype=torch.float64).view(-1, 3))
+        k1 = k1[np.lexsort((k1[:, 1].numpy(), k1[:, 0].numpy()))]  # in (group, sample) order on every rank
+        at = (k1[:, 0].long(), k1[:, 1].long())
+        r64 = sb.stats[sb.used, :, 0].clone()
+        r64[at] = kl_shaped_rewards(r64[at], k1[:, 2], cfg.kl_reward_coef)
+        r = torch.nan_to_num(r64, nan=0.0).float()
+        kl_reward = float(np.mean(k1[:, 2].numpy()))
+    adv = group_advantages(r, valid, [sb.prompt_ids[i] for i in sb.used], sb.lengths(sb.used), cfg.advantage, prior)
+    for s, (k, j, _) in zip(seqs, mine, strict=True):
+        s.adv = float(adv[k, j])
+    if not bool(valid.any()):
+        return {}, adv
     metrics = policy_update(model, opt, seqs, cfg, pad_id, ref_model, seed=seed)
     if kl_reward is not None:
         metrics["kl_seq"] = kl_reward  # mean per-sequence k1 sum that entered the rewards
-    return metrics, advs
+    return metrics, adv
 
 
 def reset_reference(ref: torch.nn.Module, policy: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> None:
