@@ -2,11 +2,12 @@
 
 - ``tokenize``: every demo's prompt and both renderings of its completion (``cot``: the full solution,
   ``direct``: the bare answer) through the chat template, once, by a batched ``datasets.Dataset.map`` into an
-  Arrow file named by a digest of the demos, the tokenizer, its chat template and ``ENCODING_VERSION``.
-  Under torchrun rank 0 writes it and the other ranks memory-map the same file after a barrier (the
-  checkpoint folder is on storage every rank sees, as ``checkpoint.load_resumable`` already requires), so
-  no rank redoes another's work and no rank holds Python lists of the whole set.
-- ``SftDemos``: the tokens as flat arrays + offsets (zero-copy views of the Arrow columns) and the
+  Arrow file (one per rank) named by a digest of the demos, the tokenizer, its chat template and ``ENCODING_VERSION``.
+  Under torchrun each rank tokenizes only its contiguous shard into its own file and, after a barrier,
+  memory-maps every shard's file (the checkpoint folder is on storage every rank sees, as
+  ``checkpoint.load_resumable`` already requires): no rank redoes another's work, none holds Python lists
+  of the whole set.
+- ``SftDemos``: the tokens as flat arrays + offsets (zero-copy views of the Arrow buffers) and the
   ``max_seq_len`` policy (``sft.overlong``): ``drop`` removes demos with a rendering longer than the limit,
   ``truncate`` keeps the prompt and cuts the completion; a demo whose prompt alone leaves no completion token
   within the limit is dropped either way. Every case is counted (``counts``, into ``metrics/sft.json``).
@@ -116,29 +117,42 @@ def digest(tok: PreTrainedTokenizerBase, demos: Sequence[dict[str, Any]]) -> str
 
 def tokenize(tok: PreTrainedTokenizerBase, demos: Sequence[dict[str, Any]], cache_dir: Path,
              batch_size: int = 1000) -> datasets.Dataset:
-    """The demos tokenized (columns ``prompt_len``, ``cot``, ``direct``), from ``cache_dir`` when a previous
-    call (an earlier attempt of this run, or rank 0) left the file there. Under torchrun rank 0 tokenizes
-    and the others wait, then memory-map its file."""
+    """The demos tokenized (columns ``prompt_len``, ``cot``, ``direct``, in the demos' order), from
+    ``cache_dir`` when a previous call (an earlier attempt of this run) left the files there. Under torchrun
+    each rank tokenizes only its contiguous shard into its own file; after a barrier every rank memory-maps
+    all shards' files."""
     d = distributed.current()
-    path = Path(cache_dir) / f"tokenized-{digest(tok, demos)}.arrow"
-    if d.main:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        cols = ("prompt", "answer", "solution", "task")
-        src = datasets.Dataset.from_dict({c: [x.get(c) for x in demos] for c in cols},
-                                         features=datasets.Features({c: datasets.Value("string") for c in cols}))
-        ds = src.map(_encode_batch, batched=True, batch_size=batch_size, fn_kwargs={"tok": tok},
-                     remove_columns=list(cols), features=FEATURES, cache_file_name=str(path),
-                     new_fingerprint=path.stem.removeprefix("tokenized-"), desc="tokenize demos")
+    key = digest(tok, demos)
+
+    def shard_file(rank: int) -> Path:
+        return Path(cache_dir) / f"tokenized-{key}-{rank:05d}-of-{d.world:05d}.arrow"
+
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    cols = ("prompt", "answer", "solution", "task")
+    src = datasets.Dataset.from_dict({c: [x.get(c) for x in demos] for c in cols},
+                                     features=datasets.Features({c: datasets.Value("string") for c in cols}))
+    src.shard(d.world, d.rank, contiguous=True).map(
+        _encode_batch, batched=True, batch_size=batch_size, fn_kwargs={"tok": tok}, remove_columns=list(cols),
+        features=FEATURES, cache_file_name=str(shard_file(d.rank)), new_fingerprint=f"{key}-{d.rank}-{d.world}",
+        desc="tokenize demos")
     d.barrier()
-    if not d.main:
-        ds = datasets.Dataset.from_file(str(path))
-    return ds
+    return datasets.concatenate_datasets([datasets.Dataset.from_file(str(shard_file(r))) for r in range(d.world)])
 
 
-def _flat(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
-    """A list<int32> column as (flat values, offsets [N+1]): views of the memory-mapped Arrow buffers."""
-    arr = col.combine_chunks()
-    return arr.values.to_numpy(), arr.offsets.to_numpy()
+class _Lists:
+    """A list<int32> Arrow column as per-chunk (flat values, offsets) numpy views of the memory-mapped
+    buffers (no copy of the tokens), with row lookup across chunks."""
+
+    def __init__(self, col: pa.ChunkedArray) -> None:
+        self.chunks = [(c.values.to_numpy(), c.offsets.to_numpy()) for c in col.chunks]
+        self.starts = np.cumsum([0] + [len(c) for c in col.chunks])
+        self.lengths = np.concatenate([np.diff(off) for _, off in self.chunks] or [np.zeros(0, np.int32)])
+
+    def row(self, j: int) -> np.ndarray:
+        k = int(np.searchsorted(self.starts, j, side="right")) - 1
+        flat, off = self.chunks[k]
+        r = j - int(self.starts[k])
+        return flat[off[r] : off[r + 1]]
 
 
 @dataclass
@@ -146,7 +160,7 @@ class SftDemos:
     """Tokenized demos after the ``max_seq_len`` policy: ``example(i, style)`` of the ``i``-th kept demo."""
 
     prompt_len: np.ndarray  # [N] int32
-    tokens: dict[str, tuple[np.ndarray, np.ndarray]]  # style -> (flat ids, offsets [N+1])
+    tokens: dict[str, _Lists]  # style -> its ids per demo
     keep: np.ndarray  # [n] indices of the demos that train
     max_len: int | None
     counts: dict[str, int] = field(default_factory=dict)
@@ -156,8 +170,7 @@ class SftDemos:
 
     def example(self, i: int, style: str) -> Example:
         j = int(self.keep[i])
-        flat, off = self.tokens[style]
-        ids = flat[off[j] : off[j + 1]][: self.max_len].tolist()  # truncate: the completion's tail goes
+        ids = self.tokens[style].row(j)[: self.max_len].tolist()  # truncate: the completion's tail goes
         p = int(self.prompt_len[j])
         return ids, [IGNORE] * p + ids[p:]
 
@@ -171,9 +184,9 @@ def select(ds: datasets.Dataset, max_len: int | None, overlong: str) -> SftDemos
     way (``dropped_prompt_overlong``)."""
     table = ds.data.table
     prompt_len = table.column("prompt_len").to_numpy()
-    tokens = {s: _flat(table.column(s)) for s in STYLES}
+    tokens = {s: _Lists(table.column(s)) for s in STYLES}
     n = len(prompt_len)
-    longest = np.max([np.diff(tokens[s][1]) for s in STYLES], axis=0) if n else np.zeros(0, int)
+    longest = np.max([tokens[s].lengths for s in STYLES], axis=0) if n else np.zeros(0, int)
     counts = {"demos_tokenized": n, "dropped_overlong": 0, "dropped_prompt_overlong": 0, "truncated": 0,
               "truncated_tokens": 0}
     if max_len is None:
@@ -187,7 +200,7 @@ def select(ds: datasets.Dataset, max_len: int | None, overlong: str) -> SftDemos
             keep = np.flatnonzero(~prompt_over & ~over)
         else:
             counts["truncated"] = int(over.sum())
-            counts["truncated_tokens"] = int(sum(np.clip(np.diff(tokens[s][1])[~prompt_over] - max_len, 0, None)
+            counts["truncated_tokens"] = int(sum(np.clip(tokens[s].lengths[~prompt_over] - max_len, 0, None)
                                                  .sum() for s in STYLES))
             keep = np.flatnonzero(~prompt_over)
     counts["demos_trained"] = len(keep)

@@ -126,15 +126,32 @@ def test_demos_are_tokenized_once_per_run_and_never_again_on_resume(tmp_path):
     assert tok.rendered == 0
 
 
-def test_other_ranks_read_rank_0s_file(tmp_path, monkeypatch):
+def test_each_rank_tokenizes_its_shard_and_reads_all(tmp_path, monkeypatch):
+    """Two ranks, run one after the other here (each stopped at the barrier): each renders only its contiguous
+    shard of the 5 demos (3 and 2 demos, 3 conversations each); past the barrier a rank renders nothing and
+    reads all 5 rows in order, equal to one process's result."""
+
+    class AtBarrier(Exception):
+        pass
+
+    def stop(self):
+        raise AtBarrier
+
+    alone = sft_data.tokenize(build_char_tokenizer(), DEMOS, tmp_path / "one")
+    monkeypatch.setattr(distributed.Dist, "barrier", stop)
+    rendered = []
+    for rank in (0, 1):
+        monkeypatch.setattr(distributed, "current", lambda rank=rank: distributed.Dist(rank, 2, rank, "ddp", "cpu"))
+        tok = CountingTok()
+        with pytest.raises(AtBarrier):
+            sft_data.tokenize(tok, DEMOS, tmp_path / "two")
+        rendered.append(tok.rendered)
+    monkeypatch.setattr(distributed.Dist, "barrier", lambda self: None)
     tok = CountingTok()
-    sft_data.tokenize(tok, DEMOS, tmp_path)
-    tok.rendered = 0
-    rank1 = distributed.Dist(1, 2, 1, "ddp", "cpu")
-    monkeypatch.setattr(rank1.__class__, "barrier", lambda self: None)
-    monkeypatch.setattr(distributed, "current", lambda: rank1)
-    ds = sft_data.tokenize(tok, DEMOS, tmp_path)
-    assert tok.rendered == 0 and len(ds) == len(DEMOS)
+    both = sft_data.tokenize(tok, DEMOS, tmp_path / "two")  # rank 1 past the barrier
+    assert tok.rendered == 0
+    assert rendered == [9, 6]
+    assert both.to_list() == alone.to_list()
 
 
 @pytest.mark.parametrize("batching", ["padded", "packed"])
