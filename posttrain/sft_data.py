@@ -11,6 +11,7 @@
   ``max_seq_len`` policy (``sft.overlong``): ``drop`` removes demos with a rendering longer than the limit,
   ``truncate`` keeps the prompt and cuts the completion; a demo whose prompt alone leaves no completion token
   within the limit is dropped either way. Every case is counted (``counts``, into ``metrics/sft.json``).
+- ``group_by_length``: a step's demos ordered so every rank's micro-batches hold similar lengths.
 - ``collate_packed``: a micro-batch packed with ``logprobs.pack_rows`` (first-fit decreasing) into
   block-diagonal rows (position ids restart at 0 per demo) of at most ``max_seq_len`` tokens, in the packed
   input format ``logprobs.token_logp_entropy`` takes.
@@ -207,6 +208,22 @@ def select(ds: datasets.Dataset, max_len: int | None, overlong: str) -> SftDemos
     if len(keep) < n or counts["truncated"]:
         log.warning("sft.max_seq_len %s (%s): %s", max_len, overlong, counts)
     return SftDemos(prompt_len, tokens, keep, max_len, counts)
+
+
+def group_by_length(examples: Sequence[Example], world: int) -> list[Example]:
+    """The step's examples reordered so that each rank's contiguous share (``distributed.Dist.shard``) is sorted
+    by length (its micro-batches pad little) and the shares are balanced: examples are dealt in length order,
+    round-robin, to shares of ``Dist.shard``'s sizes. One process: simply sorted by length (stable)."""
+    n = len(examples)
+    sizes = [(r + 1) * n // world - r * n // world for r in range(world)]
+    shares: list[list[Example]] = [[] for _ in range(world)]
+    r = 0
+    for i in sorted(range(n), key=lambda i: len(examples[i][0])):
+        while len(shares[r]) == sizes[r]:
+            r = (r + 1) % world
+        shares[r].append(examples[i])
+        r = (r + 1) % world
+    return [ex for share in shares for ex in share]
 
 
 def collate_packed(examples: Sequence[Example], pad_id: int, max_len: int | None) -> dict[str, torch.Tensor]:

@@ -168,7 +168,7 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
         idx, use_cot = step_batch(seed, step, len(data), cfg.batch_size, spec.cot_frac)
         examples = [data.example(i, "cot" if c else "direct") for i, c in zip(idx, use_cot, strict=True)]
         if cfg.batching == "grouped":  # similar lengths share a micro-batch; exact: the loss is order-free
-            examples.sort(key=lambda ex: len(ex[0]))
+            examples = sft_data.group_by_length(examples, d.world)
         n_tok = sum(sum(1 for y in ex[1][1:] if y != IGNORE) for ex in examples)  # next-token targets (global)
         loss_sum = 0.0
 

@@ -171,6 +171,15 @@ def test_an_overlong_demo_never_runs_a_micro_batch_beyond_max_seq_len(tmp_path, 
     assert res["data"]["dropped_overlong" if overlong == "drop" else "truncated"] == 1
 
 
+def test_grouping_sorts_each_ranks_share_and_balances_them():
+    """7 examples of lengths 7..1 over 2 ranks (shares of 3 and 4, as Dist.shard splits 7): dealt in length
+    order, rank 0 gets lengths 1, 3, 5 and rank 1 gets 2, 4, 6, 7; every example once."""
+    examples = [([0] * n, [0] * n) for n in range(7, 0, -1)]
+    out = sft_data.group_by_length(examples, 2)
+    assert [len(x) for x, _ in out] == [1, 3, 5, 2, 4, 6, 7]
+    assert [len(x) for x, _ in sft_data.group_by_length(examples, 1)] == [1, 2, 3, 4, 5, 6, 7]
+
+
 def test_batching_layouts_train_the_same_model(tmp_path):
     """padded, grouped and packed micro-batches give the same token-mean loss and the same weights (up to
     float summation order)."""
