@@ -117,7 +117,7 @@ def digest(tok: PreTrainedTokenizerBase, demos: Sequence[dict[str, Any]]) -> str
 
 
 def tokenize(tok: PreTrainedTokenizerBase, demos: Sequence[dict[str, Any]], cache_dir: Path,
-             batch_size: int = 1000) -> datasets.Dataset:
+             batch_size: int = 1000, progress: bool = True) -> datasets.Dataset:
     """The demos tokenized (columns ``prompt_len``, ``cot``, ``direct``, in the demos' order), from
     ``cache_dir`` when a previous call (an earlier attempt of this run) left the files there. Under torchrun
     each rank tokenizes only its contiguous shard into its own file; after a barrier every rank memory-maps
@@ -132,10 +132,17 @@ def tokenize(tok: PreTrainedTokenizerBase, demos: Sequence[dict[str, Any]], cach
     cols = ("prompt", "answer", "solution", "task")
     src = datasets.Dataset.from_dict({c: [x.get(c) for x in demos] for c in cols},
                                      features=datasets.Features({c: datasets.Value("string") for c in cols}))
-    src.shard(d.world, d.rank, contiguous=True).map(
-        _encode_batch, batched=True, batch_size=batch_size, fn_kwargs={"tok": tok}, remove_columns=list(cols),
-        features=FEATURES, cache_file_name=str(shard_file(d.rank)), new_fingerprint=f"{key}-{d.rank}-{d.world}",
-        desc="tokenize demos")
+    quiet = not progress and not datasets.are_progress_bars_disabled()
+    if quiet:
+        datasets.disable_progress_bars()
+    try:
+        src.shard(d.world, d.rank, contiguous=True).map(
+            _encode_batch, batched=True, batch_size=batch_size, fn_kwargs={"tok": tok}, remove_columns=list(cols),
+            features=FEATURES, cache_file_name=str(shard_file(d.rank)), new_fingerprint=f"{key}-{d.rank}-{d.world}",
+            desc="tokenize demos")
+    finally:
+        if quiet:
+            datasets.enable_progress_bars()
     d.barrier()
     return datasets.concatenate_datasets([datasets.Dataset.from_file(str(shard_file(r))) for r in range(d.world)])
 

@@ -155,8 +155,9 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
         start = state["step"]
         log_to.resume(state["log"])
         log.info("resuming %s from %s step %d", desc, ckpt_dir, start)
-    # both renderings of each demo (cot, direct), tokenized once (rank 0; a resumed run finds the file)
-    data = sft_data.select(sft_data.tokenize(tok, demos, ckpt_dir / "tokenized"), cfg.max_seq_len, cfg.overlong)
+    # both renderings of each demo (cot, direct), tokenized once (each rank its shard; a resume finds the files)
+    tokenized = sft_data.tokenize(tok, demos, ckpt_dir / "tokenized", progress=progress)
+    data = sft_data.select(tokenized, cfg.max_seq_len, cfg.overlong)
     if not len(data):
         raise ConfigError(f"sft.max_seq_len: {cfg.max_seq_len} leaves no demonstration to train on ({data.counts})")
 
