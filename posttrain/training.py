@@ -7,7 +7,8 @@
   (``sft_train``), the RL policy update (``posttrain.rl.update``) and both distillation updates
   (``posttrain.distillation``); each passes a ``loss_of_batch`` returning its micro-batch's share of the
   full-batch loss (normalised by full-batch totals, so the accumulated gradient is exactly the full batch's).
-- ``sft_train``: supervised fine-tuning with the mixed-format phases, resumable (``posttrain.checkpoint``).
+- ``sft_train``: supervised fine-tuning with the mixed-format phases, resumable (``posttrain.checkpoint``),
+  on demos tokenized once (``posttrain.sft_data``: cache, ``max_seq_len`` policy, padded or packed batches).
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
-from posttrain import checkpoint, distributed, logprobs, modeling, seeds
-from posttrain.tasks import get_task
+from posttrain import checkpoint, distributed, logprobs, modeling, seeds, sft_data
+from posttrain.config import ConfigError
+from posttrain.sft_data import IGNORE
 from posttrain.trainlog import TrainLog
 
-IGNORE = -100
 log = logging.getLogger("posttrain.training")
 T = TypeVar("T")
 
@@ -77,25 +78,6 @@ def accumulate(model: torch.nn.Module, opt: torch.optim.Optimizer, items: Sequen
 
 
 # ------------------------------------------------------------------------------------------------ SFT
-def encode_sft(tokenizer: PreTrainedTokenizerBase, prompt: str, completion: str) -> tuple[list[int], list[int]]:
-    """Chat-template ``prompt`` + ``completion``; labels are IGNORE on the prompt (loss on completion only).
-
-    Works for any chat template whose rendering of [user] + generation prompt is a prefix of the
-    rendering of [user, assistant].
-    """
-    msgs = [{"role": "user", "content": prompt}]
-    p = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    full = tokenizer.apply_chat_template(msgs + [{"role": "assistant", "content": completion}], tokenize=True)
-    p, full = _ids(p), _ids(full)
-    if full[: len(p)] != p:
-        raise ValueError("chat template: the generation prompt is not a prefix of the full conversation")
-    return full, [IGNORE] * len(p) + full[len(p) :]
-
-
-def _ids(enc: Any) -> list[int]:
-    return list(enc["input_ids"]) if hasattr(enc, "keys") else list(enc)
-
-
 def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad (ids, labels) pairs into input_ids / attention_mask / labels, all [B, T]."""
     width = max(len(ids) for ids, _ in examples)
@@ -111,12 +93,13 @@ def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[st
 
 def sum_token_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Summed next-token NLL over completion tokens, and their count (divide by the *whole* batch's count
-    so gradient accumulation gives exactly the full-batch token-mean loss). Memory-lean: the LM head runs
+    so gradient accumulation gives exactly the full-batch token-mean loss). ``batch`` is a ``collate`` batch
+    (input_ids / attention_mask / labels) or a ``sft_data.collate_packed`` one. Memory-lean: the LM head runs
     only at completion positions, in chunks (``posttrain.logprobs``)."""
-    target = batch["labels"][:, 1:]
-    t = {"ids": batch["input_ids"], "attn": batch["attention_mask"], "mask": target != IGNORE}
-    logp, _ = logprobs.token_logp_entropy(model, t, entropy="off")  # targets are the ids: labels copy them
-    return -logp.sum(), int(t["mask"].sum())
+    if "labels" in batch:
+        batch = {"ids": batch["input_ids"], "attn": batch["attention_mask"], "mask": batch["labels"][:, 1:] != IGNORE}
+    logp, _ = logprobs.token_logp_entropy(model, batch, entropy="off")  # targets are the ids: labels copy them
+    return -logp.sum(), int(batch["mask"].sum())
 
 
 def step_batch(seed: int, step: int, n_examples: int, batch_size: int, cot_frac: float
@@ -153,17 +136,16 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
     from the checkpoint's rows.
     Under torchrun ``model`` is the ``distributed.Dist.wrap`` handle (see ``accumulate``): the weights equal a
     one-process run's up to reduction order.
-    Returns ``{"log": rows, "start": resumed step, "seconds": ..., "tokens": ...}``.
+    Demos are tokenized once (``sft_data.tokenize``, cached in ``ckpt_dir``), ``cfg.max_seq_len`` /
+    ``cfg.overlong`` decide what trains (``sft_data.select``) and ``cfg.batching`` how a micro-batch is laid
+    out (padded, grouped by length, or packed): the loss is the same token-mean either way.
+    Returns ``{"log": rows, "start": resumed step, "seconds": ..., "tokens": ..., "data": counts}`` (``data``:
+    what the max_seq_len policy dropped or truncated, and the padding fraction of the decoder input).
     """
     d = distributed.current()
     device = next(model.parameters()).device
     log_to = log_to if log_to is not None else TrainLog(None, SFT_LOG_FIELDS)
     model.train()
-    # both renderings of each demo: full solution (cot) and bare answer (direct)
-    enc = {style: [encode_sft(tok, x["prompt"], get_task(x["task"]).render(x["prompt"], x["answer"],
-                                                                           x["solution"], style))
-                   for x in demos]
-           for style in ("cot", "direct")}
     total = cfg.total_steps
     opt = adamw(model, cfg.lr, cfg.weight_decay, SFT_BETAS)
     sched = get_cosine_schedule_with_warmup(opt, cfg.warmup_steps, total)
@@ -176,23 +158,35 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
         start = state["step"]
         log_to.resume(state["log"])
         log.info("resuming %s from %s step %d", desc, ckpt_dir, start)
+    # both renderings of each demo (cot, direct), tokenized once (each rank its shard; a resume finds the files)
+    tokenized = sft_data.tokenize(tok, demos, ckpt_dir / "tokenized", progress=progress)
+    data = sft_data.select(tokenized, cfg.max_seq_len, cfg.overlong)
+    if not len(data):
+        raise ConfigError(f"sft.max_seq_len: {cfg.max_seq_len} leaves no demonstration to train on ({data.counts})")
 
     phase_of = [(i, p) for i, p in enumerate(cfg.phases) for _ in range(p.steps)]  # step -> (phase, spec)
-    t0, tokens = time.time(), 0
+    t0, tokens, positions, real_positions = time.time(), 0, 0, 0
     bar = tqdm(range(start, total), initial=start, total=total, desc=desc, disable=not progress)
     for step in bar:
         phase, spec = phase_of[step]
-        idx, use_cot = step_batch(seed, step, len(demos), cfg.batch_size, spec.cot_frac)
-        examples = [enc["cot" if c else "direct"][i] for i, c in zip(idx, use_cot, strict=True)]
+        idx, use_cot = step_batch(seed, step, len(data), cfg.batch_size, spec.cot_frac)
+        examples = [data.example(i, "cot" if c else "direct") for i, c in zip(idx, use_cot, strict=True)]
+        if cfg.batching == "grouped":  # similar lengths share a micro-batch; exact: the loss is order-free
+            examples = sft_data.group_by_length(examples, d.world)
         n_tok = sum(sum(1 for y in ex[1][1:] if y != IGNORE) for ex in examples)  # next-token targets (global)
         loss_sum = 0.0
 
         def loss_of(chunk: list[tuple[list[int], list[int]]], real: bool, n_tok: int = n_tok) -> torch.Tensor:
-            nonlocal loss_sum
-            mb = collate(chunk, tok.pad_token_id)
+            nonlocal loss_sum, positions, real_positions
+            if cfg.batching == "packed":
+                mb = sft_data.collate_packed(chunk, tok.pad_token_id, cfg.max_seq_len)
+            else:
+                mb = collate(chunk, tok.pad_token_id)
             s, _ = distributed.forward(model, sum_token_nll, {k: v.to(device) for k, v in mb.items()})
             if real:
                 loss_sum += s.item()
+                positions += (mb["ids"] if "ids" in mb else mb["input_ids"]).numel()
+                real_positions += sum(len(x) for x, _ in chunk)
             return s / max(n_tok, 1)
 
         grad_norm = accumulate(model, opt, examples, cfg.micro_batch_size, loss_of, cfg.max_grad_norm)
@@ -210,5 +204,7 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
             checkpoint.save_resumable(ckpt_dir, done, {
                 "fingerprint": fp, "step": done, "model": msd, "optimizer": osd,
                 "scheduler": sched.state_dict(), "rng": checkpoint.rank_rngs(), "log": log_to.rows})
+    positions, real_positions = d.sum(positions, real_positions)
+    data.counts["padding_frac"] = round(1 - real_positions / positions, 4) if positions else 0.0
     model.eval()
-    return {"log": log_to.rows, "start": start, "seconds": time.time() - t0, "tokens": tokens}
+    return {"log": log_to.rows, "start": start, "seconds": time.time() - t0, "tokens": tokens, "data": data.counts}

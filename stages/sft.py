@@ -6,6 +6,9 @@ Outputs: ``paths.base_model`` (the starting checkpoint, so evaluation and lineag
 weights), ``paths.sft_model`` (HF checkpoint), ``paths.sft_report_dir/train_log.csv`` (for dvc plots),
 ``metrics/sft.json``.
 
+Data: demos tokenized once (rank 0, cached in the checkpoint folder, ``posttrain.sft_data``); ``sft.max_seq_len``
+with ``sft.overlong`` (drop | truncate) bounds every sequence, counted in the metrics; ``sft.batching`` lays out
+micro-batches (padded, grouped by length, or packed).
 Training: chat template, loss on completion tokens only (token-mean over the full batch, exact under
 gradient accumulation), AdamW with linear warmup + cosine decay over all phases. Phases implement the
 mixed-format cold start (``sft.phases[*].cot_frac``: the share of demos shown with their full solution,
@@ -73,6 +76,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
         "demos": len(demos), "seconds": round(elapsed, 1),
         "seconds_per_step": round(elapsed / max(total - start, 1), 4),
         "tokens_per_s": round(res["tokens"] / elapsed, 1) if elapsed > 0 else math.nan, "world_size": d.world,
+        **res["data"],  # sft.max_seq_len: demos dropped / truncated (and tokens cut); padding_frac of the input
     }
     if not d.main:
         return metrics

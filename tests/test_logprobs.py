@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from posttrain import distillation, logprobs, training
+from posttrain import distillation, logprobs, sft_data, training
 from tests.realmodel import bpe_tokenizer, full_logp_entropy, qwen2
 
 V = 500  # a vocabulary larger than the tokenizer's (as real checkpoints pad theirs)
@@ -73,15 +73,15 @@ def test_entropy_modes(tok):
 
 
 def test_sft_nll_equals_cross_entropy_of_full_logits(tok):
-    ex = [training.encode_sft(tok, "What is 2+3?", "2+3 = 5. The answer is 5."),
-          training.encode_sft(tok, "Natalia sold 48 clips.", "She sold 48.")]
+    ex = [sft_data.encode_sft(tok, "What is 2+3?", "2+3 = 5. The answer is 5."),
+          sft_data.encode_sft(tok, "Natalia sold 48 clips.", "She sold 48.")]
     batch = training.collate(ex, tok.pad_token_id)
     model = qwen2(tok, hidden=32, layers=1, vocab_size=V)
     s, n = training.sum_token_nll(model, batch)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
     ref = torch.nn.functional.cross_entropy(logits.reshape(-1, V), batch["labels"][:, 1:].reshape(-1),
-                                            ignore_index=training.IGNORE, reduction="sum")
-    assert n == sum(sum(1 for y in labels[1:] if y != training.IGNORE) for _, labels in ex)
+                                            ignore_index=sft_data.IGNORE, reduction="sum")
+    assert n == sum(sum(1 for y in labels[1:] if y != sft_data.IGNORE) for _, labels in ex)
     assert abs(float(s) - float(ref)) < 1e-3 * n
 
 

@@ -41,6 +41,7 @@ ACCEPTED = {
                              "rl.dual_clip", "rl.ref_reset", "rollout.vllm.max_model_len", "tracking.champion",
                              "rollout.vllm.dtype",  # model.dtype, the trainer's
                              "rollout.vllm.max_num_batched_tokens",  # vLLM's default
+                             "sft.max_seq_len",  # no limit (the default)
                              )},
     # null: the platform's (sleep: 2 on GPU, 0 on CPU; chunked prefill: off on CPU); 0/false: off
     **{k: {"null", "zero"} for k in ("rollout.vllm.sleep_level", "rollout.vllm.enable_chunked_prefill")},

@@ -71,7 +71,7 @@ def test_chatml_instruction_and_system_are_in_the_prompt_and_sft_encoding(tok):
                     "\\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
     assert sorted(model.generation_config.eos_token_id) == sorted(
         [tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")])
-    from posttrain.training import encode_sft
+    from posttrain.sft_data import encode_sft
     ids, labels = encode_sft(tok, "2+2?", "4")
     assert tok.decode([y for y in labels if y != -100]) == "4<|im_end|>\n"
 

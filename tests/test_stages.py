@@ -111,12 +111,26 @@ def test_curate_fails_above_contamination_limit(tiny):
     assert (Path(p.paths.curate_report_dir) / "decontamination.md").exists()  # the report is still written
 
 
+def test_sft_counts_what_max_seq_len_truncates_in_its_metrics(tiny):
+    """The default demos are 19-74 tokens (chain of thought 43-74): a limit of 60 truncates some chains of
+    thought, and the counts reach metrics/sft.json."""
+    tiny["sft"].update(max_seq_len=60, overlong="truncate", batching="packed")
+    p = parse_params(tiny)
+    o = _outs(p)
+    curate.run(p, {}, o["curate"])
+    m = sft.run(p, _ins(p, "sft"), o["sft"])
+    written = json.loads(Path(o["sft"]["metrics"]).read_text())
+    assert written["truncated"] == m["truncated"] > 0 and written["truncated_tokens"] > m["truncated"]
+    assert written["demos_trained"] == written["demos"] and 0 <= written["padding_frac"] < 1
+
+
 def test_sft_then_evaluate(tiny, monkeypatch):
     p = parse_params(tiny)
     o = _outs(p)
     curate.run(p, {}, o["curate"])
     m = sft.run(p, _ins(p, "sft"), o["sft"])
     assert m["steps"] == 8 and m["resumed_from_step"] == 0
+    assert m["demos_trained"] == m["demos"] and m["dropped_overlong"] == m["truncated"] == 0  # no max_seq_len
     log_lines = (Path(p.paths.sft_report_dir) / "train_log.csv").read_text().splitlines()
     assert log_lines[0].startswith("step,phase,loss") and len(log_lines) == 1 + 4
     assert not Path(p.paths.sft_checkpoints).exists()  # removed once the model is written

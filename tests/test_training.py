@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain import checkpoint, training
+from posttrain import checkpoint, sft_data, training
 from posttrain.config import Rl, Sft, TinyModel
 from posttrain.modeling import build_char_tokenizer, build_tiny_model
 
@@ -35,10 +35,10 @@ def test_sft_loss_is_the_token_mean_over_completion_tokens(tmp_path):
     nll, count = 0.0, 0
     with torch.no_grad():
         for d in DEMOS:
-            ids, labels = training.encode_sft(tok, d["prompt"], "answer: " + d["answer"])
+            ids, labels = sft_data.encode_sft(tok, d["prompt"], "answer: " + d["answer"])
             logp = torch.log_softmax(ref(input_ids=torch.tensor([ids])).logits[0, :-1].float(), -1)
             for t, y in enumerate(labels[1:]):
-                if y != training.IGNORE:
+                if y != sft_data.IGNORE:
                     nll -= float(logp[t, y])
                     count += 1
     assert count == 25  # 11 + 14 completion tokens (character tokenizer, EOS included)
@@ -64,7 +64,7 @@ def test_no_gradient_memory_is_held_after_a_step():
     a colocated engine wants the memory. ``accumulate`` frees them once the optimizer has stepped."""
     model, tok = _model()
     opt = training.adamw(model, 1e-2, 0.0, training.ONLINE_BETAS)
-    ids = torch.tensor([training.encode_sft(tok, "1+1=", "2")[0]])
+    ids = torch.tensor([sft_data.encode_sft(tok, "1+1=", "2")[0]])
     before = [p.detach().clone() for p in model.parameters()]
     training.accumulate(model, opt, [ids], 1, lambda chunk, real: model(input_ids=chunk[0], labels=chunk[0]).loss, 1.0)
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))  # it stepped

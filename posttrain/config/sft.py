@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from posttrain.config.base import MAX_BATCH, MAX_COUNT, MAX_LR, NOT_RESULT, Section
+
+MAX_SEQ_LEN = 1_048_576  # tokens of one demo (prompt + completion): beyond today's longest contexts
 
 
 class SftPhase(Section):
@@ -34,6 +38,18 @@ class Sft(Section):
     checkpoint_every: int = Field(100, ge=1, le=MAX_COUNT, description="save a resumable checkpoint every N steps",
                                   json_schema_extra=NOT_RESULT)
     log_every: int = Field(10, ge=1, le=MAX_COUNT, description="write a training-log row every N steps")
+    max_seq_len: int | None = Field(None, ge=2, le=MAX_SEQ_LEN,
+                                    description="longest demo (prompt + completion tokens) that trains; "
+                                    "null = no limit. What happens to longer ones: sft.overlong")
+    overlong: Literal["drop", "truncate"] = Field(
+        "drop", description="a demo longer than max_seq_len: drop it, or truncate (keep the prompt, cut the "
+        "completion's tail). A demo whose prompt leaves no completion token within the limit is dropped either "
+        "way; every case is counted in metrics/sft.json")
+    batching: Literal["padded", "grouped", "packed"] = Field(
+        "padded", description="micro-batch layout: padded (in sampling order, padded to the longest), grouped "
+        "(the step's demos sorted by length first, so a micro-batch pads less), packed (each micro-batch's "
+        "demos packed into block-diagonal rows of up to 2x its longest, capped at max_seq_len). The loss is "
+        "the same token-mean either way", json_schema_extra=NOT_RESULT)
 
     @property
     def total_steps(self) -> int:
