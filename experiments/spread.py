@@ -1,0 +1,94 @@
+"""How much the default run's headline numbers move with the seed and the CPU's instruction set.
+
+Each arm runs the DAG's stages in order (``python -m stages.<name>``, as ``dvc.yaml`` runs them) in its own
+folder under ``--root``, with ``params.yaml`` plus the arm's ``key=value`` overrides, under one CPU instruction
+set: ``default`` (what torch picks here) or ``avx2`` (``ATEN_CPU_CAPABILITY=avx2`` for ATen's own kernels,
+``ONEDNN_MAX_CPU_ISA=AVX2`` for oneDNN, ``MKL_ENABLE_INSTRUCTIONS=AVX2`` for MKL's GEMMs: what an AVX2-only
+machine runs). ``--upto sft`` stops after ``evaluate@sft`` (the recipe sweep); ``--upto all`` runs every stage
+through the report. It prints a table of greedy and pass@1 per model and writes JSON.
+
+Run: ``python experiments/spread.py --seeds 0 1 2 --isas default avx2 --upto all --out benchmarks/results/spread.json``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from posttrain.config.overrides import parse_overrides, render_overrides  # noqa: E402
+
+ISAS = {"default": {},
+        "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+SFT_CHAIN = [["curate"], ["sft"], ["evaluate", "--model", "sft"]]
+ALL_CHAIN = [*SFT_CHAIN, ["rollout"], ["reward"], ["rl"], ["evaluate", "--model", "rl"], ["distill"],
+             ["evaluate", "--model", "student_sft"], ["evaluate", "--model", "student"]]
+
+
+def run_arm(folder: Path, overrides: list[str], isa: str, chain: list[list[str]]) -> dict:
+    """Stages of ``chain`` in ``folder`` (fresh); returns {model: {greedy, pass@1}} and seconds."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    _, edits = parse_overrides(REPO / "params.yaml", overrides)  # refuses a bad override before any work
+    (folder / "params.yaml").write_text(render_overrides((REPO / "params.yaml").read_text(), edits))
+    env = {**os.environ, **ISAS[isa], "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
+           "MLFLOW_TRACKING_URI": f"sqlite:///{folder}/mlflow.db",}
+    t0 = time.time()
+    for stage in chain:
+        cmd = [sys.executable, "-m", f"stages.{stage[0]}", "--params", "params.yaml", *stage[1:]]
+        with open(folder / "log.txt", "a") as log:
+            rc = subprocess.run(cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        if rc:
+            raise SystemExit(f"{folder}: {' '.join(stage)} exited {rc} (see {folder}/log.txt)")
+    out = {"seconds": round(time.time() - t0, 1)}
+    for f in sorted((folder / "metrics" / "evaluate").glob("*.json")):
+        ev = json.loads(f.read_text())["eval"]
+        out[f.stem] = {"greedy": ev["greedy"], "pass@1": ev.get("pass@1"), "len": ev.get("len")}
+    sft = json.loads((folder / "metrics" / "sft.json").read_text())
+    out["sft_final_loss"] = sft["final_loss"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", type=Path, default=Path("/tmp/spread"))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--isas", nargs="+", default=list(ISAS), choices=list(ISAS))
+    ap.add_argument("--upto", choices=["sft", "all"], default="sft")
+    ap.add_argument("--set", dest="overrides", nargs="*", default=[], help="key=value overrides of every arm")
+    ap.add_argument("--name", default="default", help="the recipe's name in the JSON")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    chain = SFT_CHAIN if a.upto == "sft" else ALL_CHAIN
+    results = json.loads(a.out.read_text()) if a.out.exists() else {}
+    arms = results.setdefault(a.name, {"overrides": a.overrides, "arms": {}})
+    for seed in a.seeds:  # the ISAs alternate within each seed
+        for isa in a.isas:
+            key = f"seed{seed}/{isa}"
+            over = [*a.overrides, f"seed={seed}", "runtime.progress=false"]
+            r = run_arm(a.root / a.name / key.replace("/", "_"), over, isa, chain)
+            arms["arms"][key] = r
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps(results, indent=1) + "\n")
+            print(key, json.dumps(r), flush=True)
+    models = sorted({m for r in arms["arms"].values() for m in r if isinstance(r[m], dict)})
+    print(f"\n{a.name}: {' '.join(a.overrides)}\n| model | metric | " + " | ".join(arms["arms"]) + " | range |")
+    for m in models:
+        for k in ("greedy", "pass@1"):
+            vals = [r[m][k] for r in arms["arms"].values() if m in r and r[m].get(k) is not None]
+            cells = " | ".join(f"{100 * v:.1f}" for v in vals)
+            spread = f"{100 * (max(vals) - min(vals)):.1f}" if vals else "-"
+            print(f"| {m} | {k} | {cells} | {spread} (sd {100 * statistics.pstdev(vals):.1f}) |")
+
+
+if __name__ == "__main__":
+    main()
