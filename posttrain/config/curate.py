@@ -86,7 +86,7 @@ class Dedup(Section):
     method: Literal[(*names.DEDUP_METHODS, "auto")] = Field(
         "auto", description="near-duplicate finder: ngram (bounded n-gram index; catches copies inside a wrapper), "
         "minhash (datasketch MinHash-LSH; less memory on large sets), auto (minhash from auto_minhash_rows rows)")
-    auto_minhash_rows: int = Field(200_000, ge=1, le=MAX_ROWS, description="auto: rows from which MinHash-LSH is used")
+    auto_minhash_rows: int = Field(100_000, ge=1, le=MAX_ROWS, description="auto: rows from which MinHash-LSH is used")
     near_ngram: int = Field(3, ge=1, le=1000, description="word n-gram size for near-duplicate detection")
     near_threshold: float = Field(0.7, gt=0, le=1, description="ngram: share of the smaller row's informative "
                                   "n-grams found in the other at which a row is a near duplicate")
