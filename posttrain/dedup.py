@@ -16,9 +16,11 @@ library gives the rules that keep distinct maths problems apart, which is what m
 - ``ngram``: score = shared informative n-grams / the smaller row's count (an edited copy, or a copy inside
   a wrapper); every n-gram's posting list holds at most ``max_postings`` rows, so a row looks at most
   (its n-grams x max_postings) candidates: no quadratic walk. Memory grows with distinct n-grams.
-- ``minhash``: MinHash of the informative n-grams, ``MinHashLSH`` buckets (bands chosen by datasketch for
-  ``minhash_threshold``), candidates confirmed by the signatures' estimated Jaccard and the numbers. Catches
-  copies (Jaccard), not a copy inside a rare wrapper (containment): that is the n-gram index's job.
+- ``minhash``: datasketch MinHash signatures of the informative n-grams; LSH bands (b x r chosen by
+  datasketch's ``MinHashLSH`` for ``minhash_threshold``) grouped with numpy sorts, because datasketch's
+  in-memory buckets cost ~6 KB a row (6 GB at a million rows); candidates confirmed by the signatures'
+  estimated Jaccard and the numbers. Catches copies (Jaccard), not a copy inside a rare wrapper
+  (containment): that is the n-gram index's job.
 
 First occurrence kept; a duplicate names the kept row it repeats.
 """
