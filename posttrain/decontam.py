@@ -25,7 +25,7 @@ import unicodedata
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-_WORD_RE = re.compile(r"\w+|[^\w\s]")
+_WORD_RE = re.compile(r"\d+|[^\W\d]+|[^\w\s]")  # digits apart from letters: `2x` is `2 x`
 _LATEX = [  # (pattern, replacement), in order
     (re.compile(r"\$"), " "),
     (re.compile(r"\\[dt]frac"), r"\\frac"),

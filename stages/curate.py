@@ -22,7 +22,8 @@ from typing import Any
 from tqdm import tqdm
 
 from posttrain import decontam, seeds
-from posttrain.config import Curate, Params, SyntheticSource, Validation
+from posttrain import dedup as dedup_mod
+from posttrain.config import Curate, Dedup, Params, SyntheticSource, Validation
 from posttrain.errors import StageError
 from posttrain.outputs import atomic_path
 from posttrain.runner import stage_main
@@ -61,18 +62,13 @@ def _collect(sources: list[Any], task: Any, task_kind: str, v: Validation, seed:
     return rows, quarantined, n_in, complaints
 
 
-def dedup(rows: list[Problem], n: int, threshold: float) -> tuple[list[Problem], list[dict[str, Any]]]:
-    """Exact (normalized text) then near-duplicate removal, first occurrence kept."""
-    index = decontam.NgramIndex(n)
-    kept, dups = [], []
-    for r in rows:
-        m = index.query(r["prompt"])
-        if m is not None and m.score >= threshold:
-            dups.append({"id": r["id"], "duplicate_of": m.item_id, "method": m.method, "score": round(m.score, 3)})
-            continue
-        index.add(r["id"], r["prompt"])
-        kept.append(r)
-    return kept, dups
+def dedup(rows: list[Problem], cfg: Dedup) -> tuple[list[Problem], list[dict[str, Any]]]:
+    """Exact and near duplicates removed (``posttrain.dedup``), first occurrence kept."""
+    _, found = dedup_mod.find_duplicates([r["prompt"] for r in rows], cfg)
+    gone = {d.row for d in found}
+    dups = [{"id": rows[d.row]["id"], "duplicate_of": rows[d.of]["id"], "method": d.method, "score": d.score}
+            for d in found]
+    return [r for i, r in enumerate(rows) if i not in gone], dups
 
 
 def decontaminate(rows: list[Problem], benchmarks: dict[str, list[tuple[str, str]]], cfg: Any
@@ -108,14 +104,14 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
     eval_src = cfg.eval.source or SyntheticSource(name="arith_eval", num_rows=cfg.eval.rows * 2)
     ev, ev_quarantine, ev_in, complaints = _collect([eval_src], task, kind, v, seeds.eval_draw(params.seed), prog,
                                                     "eval", cfg.max_quarantined_frac)
-    ev, _ = dedup(ev, cfg.dedup.near_ngram, cfg.dedup.near_threshold)
+    ev, _ = dedup(ev, cfg.dedup)
     ev = ev[: cfg.eval.rows]
 
     # 2. training pool: read + validate -> dedup -> decontaminate (eval split always, then benchmarks)
     rows, quarantine, n_in, train_complaints = _collect(cfg.sources, task, kind, v, params.seed, prog, "train",
                                                         cfg.max_quarantined_frac)
     complaints += train_complaints
-    rows, dups = dedup(rows, cfg.dedup.near_ngram, cfg.dedup.near_threshold)
+    rows, dups = dedup(rows, cfg.dedup)
     bench: dict[str, list[tuple[str, str]]] = {"eval_split": [(r["id"], r["prompt"]) for r in ev]}
     for b in cfg.decontam.benchmarks:
         read = list(read_source(b, task, params.seed))

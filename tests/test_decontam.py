@@ -1,6 +1,7 @@
 import pytest
 from conftest import BENCH
 
+from posttrain.config import Dedup
 from posttrain.decontam import build_index, grams, ngrams, normalize, sentences, words
 from posttrain.schema import Problem
 from stages.curate import dedup
@@ -58,7 +59,7 @@ def test_near_duplicate_dedup_keeps_first():
             enumerate(["Tom has three apples and buys two more apples at the shop today",
                        "tom has three apples and buys two more apples at the shop today!",
                        "A completely different question about trains and miles per hour here"])]
-    kept, dups = dedup(rows, n=5, threshold=0.8)
+    kept, dups = dedup(rows, Dedup())
     assert [r["id"] for r in kept] == ["s:0", "s:2"]
     assert dups[0]["duplicate_of"] == "s:0"
 

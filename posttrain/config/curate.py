@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from posttrain.config import names
 from posttrain.config.base import MAX_CHARS, MAX_ROWS, Refusal, Section
 
 
@@ -80,10 +81,26 @@ class Decontam(Section):
 
 
 class Dedup(Section):
-    """Exact (normalised text) and near (n-gram overlap) duplicates among the training rows."""
+    """Exact (digest of the normalised text) and near duplicates among the rows (see ``posttrain.dedup``)."""
 
-    near_ngram: int = Field(5, ge=1, le=1000, description="n-gram size for near-duplicate detection")
-    near_threshold: float = Field(0.8, gt=0, le=1, description="n-gram overlap at which a row is a near-duplicate")
+    method: Literal[(*names.DEDUP_METHODS, "auto")] = Field(
+        "auto", description="near-duplicate finder: ngram (bounded n-gram index; catches copies inside a wrapper), "
+        "minhash (datasketch MinHash-LSH; less memory on large sets), auto (minhash from auto_minhash_rows rows)")
+    auto_minhash_rows: int = Field(100_000, ge=1, le=MAX_ROWS, description="auto: rows from which MinHash-LSH is used")
+    near_ngram: int = Field(3, ge=1, le=1000, description="word n-gram size for near-duplicate detection")
+    near_threshold: float = Field(0.7, gt=0, le=1, description="ngram: share of the smaller row's informative "
+                                  "n-grams found in the other at which a row is a near duplicate")
+    minhash_threshold: float = Field(0.5, gt=0, le=1, description="minhash: estimated Jaccard similarity of the "
+                                     "informative n-grams at which a row is a near duplicate")
+    num_perm: int = Field(128, ge=16, le=1024, description="minhash: permutations (signature length)")
+    boilerplate_frac: float = Field(0.05, gt=0, le=1, description="n-grams in more than this share of the rows "
+                                    "(shared instructions, templates) are neither indexed nor scored")
+    df_sample: int = Field(20_000, ge=100, le=MAX_ROWS, description="rows (evenly spaced) on which n-gram "
+                           "document frequencies are counted for boilerplate_frac")
+    max_postings: int = Field(64, ge=1, le=100_000, description="ngram: rows kept per n-gram posting list "
+                              "(bounds the candidates per row: linear time)")
+    numbers_must_match: bool = Field(True, description="near duplicates must hold the same numbers: problems "
+                                     "that differ only in their numbers are different problems")
 
 
 class Validation(Section):

@@ -19,6 +19,7 @@ TIS = ("token", "sequence")  # posttrain.corrections.TIS
 DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")  # posttrain.divergences.DIVERGENCES
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # posttrain.algos.AGGREGATIONS
 BACKENDS = ("hf", "vllm")  # posttrain.rollout.BACKENDS
+DEDUP_METHODS = ("ngram", "minhash")  # posttrain.dedup.METHODS (params may also say "auto")
 
 # DAG order, as in dvc.yaml; evaluate runs once per model (evaluate@<name>, a foreach stage)
 STAGES = ("curate", "sft", "rollout", "reward", "rl", "distill", "evaluate", "report")

@@ -1,0 +1,213 @@
+"""Deduplication that scales and keeps distinct problems apart: exact duplicates by digest, near duplicates
+by a bounded n-gram index or by MinHash-LSH (``datasketch``).
+
+Why partly hand-written: ``datasketch`` gives MinHash and the LSH buckets (used for large sets), but no
+library gives the rules that keep distinct maths problems apart, which is what matters here:
+
+- **Exact**: a 16-byte blake2b digest of the normalised token stream (``decontam.words``: NFKC, casefold,
+  LaTeX read as plain maths, punctuation split), so memory is a digest a row, never the text.
+- **Boilerplate**: word n-grams (within sentences, so reordered sentences give the same set) found in more
+  than ``boilerplate_frac`` of the rows, counted on an evenly spaced sample of at most ``df_sample`` rows,
+  are neither indexed nor scored: a shared instruction template (DAPO-Math-17k's, "Please reason step by
+  step...") cannot make two problems look alike, and a copy wrapped in a common template is still caught.
+- **Numbers decide**: two rows are near duplicates only if they hold the same numbers (digit runs and
+  number words, as a multiset; ``numbers_must_match``). "Simplify √50" and "Simplify √72" are two problems;
+  a re-spaced, re-cased, reordered, LaTeX-rewritten or templated copy keeps its numbers.
+- ``ngram``: score = shared informative n-grams / the smaller row's count (an edited copy, or a copy inside
+  a wrapper); every n-gram's posting list holds at most ``max_postings`` rows, so a row looks at most
+  (its n-grams x max_postings) candidates: no quadratic walk. Memory grows with distinct n-grams.
+- ``minhash``: datasketch MinHash signatures of the informative n-grams; LSH bands (b x r chosen by
+  datasketch's ``MinHashLSH`` for ``minhash_threshold``) grouped with numpy sorts, because datasketch's
+  in-memory buckets cost ~6 KB a row (6 GB at a million rows); candidates confirmed by the signatures'
+  estimated Jaccard and the numbers. Catches copies (Jaccard), not a copy inside a rare wrapper
+  (containment): that is the n-gram index's job.
+
+First occurrence kept; a duplicate names the kept row it repeats.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any
+
+import numpy as np
+
+from posttrain.decontam import ngrams, sentences, words
+
+_NUMBER_WORDS = {w: str(i) for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+    "seventeen eighteen nineteen twenty".split())}
+_NUMBER_WORDS |= {w: str(10 * i) for i, w in enumerate("thirty forty fifty sixty seventy eighty ninety".split(), 3)}
+_NUMBER_WORDS |= {"hundred": "100", "thousand": "1000", "million": "1000000", "half": "1/2", "twice": "x2"}
+
+
+@dataclass(frozen=True)
+class Features:
+    digest: bytes  # exact-duplicate key
+    grams: frozenset[str]  # word n-grams within sentences (boilerplate not yet removed)
+    numbers: int  # hash of the sorted multiset of numbers (stable within a run; equality only)
+
+
+@dataclass(frozen=True)
+class Dup:
+    row: int  # index of the duplicate row
+    of: int  # index of the kept row it repeats
+    method: str  # "exact" | "ngram" | "minhash"
+    score: float
+
+
+def features(text: str, n: int) -> Features:
+    """The exact key, the n-grams and the numbers of one text (see the module docstring)."""
+    toks = words(text)
+    digest = hashlib.blake2b(" ".join(toks).encode(), digest_size=16).digest()
+    grams = frozenset().union(*(ngrams(s, n) for s in sentences(toks))) if toks else frozenset()
+    nums = sorted(_NUMBER_WORDS.get(t, t) for t in toks if t.isdigit() or t in _NUMBER_WORDS)
+    return Features(digest, grams, hash(tuple(nums)))
+
+
+def boilerplate(texts: list[str], n: int, frac: float, sample: int, min_rows: int = 3) -> frozenset[str]:
+    """N-grams in more than ``frac`` of an evenly spaced sample of at most ``sample`` rows (and in more than
+    ``min_rows`` of them, so a tiny set has none)."""
+    step = max(1, len(texts) // sample)
+    picked = texts[::step][:sample]
+    df: Counter[str] = Counter()
+    for t in picked:
+        df.update(features(t, n).grams)
+    limit = max(min_rows, frac * len(picked))
+    return frozenset(g for g, c in df.items() if c > limit)
+
+
+def _exact_or_features(texts: Iterable[str], n: int, common: frozenset[str]
+                       ) -> Iterator[tuple[int, int | None, Features, frozenset[str]]]:
+    """(row, index of an earlier exact copy or None, features, informative n-grams) for each row."""
+    seen: dict[bytes, int] = {}
+    for i, t in enumerate(texts):
+        f = features(t, n)
+        first = seen.setdefault(f.digest, i)
+        yield i, (first if first != i else None), f, f.grams - common
+
+
+def near_ngram(texts: list[str], cfg: Any, common: frozenset[str]) -> list[Dup]:
+    """Bounded n-gram index: informative n-gram overlap >= ``cfg.near_threshold`` with equal numbers."""
+    postings: dict[int, list[int]] = {}
+    size: dict[int, int] = {}  # kept row -> informative n-grams
+    nums: dict[int, int] = {}
+    dups: list[Dup] = []
+    for i, exact, f, inf in _exact_or_features(texts, cfg.near_ngram, common):
+        if exact is not None:
+            dups.append(Dup(i, exact, "exact", 1.0))
+            continue
+        keys = [hash(g) for g in inf]
+        shared = Counter(chain.from_iterable(postings.get(k, ()) for k in keys))
+        best: tuple[float, int] | None = None
+        for j, c in shared.items():
+            if cfg.numbers_must_match and nums[j] != f.numbers:
+                continue
+            score = c / min(len(keys), size[j])
+            if score >= cfg.near_threshold and (best is None or (score, -j) > (best[0], -best[1])):
+                best = (score, j)
+        if best is not None:
+            dups.append(Dup(i, best[1], "ngram", round(best[0], 3)))
+            continue
+        size[i], nums[i] = len(keys), f.numbers
+        for k in keys:
+            lst = postings.setdefault(k, [])
+            if len(lst) < cfg.max_postings:
+                lst.append(i)
+    return dups
+
+
+def near_minhash(texts: list[str], cfg: Any, common: frozenset[str]) -> list[Dup]:
+    """MinHash-LSH over informative n-grams: estimated Jaccard >= ``cfg.minhash_threshold`` with equal
+    numbers. datasketch computes the signatures and picks the bands (b x r) for the threshold; the bands
+    are grouped with numpy sorts (see ``_lsh_pairs``), each row meeting at most ``max_postings`` earlier
+    rows per band, so memory is the signatures (num_perm x 4 bytes a row) and time is linear."""
+    from datasketch import MinHash, MinHashLSH
+
+    p = cfg.num_perm
+    perms = MinHash(num_perm=p, seed=1, scheme="affine32").permutations
+    sig = np.zeros((len(texts), p), dtype=np.uint32)
+    nums = np.zeros(len(texts), dtype=np.int64)
+    usable = np.zeros(len(texts), dtype=bool)  # has informative n-grams and is no exact copy
+    dups: list[Dup] = []
+    for i, exact, f, inf in _exact_or_features(texts, cfg.near_ngram, common):
+        if exact is not None:
+            dups.append(Dup(i, exact, "exact", 1.0))
+            continue
+        nums[i] = f.numbers
+        if inf:
+            m = MinHash(num_perm=p, seed=1, permutations=perms, scheme="affine32")
+            m.update_batch([g.encode() for g in inf])
+            sig[i], usable[i] = m.hashvalues, True
+    lsh = MinHashLSH(threshold=cfg.minhash_threshold, num_perm=p)  # only for datasketch's choice of b, r
+    later, earlier = _lsh_pairs(sig, usable, nums if cfg.numbers_must_match else None, lsh.b, lsh.r,
+                                cfg.max_postings)
+    score = np.concatenate([(sig[later[k:k + 65536]] == sig[earlier[k:k + 65536]]).mean(axis=1)
+                            for k in range(0, len(later), 65536)] or [np.zeros(0)])
+    ok = score >= cfg.minhash_threshold
+    later, earlier, score = later[ok], earlier[ok], score[ok]
+    kept = np.ones(len(texts), dtype=bool)
+    kept[[d.row for d in dups]] = False
+    for k in np.lexsort((earlier, -score, later)):  # by row; best score, then earliest row, first
+        j, i = int(later[k]), int(earlier[k])
+        if kept[j] and kept[i]:
+            kept[j] = False
+            dups.append(Dup(j, i, "minhash", round(float(score[k]), 3)))
+    return sorted(dups, key=lambda d: d.row)
+
+
+def _lsh_pairs(sig: np.ndarray, usable: np.ndarray, nums: np.ndarray | None, b: int, r: int, cap: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Candidate pairs (later row, earlier row), unique: rows whose signatures agree on all r values of
+    some band (and whose numbers agree, unless ``nums`` is None), each row paired with the first ``cap``
+    rows of its bucket. (datasketch's in-memory
+    ``MinHashLSH`` keeps ~350 bytes a band a row in Python dicts, 6.4 KB a row at num_perm 128: 6 GB at a
+    million rows; sorting each band's values with numpy needs a few arrays of one integer a row.)"""
+    rows = np.flatnonzero(usable)
+    pairs = []
+    for k in range(b):
+        band = sig[rows, k * r:(k + 1) * r]
+        order = np.lexsort(band.T[::-1])  # stable: equal bands stay in row order
+        sb = band[order]
+        new_run = np.r_[True, np.any(sb[1:] != sb[:-1], axis=1)]
+        pos = np.flatnonzero(~new_run)  # positions in a bucket after its first row
+        start = np.flatnonzero(new_run)[np.cumsum(new_run)[pos] - 1]  # where each one's bucket starts
+        for d in range(cap):
+            first = start + d
+            m = first < pos
+            if not m.any():
+                break
+            later, earlier = rows[order[pos[m]]], rows[order[first[m]]]
+            if nums is not None:
+                same = nums[later] == nums[earlier]
+                later, earlier = later[same], earlier[same]
+            pairs.append(np.unique((later << 32) | earlier))
+    if not pairs:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    key = np.unique(np.concatenate(pairs))
+    return key >> 32, key & 0xFFFFFFFF
+
+
+METHODS: dict[str, Callable[[list[str], Any, frozenset[str]], list[Dup]]] = {
+    "ngram": near_ngram, "minhash": near_minhash,
+}
+
+
+def resolve_method(cfg: Any, rows: int) -> str:
+    """``auto``: MinHash-LSH from ``auto_minhash_rows`` rows on, the n-gram index below."""
+    if cfg.method != "auto":
+        return cfg.method
+    return "minhash" if rows >= cfg.auto_minhash_rows else "ngram"
+
+
+def find_duplicates(texts: list[str], cfg: Any) -> tuple[str, list[Dup]]:
+    """The method used and every duplicate (exact or near) of ``texts``, first occurrence kept."""
+    method = resolve_method(cfg, len(texts))
+    common = boilerplate(texts, cfg.near_ngram, cfg.boilerplate_frac, cfg.df_sample)
+    dups = METHODS[method](texts, cfg, common)
+    root = {d.row: d.of for d in dups}  # an exact copy of a near duplicate names the row that was kept
+    return method, [Dup(d.row, root.get(d.of, d.of), d.method, d.score) for d in dups]

@@ -1,0 +1,130 @@
+"""Dedup (posttrain.dedup through stages.curate.dedup): distinct problems kept apart, copies caught, the
+boilerplate cap, bounded work. Each case runs through both near-duplicate methods."""
+
+import pytest
+
+from posttrain.config import ConfigError, Dedup, parse_params
+from posttrain.dedup import METHODS, boilerplate, features, find_duplicates, resolve_method
+from posttrain.schema import Problem
+from stages.curate import dedup
+
+SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+DAPO = ("Solve the following math problem step by step. The last line of your response should be of the form "
+        "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{q}\n\nRemember to put "
+        "your answer on its own line after \"Answer:\".")
+SHORT = ["Simplify $\\sqrt{50}$.", "Simplify $\\sqrt{72}$.", "Evaluate $\\log_264$.", "Compute $\\dbinom{31}{28}$.",
+         "What is $1^{(2^{235423523})}$?", "Find the units digit of $4^{10}$.", "Compute $\\tan 100^\\circ$.",
+         "How many positive divisors does 196 have?", "Evaluate $\\lceil (3.6)^2 \\rceil$.", "Solve for $x$: $2x+3=9$."]
+METHOD_NAMES = list(METHODS)
+
+
+def _rows(prompts: list[str]) -> list[Problem]:
+    return [Problem(id=f"r{i}", source="s", task="math", prompt=p, answer="1", solution=None)
+            for i, p in enumerate(prompts)]
+
+
+def _kept(prompts: list[str], method: str, **kw) -> list[str]:
+    kept, _ = dedup(_rows(prompts), Dedup(method=method, **kw))
+    return [r["id"] for r in kept]
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_problems_that_differ_in_their_numbers_are_kept_apart(method):
+    """Before: "Simplify √50" and "Simplify √72" with MATH-500's shared suffix scored 10 shared of 11 5-grams
+    (0.91 >= 0.8) and the second was dropped. Two rows only: the suffix is no boilerplate here (a cap needs
+    more than 3 rows), so the numbers rule alone keeps them apart."""
+    assert _kept([SHORT[0] + SUFFIX, SHORT[1] + SUFFIX], method) == ["r0", "r1"]
+    assert _kept(["Tom has 3 apples and buys 2 more at the shop. How many apples now?",
+                  "Tom has 3 apples and buys 5 more at the shop. How many apples now?"], method) == ["r0", "r1"]
+    assert _kept(["Tom has three apples and buys two more at the shop. How many apples now?",
+                  "Tom has three apples and buys four more at the shop. How many apples now?"], method) == ["r0", "r1"]
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_templated_distinct_problems_are_kept_and_a_templated_copy_caught(method):
+    """Before: short problems in DAPO-Math-17k's template shared its ~40 n-grams and were merged."""
+    prompts = [DAPO.format(q=q) for q in SHORT] + [SHORT[3]]  # the last: a bare copy of a templated row
+    kept, dups = dedup(_rows(prompts), Dedup(method=method))
+    assert [r["id"] for r in kept] == [f"r{i}" for i in range(len(SHORT))]
+    assert [(d["id"], d["duplicate_of"]) for d in dups] == [("r10", "r3")]
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_respaced_recased_and_latex_rewritten_copies_are_caught(method):
+    a = "Tom has 3 apples, and buys 2 more. If he eats one, how many are left?"
+    b = "  tom  HAS 3 apples , and buys\t2 more .  if he eats one , how many are left ?"
+    c = "Find $\\frac{3}{4} \\cdot x^{2}$ when $x = 5$ and the answer is a fraction."
+    d = "Find (3)/(4) * x^2 when x = 5 and the answer is a fraction."
+    kept, dups = dedup(_rows([a, c, b, d]), Dedup(method=method))
+    assert [r["id"] for r in kept] == ["r0", "r1"]
+    assert {(x["id"], x["duplicate_of"], x["method"]) for x in dups} == {("r2", "r0", "exact"), ("r3", "r1", "exact")}
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_reordered_and_reworded_copies_are_near_duplicates(method):
+    a = ("A farmer has 12 cows and 7 horses on his farm near the river. He sells 4 cows at the market on "
+         "Monday. How many animals does the farmer have left on the farm?")
+    b = ("He sells 4 cows at the market on Monday. How many animals does the farmer have left on the farm? "
+         "A farmer has 12 cows and 7 horses on his farm near the river.")
+    c = a.replace("How many", "What number of")
+    kept, dups = dedup(_rows([a, b, c]), Dedup(method=method))
+    assert [r["id"] for r in kept] == ["r0"]
+    assert [(x["duplicate_of"], x["method"]) for x in dups] == [("r0", method)] * 2
+
+
+def test_overlap_score_by_hand():
+    """3-grams, one sentence each: 'alpha beta gamma delta epsilon' -> {abg, bgd, gde}; '... zeta' -> {abg,
+    bgd, gdz}: 2 shared of min(3, 3) -> 2/3 = 0.667: a near duplicate at threshold 0.6, not at 0.7."""
+    a, b = "alpha beta gamma delta epsilon", "alpha beta gamma delta zeta"
+    assert _kept([a, b], "ngram", near_threshold=0.7) == ["r0", "r1"]
+    _, dups = find_duplicates([a, b], Dedup(method="ngram", near_threshold=0.6))
+    assert [(d.row, d.of, d.method, d.score) for d in dups] == [(1, 0, "ngram", 0.667)]
+
+
+def test_boilerplate_cap_counts_rows_not_occurrences():
+    """10 rows share the suffix; limit = max(3, 0.05 * 10) = 3 rows, so its n-grams (in 10 > 3) are
+    boilerplate; 'how many' problems' shared 3-grams in 2 rows are not."""
+    rows = [f"Problem {i}: how many ways are there to pick {i} balls? {SUFFIX}" for i in range(10)]
+    common = boilerplate(rows, 3, frac=0.05, sample=20_000)
+    assert "step by step" in common and "within boxed ." in common
+    assert "how many ways" in common  # in all 10 rows too
+    assert not boilerplate(rows[:3], 3, frac=0.05, sample=20_000)  # 3 rows: nothing is in more than 3
+    two = boilerplate(rows[:2] + [f"Row {i} about trains {i}." for i in range(8)], 3, frac=0.05, sample=20_000)
+    assert "how many ways" not in two
+    assert features("Simplify √50.", 3).numbers != features("Simplify √72.", 3).numbers
+    assert features("Find 2x.", 3).numbers == features("find $2 x$ .", 3).numbers  # digits split from letters
+
+
+@pytest.mark.parametrize("method", METHOD_NAMES)
+def test_an_exact_copy_of_a_near_duplicate_names_the_kept_row(method):
+    a = "Alice walks 5 km to school every day and 5 km back home. How far does she walk in 6 days in total?"
+    b = a.replace("How far", "What distance")
+    kept, dups = dedup(_rows([a, b, b]), Dedup(method=method))
+    assert [r["id"] for r in kept] == ["r0"] and [d["duplicate_of"] for d in dups] == ["r0", "r0"]
+
+
+def test_posting_lists_are_bounded_and_copies_still_found():
+    """2,000 distinct rows sharing one long sentence (not boilerplate at frac 1.0): with max_postings=8 each
+    row meets at most (its n-grams x 8) candidates, and a copy of row 1500 is still found by its own n-grams."""
+    shared = "The same long sentence about a shop that sells red and blue pens to many customers every day"
+    rows = [f"{shared}. Item {i} costs {i} dollars and weighs {i + 7} grams." for i in range(2000)] + [
+        f"{shared}.  item 1500 costs 1500 DOLLARS and weighs 1507 grams ."]
+    _, dups = find_duplicates(rows, Dedup(method="ngram", boilerplate_frac=1.0, max_postings=8))
+    assert [(d.row, d.of) for d in dups] == [(2000, 1500)]
+
+
+def test_auto_method_and_config():
+    assert resolve_method(Dedup(auto_minhash_rows=100), 99) == "ngram"
+    assert resolve_method(Dedup(auto_minhash_rows=100), 100) == "minhash"
+    from posttrain.config import names
+
+    assert names.DEDUP_METHODS == tuple(METHODS)
+    from conftest import repo_params
+
+    raw = repo_params()
+    raw["curate"]["dedup"]["method"] = "simhash"
+    with pytest.raises(ConfigError, match="curate.dedup.method"):
+        parse_params(raw)
+    raw["curate"]["dedup"].update(method="minhash", num_perm=8)
+    with pytest.raises(ConfigError, match="curate.dedup.num_perm"):
+        parse_params(raw)
