@@ -7,9 +7,10 @@ and a machine crash right after a stage cannot leave a renamed-but-empty file.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -91,21 +92,62 @@ PASS_RATE_SCHEMA = pa.schema(
 )
 
 
-def write_parquet(path: str | Path, rows: Sequence[dict[str, Any]], schema: pa.Schema) -> None:
-    table = pa.Table.from_pylist(list(rows), schema=schema)
+BATCH_ROWS = 8192  # rows converted between Python and Arrow at a time (bounds the Python objects alive)
+
+
+def write_parquet(path: str | Path, rows: Iterable[dict[str, Any]], schema: pa.Schema) -> None:
+    """Write ``rows`` (any iterable: a generator streams) as one Parquet file, replaced whole. Rows become
+    Arrow ``BATCH_ROWS`` at a time, so only one batch of them is ever Python objects here; the file's layout is
+    ``pq.write_table``'s (the same bytes as writing the whole table at once)."""
+    batches = [pa.RecordBatch.from_pylist(b, schema=schema) for b in _slices(rows, BATCH_ROWS)]
+    table = pa.Table.from_batches(batches, schema=schema).combine_chunks()
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
 
 
-def read_parquet(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a Parquet file. A missing or unreadable file is a :class:`StageError` naming it (one line)."""
+def _slices(rows: Iterable[dict[str, Any]], n: int) -> Iterator[list[dict[str, Any]]]:
+    it = iter(rows)
+    while chunk := list(itertools.islice(it, n)):
+        yield chunk
+
+
+def parquet_file(path: str | Path) -> pq.ParquetFile:
+    """An open Parquet file (metadata read, no rows). Missing or unreadable: a :class:`StageError` naming it."""
     if not Path(path).is_file():
         raise StageError(f"{path}: not found (has the stage that writes it run? `dvc repro <this stage>` runs "
                          "the upstream stages first)")
     try:
-        return pq.read_table(path).to_pylist()
+        return pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as e:
         raise StageError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0][:200]})") from None
+
+
+def read_columns(path: str | Path, columns: Sequence[str]) -> pa.Table:
+    """``columns`` of a Parquet file as an Arrow table (compact: no Python objects per row). A missing column is
+    a :class:`StageError` naming the file and the columns it lacks."""
+    f = parquet_file(path)
+    missing = sorted(set(columns) - set(f.schema_arrow.names))
+    if missing:
+        raise StageError(f"{path}: missing columns {missing}")
+    return f.read(columns=list(columns))
+
+
+def iter_rows(path: str | Path, columns: Sequence[str] | None = None, batch_rows: int = BATCH_ROWS
+              ) -> Iterator[list[dict[str, Any]]]:
+    """The rows of a Parquet file (only ``columns``; None: all), a record batch of ``batch_rows`` at a time, as
+    lists of dicts: what a stage that streams a dataset converts, one batch alive at a time."""
+    f = parquet_file(path)
+    missing = sorted(set(columns or ()) - set(f.schema_arrow.names))
+    if missing:
+        raise StageError(f"{path}: missing columns {missing}")
+    for batch in f.iter_batches(batch_size=batch_rows, columns=list(columns) if columns else None):
+        yield batch.to_pylist()
+
+
+def read_parquet(path: str | Path) -> list[dict[str, Any]]:
+    """Every row of a (small: one RL step's shard, the pass rates, a test's fixture) Parquet file. Data that
+    scales with the dataset is read with :func:`iter_rows` or :func:`read_columns` instead."""
+    return [r for batch in iter_rows(path) for r in batch]
 
 
 def read_problems(path: str | Path) -> list[Problem]:
