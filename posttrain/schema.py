@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -83,6 +84,10 @@ ROLLOUT_SCHEMA = pa.schema(
 )
 SCORED_SCHEMA = ROLLOUT_SCHEMA.append(pa.field("reward", pa.float32())).append(  # null = unscorable
     pa.field("rewards", pa.string()))  # JSON: each configured reward's value
+# What the reward stage writes: the reward columns only, keyed by (prompt_id, sample) of rollouts.parquet (join
+# there for the completion, tokens and log-probs: ``join_rollouts``).
+REWARD_SCHEMA = pa.schema([("prompt_id", pa.string()), ("sample", pa.int32()),
+                           SCORED_SCHEMA.field("reward"), SCORED_SCHEMA.field("rewards")])
 SHARD_SCHEMA = (SCORED_SCHEMA.append(pa.field("step", pa.int32())).append(pa.field("advantage", pa.float32()))
                 .append(pa.field("used", pa.bool_())))  # used = entered the update (not skipped/unscorable)
 
@@ -103,6 +108,29 @@ def write_parquet(path: str | Path, rows: Iterable[dict[str, Any]], schema: pa.S
     table = pa.Table.from_batches(batches, schema=schema).combine_chunks()
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
+
+
+@contextmanager
+def parquet_sink(path: str | Path, schema: pa.Schema) -> Iterator[Callable[[Sequence[dict[str, Any]]], None]]:
+    """A Parquet file written batch by batch (``pyarrow.parquet.ParquetWriter``), replaced whole when the block
+    ends (``atomic_path``): yields ``write(rows)``, which converts and writes one batch of rows (a row group)."""
+    with atomic_path(path) as tmp, pq.ParquetWriter(tmp, schema) as w:
+        yield lambda rows: w.write_batch(pa.RecordBatch.from_pylist(list(rows), schema=schema))
+
+
+def join_rollouts(rollouts: str | Path, rewards: str | Path, columns: Sequence[str] | None = None) -> pa.Table:
+    """The rollout rows (``columns`` of them, plus the key; None: all) with their reward columns, joined on
+    (prompt_id, sample), in the rollouts' order. An Arrow table: for an audit or a test, not a whole dataset."""
+    cols = list(dict.fromkeys(["prompt_id", "sample", *(columns or ROLLOUT_SCHEMA.names)]))
+    r = read_columns(rollouts, cols)
+    keys = r.select(["prompt_id", "sample"]).append_column("_row", pa.array(range(r.num_rows), pa.int64()))
+    # Acero joins no list columns (token ids, log-probs): join the keys, then take the rollout rows by index
+    j = keys.join(read_columns(rewards, REWARD_SCHEMA.names), ["prompt_id", "sample"], join_type="inner")
+    j = j.sort_by("_row")
+    out = r.take(j.column("_row"))
+    for name in REWARD_SCHEMA.names[2:]:
+        out = out.append_column(REWARD_SCHEMA.field(name), j.column(name))
+    return out
 
 
 def _slices(rows: Iterable[dict[str, Any]], n: int) -> Iterator[list[dict[str, Any]]]:

@@ -23,7 +23,8 @@ class Paths(Section):
     rollout_dir: PathStr = Field(description="rollout stage: rollouts.parquet (G samples per prompt, SFT policy)")
     rollout_checkpoints: PathStr = Field(description="rollout's finished chunks while it runs (a killed run resumes "
                                          "from them); NOT a DVC out, removed once rollouts.parquet is written")
-    reward_dir: PathStr = Field(description="reward stage: scored.parquet, pass_rates.parquet")
+    reward_dir: PathStr = Field(description="reward stage: rewards.parquet (reward columns by prompt_id, sample), "
+                          "pass_rates.parquet")
     reward_report_dir: PathStr = Field(description="reward audit (JSON + Markdown)")
     rl_model: PathStr = Field(description="the RL policy (HF folder)")
     rl_dir: PathStr = Field(description="rl stage data: per-step rollout shards, the selected prompts")
