@@ -178,12 +178,18 @@ def read_parquet(path: str | Path) -> list[dict[str, Any]]:
     return [r for batch in iter_rows(path) for r in batch]
 
 
-def read_problems(path: str | Path) -> list[Problem]:
-    rows = read_parquet(path)
-    missing = set(PROBLEM_SCHEMA.names) - set(rows[0]) if rows else set()
+def read_problems(path: str | Path, limit: int | None = None) -> list[Problem]:
+    """The problems of a curated split (the first ``limit``; None: all), read a record batch at a time up to
+    ``limit``. A file without the problem columns is a ValueError naming the ones it lacks."""
+    missing = set(PROBLEM_SCHEMA.names) - set(parquet_file(path).schema_arrow.names)
     if missing:
         raise ValueError(f"{path}: not a problems file (missing columns {sorted(missing)})")
-    return rows  # type: ignore[return-value]
+    rows: list[dict[str, Any]] = []
+    for batch in iter_rows(path):
+        if limit is not None and len(rows) >= limit:
+            break
+        rows += batch
+    return rows[:limit]  # type: ignore[return-value]
 
 
 def write_json(path: str | Path, obj: Any) -> None:

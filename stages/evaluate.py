@@ -104,7 +104,7 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
     cfg, name = params.evaluate, inputs["name"]
     torch.set_num_threads(params.runtime.generate_threads)
     device = modeling.resolve_device(params.runtime.device)
-    splits: dict[str, list[Problem]] = {"eval": read_problems(inputs["eval"])[: cfg.limit]}
+    splits: dict[str, list[Problem]] = {"eval": read_problems(inputs["eval"], cfg.limit)}
     for b in cfg.benchmarks:
         probs, bad = problems_from(b, MathTask(), params.seed, Validation())
         check_usable(b, len(probs), [x["reason"] for x in bad], cfg.max_unusable_frac, "evaluate.max_unusable_frac")
