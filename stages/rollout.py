@@ -3,7 +3,8 @@
 Inputs: ``paths.curated_dir/train.parquet``; the policy ``paths.sft_model``.
 Outputs: ``paths.rollout_dir/rollouts.parquet`` (``schema.ROLLOUT_SCHEMA``: prompt id, sample index,
 completion, token ids, per-token sampler log-probs, finish reason, the policy's weight digest, sampling
-params and seed), ``metrics/rollout.json`` (samples/s, lengths).
+params and seed), ``metrics/rollout.json`` (lengths over every sample; samples/s and tokens/s of the samples
+this run drew, ``resumed_at_prompt``).
 The prompts are the first ``rollout.num_prompts`` of a seeded shuffle of the training split (null: all of it).
 These pass rates are what ``rl.select`` picks RL's prompts by, so RL's pool is the scored prompts. The same
 ``sample_chunks`` function produces every rollout of the ``rl`` loop (through ``sample_rows``).
@@ -83,7 +84,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     policy = modeling.checkpoint_digest(inputs["policy"])
     partial = PartialParquet(out["checkpoints"], run_key(params, inputs, policy), total, ROLLOUT_SCHEMA)
     start = partial.done()
-    where = f"resuming at prompt {start * per} of {len(order)}" if start else f"prompt 0 of {len(order)}"
+    where = f"resuming at prompt {start * per} of {len(order)}"
     if start:
         log.info("%s (%d of %d chunks on disk in %s)", where, start, total, out["checkpoints"])
     made, made_tokens, t0 = 0, 0, time.time()
@@ -94,8 +95,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
         backend = BACKENDS[cfg.backend](folder, tok, cfg.generate_batch_size, params.vllm_options())
         sp = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens, params.seed)
         chunks = ((c, train.take(order[c * per : (c + 1) * per]).to_pylist()) for c in range(start, total))
-        bar = tqdm(total=len(order) * g, initial=start * per * g, desc=f"rollout ({where})", unit="sample",
-                   disable=not params.runtime.progress)
+        bar = tqdm(total=len(order) * g, initial=start * per * g, desc=f"rollout ({where})" if start else "rollout",
+                   unit="sample", disable=not params.runtime.progress)
         t0 = time.time()
         for c, rows in sample_chunks(backend, tok, chunks, g, sp, policy, bar):
             partial.write(c, rows)
