@@ -172,6 +172,9 @@ def main() -> None:
         assert r["rc"] == 0, (name, r, (pol_root / f"{name}.log").read_text()[-2000:])
     policy = pol_root / "models" / "sft"
     results: list[dict[str, Any]] = []
+    old = json.loads(a.out.read_text()) if a.merge and a.out.exists() else {"results": []}
+    kept = [r for r in old["results"] if r["stage"] not in a.stages]  # --merge: the other stages' earlier results
+    commands = old.get("commands", [])
     for si, n in enumerate(a.sizes):
         order = list(arms) if si % 2 == 0 else list(arms)[::-1]  # alternate which arm goes first
         if "reward" in a.stages:
@@ -209,11 +212,7 @@ def main() -> None:
                 results.append({"stage": name, "arm": arm, "n": n, "rows": rows, **r})
                 print(json.dumps(results[-1]), flush=True)
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in json.loads(a.out.read_text())["results"] if r["stage"] not in a.stages] \
-            if a.merge and a.out.exists() else []
-        old = json.loads(a.out.read_text()) if a.merge and a.out.exists() else {}
-        commands = old.get("commands") or ([old["command"]] if "command" in old else [])
-        a.out.write_text(json.dumps({"commands": [*commands[-3:], " ".join(sys.argv)], "new_tokens": a.new_tokens,
+        a.out.write_text(json.dumps({"commands": [*commands, " ".join(sys.argv)], "new_tokens": a.new_tokens,
                                      "results": kept + results}, indent=1) + "\n")
     print(f"\n{'stage':8} {'arm':7} {'N':>9} {'rows':>9} {'wall s':>8} {'peak RSS MiB':>13} {'rc':>4}")
     for r in results:
