@@ -179,16 +179,16 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     if pc.count_distinct(ids).as_py() != len(ids):
         raise StageError(f"{inputs['rollouts']}: a prompt's samples are not contiguous (the rollout stage writes "
                          "each prompt's samples together; was the file written by another tool?)")
-    a = a.result()
-    write_json(out["report_dir"] / "audit.json", a)
-    write_text(out["report_dir"] / "audit.md", audit_markdown(a))
-    metrics = {k: a[k] for k in ("samples", "unscorable", "unscorable_frac", "reward_mean", "prompts",
-                                 "pass_rate_mean", "never_solved", "always_solved")}
+    res = a.result()
+    write_json(out["report_dir"] / "audit.json", res)
+    write_text(out["report_dir"] / "audit.md", audit_markdown(res))
+    metrics = {k: res[k] for k in ("samples", "unscorable", "unscorable_frac", "reward_mean", "prompts",
+                                   "pass_rate_mean", "never_solved", "always_solved")}
     write_json(out["metrics"], metrics)
-    log.info("mean reward %s, mean pass rate %s, unscorable %d", a["reward_mean"], a["pass_rate_mean"],
-             a["unscorable"])
-    if a["unscorable_frac"] > cfg.max_unscorable_frac:
-        raise StageError(f"unscorable share {a['unscorable_frac']:.3f} > reward.max_unscorable_frac="
+    log.info("mean reward %s, mean pass rate %s, unscorable %d", res["reward_mean"], res["pass_rate_mean"],
+             res["unscorable"])
+    if res["unscorable_frac"] > cfg.max_unscorable_frac:
+        raise StageError(f"unscorable share {res['unscorable_frac']:.3f} > reward.max_unscorable_frac="
                          f"{cfg.max_unscorable_frac} (see {out['report_dir'] / 'audit.md'})")
     return metrics
 
