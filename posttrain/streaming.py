@@ -1,7 +1,7 @@
 """A stage's output written chunk by chunk, resumable after a kill: :class:`PartialParquet`.
 
-A long generating stage (rollout: G samples of 10^5-10^6 prompts) writes each finished chunk as its own
-Parquet part (``part-<chunk>.parquet``, atomically: a part that exists is complete) in a *partial* folder
+A long generating stage (rollout: G samples of 10^5-10^6 prompts) writes its finished chunks as Parquet parts
+(``part-<first chunk>-<end chunk>.parquet``, atomically: a part that exists is complete) in a *partial* folder
 beside a ``cursor.json`` naming what the parts belong to (the run's key: params, input digests, code
 format). The parts are the cursor: a re-run with the same key skips the chunks ``0 .. done-1`` already on disk
 and continues at chunk ``done``; a re-run with another key starts over (one log line names what changed).
@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from posttrain.outputs import atomic_path
 log = logging.getLogger("posttrain.streaming")
 
 ROW_GROUP_ROWS = 8192  # rows per row group of an assembled file (bounds a reader's batch, too)
-FORMAT = 1  # the part/cursor layout; bump when it changes (an old partial run then starts over)
+FORMAT = 2  # the part/cursor layout; bump when it changes (an old partial run then starts over)
 CURSOR = "cursor.json"
 
 
@@ -44,12 +45,20 @@ class PartialParquet:
     """The finished chunks of one run of a chunked stage, in ``folder``.
 
     ``key``: what the chunks depend on, by name (``{"params": ..., "train": <digest>, "policy": <digest>}``);
-    ``total``: the number of chunks the run writes. Opening with another key (or total, or format) removes
+    ``total``: the number of chunks the run writes. Chunks are buffered and written together as one part once
+    ``flush_rows`` rows are buffered or ``flush_seconds`` have passed since the buffer's first chunk (0: a part per
+    chunk): a kill loses at most that much sampling, and a fast sampler does not pay a file per chunk. Opening
+    with another key (or total, or format) removes
     the parts of the other run first and logs which entries changed.
     """
 
-    def __init__(self, folder: str | Path, key: dict[str, str], total: int, schema: pa.Schema) -> None:
+    def __init__(self, folder: str | Path, key: dict[str, str], total: int, schema: pa.Schema,
+                 flush_rows: int = ROW_GROUP_ROWS, flush_seconds: float = 0.0) -> None:
         self.folder, self.total, self.schema = Path(folder), total, schema
+        self.flush_rows, self.flush_seconds = flush_rows, flush_seconds
+        self._buf: list[pa.Table] = []
+        self._rows = self._first = self._next = 0
+        self._since = 0.0
         self.key = {**key, "format": str(FORMAT), "schema": schema.to_string(), "total": str(total)}
         old = self._read_cursor()
         if old is not None and old != self.key:
@@ -71,29 +80,55 @@ class PartialParquet:
         except (OSError, ValueError):
             return {}  # unreadable: another configuration, as far as resuming goes
 
-    def part(self, c: int) -> Path:
-        return self.folder / f"part-{c:07d}.parquet"
+    def part(self, c0: int, c1: int) -> Path:
+        """The part holding chunks ``c0 .. c1-1``."""
+        return self.folder / f"part-{c0:07d}-{c1:07d}.parquet"
+
+    def _parts(self) -> list[tuple[int, int]]:
+        """The (first, end) chunk ranges of the parts that continue each other from chunk 0."""
+        ends: dict[int, int] = {}
+        for f in self.folder.glob("part-*-*.parquet"):
+            c0, c1 = (int(x) for x in f.stem.split("-")[1:])
+            ends[c0] = max(c1, ends.get(c0, c1))
+        out, c = [], 0
+        while c in ends and c < self.total:
+            out.append((c, ends[c]))
+            c = ends[c]
+        return out
 
     def done(self) -> int:
-        """Chunks ``0 .. done()-1`` are on disk (the first missing part is where the run continues)."""
-        c = 0
-        while c < self.total and self.part(c).is_file():
-            c += 1
-        return c
+        """Chunks ``0 .. done()-1`` are on disk (the first missing chunk is where the run continues)."""
+        parts = self._parts()
+        return min(parts[-1][1], self.total) if parts else 0
 
     def write(self, c: int, rows: Sequence[dict[str, Any]]) -> None:
-        """Write chunk ``c``'s rows as its part (atomically: written in full, fsynced, renamed)."""
-        table = pa.Table.from_pylist(list(rows), schema=self.schema)
-        with atomic_path(self.part(c), now=True) as tmp:
-            pq.write_table(table, tmp)
+        """Chunk ``c``'s rows: buffered, and written as a part (with the chunks buffered before it) once the
+        buffer holds ``flush_rows`` rows or ``flush_seconds`` have passed since the last part."""
+        if self._buf and c != self._next:
+            self.flush()
+        if not self._buf:
+            self._first, self._since = c, time.monotonic()
+        self._buf.append(pa.Table.from_pylist(list(rows), schema=self.schema))
+        self._rows, self._next = self._rows + len(rows), c + 1
+        if self._rows >= self.flush_rows or time.monotonic() - self._since >= self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered chunks as one part (atomically: written in full, fsynced, renamed)."""
+        if not self._buf:
+            return
+        with atomic_path(self.part(self._first, self._next), now=True) as tmp:
+            pq.write_table(pa.concat_tables(self._buf), tmp)
+        self._buf, self._rows = [], 0
 
     def batches(self, columns: Sequence[str] | None = None) -> Iterator[pa.RecordBatch]:
         """The finished chunks' rows, in chunk order, as record batches."""
-        for c in range(self.done()):
-            yield from pq.ParquetFile(self.part(c)).iter_batches(columns=columns)
+        for c0, c1 in self._parts():
+            yield from pq.ParquetFile(self.part(c0, c1)).iter_batches(columns=columns)
 
     def assemble(self, path: str | Path) -> int:
         """Stream every part into ``path`` (replaced whole; inside an output set, with the set). Returns rows."""
+        self.flush()
         if self.done() < self.total:
             raise RuntimeError(f"{self.folder}: {self.done()} of {self.total} chunks written; cannot assemble")
         n = 0

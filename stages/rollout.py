@@ -10,9 +10,10 @@ These pass rates are what ``rl.select`` picks RL's prompts by, so RL's pool is t
 ``sample_chunks`` function produces every rollout of the ``rl`` loop (through ``sample_rows``).
 
 Streaming and resume: prompts go in chunks of ``generate_batch_size // samples_per_prompt``; each finished chunk
-is written at once as a Parquet part under ``paths.rollout_checkpoints`` (``streaming.PartialParquet``; not a DVC
-out), so memory holds one chunk of rows whatever the number of prompts, and a killed run, re-run, continues at
-the first missing chunk ("resuming at prompt N of M"). Chunk ``c`` is seeded by its index, so the rows are the
+goes into a Parquet part under ``paths.rollout_checkpoints`` (``streaming.PartialParquet``; not a DVC out),
+written every ``rollout.checkpoint_every_s`` seconds or 8,192 rows, so memory holds one chunk of Python rows and
+at most 8,192 rows in Arrow whatever the number of prompts, and a killed run, re-run, continues at the first
+missing chunk ("resuming at prompt N of M"). Chunk ``c`` is seeded by its index, so the rows are the
 same as an uninterrupted run's. The parts belong to one configuration (rollout params, seed, model dtype,
 sampler, the train split's and the policy folder's digests): another one starts over, with a log line naming
 what changed. When every chunk is on disk the parts are streamed into ``rollouts.parquet`` (replaced whole, with
@@ -82,7 +83,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     per = max(1, cfg.generate_batch_size // g)  # prompts per chunk
     total = math.ceil(len(order) / per)
     policy = modeling.checkpoint_digest(inputs["policy"])
-    partial = PartialParquet(out["checkpoints"], run_key(params, inputs, policy), total, ROLLOUT_SCHEMA)
+    partial = PartialParquet(out["checkpoints"], run_key(params, inputs, policy), total, ROLLOUT_SCHEMA,
+                             flush_seconds=cfg.checkpoint_every_s)
     start = partial.done()
     where = f"resuming at prompt {start * per} of {len(order)}"
     if start:
@@ -98,10 +100,12 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
         bar = tqdm(total=len(order) * g, initial=start * per * g, desc=f"rollout ({where})" if start else "rollout",
                    unit="sample", disable=not params.runtime.progress)
         t0 = time.time()
-        for c, rows in sample_chunks(backend, tok, chunks, g, sp, policy, bar):
-            partial.write(c, rows)
-            made, made_tokens = made + len(rows), made_tokens + sum(len(r["token_ids"]) for r in rows)
-            log.debug("chunk %d of %d on disk", c + 1, total)
+        try:
+            for c, rows in sample_chunks(backend, tok, chunks, g, sp, policy, bar):
+                partial.write(c, rows)
+                made, made_tokens = made + len(rows), made_tokens + sum(len(r["token_ids"]) for r in rows)
+        finally:  # an error (not a kill) keeps what was sampled
+            partial.flush()
         bar.close()
     seconds = max(time.time() - t0, 1e-9)
     samples = partial.assemble(out["rollouts"])

@@ -31,6 +31,23 @@ def test_done_counts_the_contiguous_parts_from_chunk_0(tmp_path):
     assert PartialParquet(tmp_path / "part", KEY, 4, SCHEMA).done() == 3  # reopened with the same key: kept
 
 
+def test_chunks_are_buffered_into_parts_of_flush_rows_and_a_kill_loses_only_the_buffer(tmp_path):
+    w = PartialParquet(tmp_path / "part", KEY, 5, SCHEMA, flush_rows=6, flush_seconds=3600)
+    for c in range(3):
+        w.write(c, _rows(c))  # 3 rows each: a part every 2 chunks
+    assert sorted(f.name for f in (tmp_path / "part").glob("part-*")) == ["part-0000000-0000002.parquet"]
+    assert w.done() == 2  # chunk 2 is in memory only: a kill now loses it
+    w2 = PartialParquet(tmp_path / "part", KEY, 5, SCHEMA, flush_rows=6, flush_seconds=3600)  # the re-run
+    assert w2.done() == 2
+    for c in range(2, 5):
+        w2.write(c, _rows(c))
+    w2.assemble(tmp_path / "out.parquet")  # flushes the last, partial, buffer first
+    assert pq.read_table(tmp_path / "out.parquet").to_pylist() == [r for c in range(5) for r in _rows(c)]
+    w3 = PartialParquet(tmp_path / "t", KEY, 3, SCHEMA, flush_rows=10**6, flush_seconds=0)  # 0 s: every chunk
+    w3.write(0, _rows(0))
+    assert w3.done() == 1
+
+
 def test_another_key_starts_over_and_names_what_changed(tmp_path, caplog):
     w = PartialParquet(tmp_path / "part", KEY, 4, SCHEMA)
     w.write(0, _rows(0))
@@ -48,7 +65,7 @@ def test_another_key_starts_over_and_names_what_changed(tmp_path, caplog):
 
 def test_a_folder_without_a_cursor_is_not_resumed(tmp_path):
     (tmp_path / "part").mkdir()
-    pq.write_table(pa.Table.from_pylist(_rows(0), schema=SCHEMA), tmp_path / "part" / "part-0000000.parquet")
+    pq.write_table(pa.Table.from_pylist(_rows(0), schema=SCHEMA), tmp_path / "part" / "part-0000000-0000001.parquet")
     assert PartialParquet(tmp_path / "part", KEY, 2, SCHEMA).done() == 0
 
 
@@ -91,7 +108,8 @@ def test_rollout_stage_resumes_after_a_crash_and_starts_over_on_another_config(t
     from posttrain.config import parse_params
     from stages import curate, rollout, sft
 
-    tiny["rollout"].update({"num_prompts": 12, "samples_per_prompt": 2, "generate_batch_size": 4})  # 6 chunks
+    tiny["rollout"].update({"num_prompts": 12, "samples_per_prompt": 2, "generate_batch_size": 4,  # 6 chunks
+                            "checkpoint_every_s": 0})  # a part per chunk
     p = parse_params(tiny)
     curate.run(p, *curate.paths(p))
     sft.run(p, *sft.paths(p))
