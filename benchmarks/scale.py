@@ -8,9 +8,9 @@ alternating the arms' order from size to size on this noisy machine:
   theirs), every prompt of curate's train split, 1 sample each, ``--new-tokens`` new tokens (sizes up to
   ``--rollout-max``);
 - rollout_io: the rollout stage's data path alone, without the model: N synthetic completions in chunks of 256
-  rows, kept in a list and written at the end (before: the old stage) or written per chunk as parts and assembled
-  (after: ``streaming.PartialParquet``), so the data path's memory is measured at sizes the model cannot reach
-  on CPU;
+  rows, kept in a list and written at the end (before: the old stage) or buffered into parts and assembled
+  (after: ``streaming.PartialParquet`` as the stage runs it by default: a part every 30 s or 8,192 rows), so the
+  data path's memory is measured at sizes the model cannot reach on CPU;
 - reward: N synthetic rollouts (one per prompt, 12-16 tokens, half correct), written once per size and shared by
   the arms, so reward scales past what rollout reaches on CPU.
 
@@ -128,7 +128,8 @@ if arm == "before":  # the old rollout stage: every row in one list, one write a
     write_parquet(folder + "/rollouts.parquet", rows, ROLLOUT_SCHEMA)
 else:
     from posttrain.streaming import PartialParquet
-    part = PartialParquet(folder + "/partial", {{"params": "x"}}, (n + 255) // 256, ROLLOUT_SCHEMA)
+    part = PartialParquet(folder + "/partial", {{"params": "x"}}, (n + 255) // 256, ROLLOUT_SCHEMA,
+                          flush_seconds=30.0)  # rollout.checkpoint_every_s's default
     for c, chunk in chunks:
         part.write(c, chunk)
     part.assemble(folder + "/rollouts.parquet")
