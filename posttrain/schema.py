@@ -7,9 +7,11 @@ and a machine crash right after a stage cannot leave a renamed-but-empty file.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -82,6 +84,10 @@ ROLLOUT_SCHEMA = pa.schema(
 )
 SCORED_SCHEMA = ROLLOUT_SCHEMA.append(pa.field("reward", pa.float32())).append(  # null = unscorable
     pa.field("rewards", pa.string()))  # JSON: each configured reward's value
+# What the reward stage writes: the reward columns only, keyed by (prompt_id, sample) of rollouts.parquet (join
+# there for the completion, tokens and log-probs: ``join_rollouts``).
+REWARD_SCHEMA = pa.schema([("prompt_id", pa.string()), ("sample", pa.int32()),
+                           SCORED_SCHEMA.field("reward"), SCORED_SCHEMA.field("rewards")])
 SHARD_SCHEMA = (SCORED_SCHEMA.append(pa.field("step", pa.int32())).append(pa.field("advantage", pa.float32()))
                 .append(pa.field("used", pa.bool_())))  # used = entered the update (not skipped/unscorable)
 
@@ -91,29 +97,99 @@ PASS_RATE_SCHEMA = pa.schema(
 )
 
 
-def write_parquet(path: str | Path, rows: Sequence[dict[str, Any]], schema: pa.Schema) -> None:
-    table = pa.Table.from_pylist(list(rows), schema=schema)
+BATCH_ROWS = 8192  # rows converted between Python and Arrow at a time (bounds the Python objects alive)
+
+
+def write_parquet(path: str | Path, rows: Iterable[dict[str, Any]], schema: pa.Schema) -> None:
+    """Write ``rows`` (any iterable: a generator streams) as one Parquet file, replaced whole. Rows become
+    Arrow ``BATCH_ROWS`` at a time, so only one batch of them is ever Python objects here; the file's layout is
+    ``pq.write_table``'s (the same bytes as writing the whole table at once)."""
+    batches = [pa.RecordBatch.from_pylist(b, schema=schema) for b in _slices(rows, BATCH_ROWS)]
+    table = pa.Table.from_batches(batches, schema=schema).combine_chunks()
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
 
 
-def read_parquet(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a Parquet file. A missing or unreadable file is a :class:`StageError` naming it (one line)."""
+@contextmanager
+def parquet_sink(path: str | Path, schema: pa.Schema) -> Iterator[Callable[[Sequence[dict[str, Any]]], None]]:
+    """A Parquet file written batch by batch (``pyarrow.parquet.ParquetWriter``), replaced whole when the block
+    ends (``atomic_path``): yields ``write(rows)``, which converts and writes one batch of rows (a row group)."""
+    with atomic_path(path) as tmp, pq.ParquetWriter(tmp, schema) as w:
+        yield lambda rows: w.write_batch(pa.RecordBatch.from_pylist(list(rows), schema=schema))
+
+
+def join_rollouts(rollouts: str | Path, rewards: str | Path, columns: Sequence[str] | None = None) -> pa.Table:
+    """The rollout rows (``columns`` of them, plus the key; None: all) with their reward columns, joined on
+    (prompt_id, sample), in the rollouts' order. An Arrow table: for an audit or a test, not a whole dataset."""
+    cols = list(dict.fromkeys(["prompt_id", "sample", *(columns or ROLLOUT_SCHEMA.names)]))
+    r = read_columns(rollouts, cols)
+    keys = r.select(["prompt_id", "sample"]).append_column("_row", pa.array(range(r.num_rows), pa.int64()))
+    # Acero joins no list columns (token ids, log-probs): join the keys, then take the rollout rows by index
+    j = keys.join(read_columns(rewards, REWARD_SCHEMA.names), ["prompt_id", "sample"], join_type="inner")
+    j = j.sort_by("_row")
+    out = r.take(j.column("_row"))
+    for name in REWARD_SCHEMA.names[2:]:
+        out = out.append_column(REWARD_SCHEMA.field(name), j.column(name))
+    return out
+
+
+def _slices(rows: Iterable[dict[str, Any]], n: int) -> Iterator[list[dict[str, Any]]]:
+    it = iter(rows)
+    while chunk := list(itertools.islice(it, n)):
+        yield chunk
+
+
+def parquet_file(path: str | Path) -> pq.ParquetFile:
+    """An open Parquet file (metadata read, no rows). Missing or unreadable: a :class:`StageError` naming it."""
     if not Path(path).is_file():
         raise StageError(f"{path}: not found (has the stage that writes it run? `dvc repro <this stage>` runs "
                          "the upstream stages first)")
     try:
-        return pq.read_table(path).to_pylist()
+        return pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as e:
         raise StageError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0][:200]})") from None
 
 
-def read_problems(path: str | Path) -> list[Problem]:
-    rows = read_parquet(path)
-    missing = set(PROBLEM_SCHEMA.names) - set(rows[0]) if rows else set()
+def read_columns(path: str | Path, columns: Sequence[str]) -> pa.Table:
+    """``columns`` of a Parquet file as an Arrow table (compact: no Python objects per row). A missing column is
+    a :class:`StageError` naming the file and the columns it lacks."""
+    f = parquet_file(path)
+    missing = sorted(set(columns) - set(f.schema_arrow.names))
+    if missing:
+        raise StageError(f"{path}: missing columns {missing}")
+    return f.read(columns=list(columns))
+
+
+def iter_rows(path: str | Path, columns: Sequence[str] | None = None, batch_rows: int = BATCH_ROWS
+              ) -> Iterator[list[dict[str, Any]]]:
+    """The rows of a Parquet file (only ``columns``; None: all), a record batch of ``batch_rows`` at a time, as
+    lists of dicts: what a stage that streams a dataset converts, one batch alive at a time."""
+    f = parquet_file(path)
+    missing = sorted(set(columns or ()) - set(f.schema_arrow.names))
+    if missing:
+        raise StageError(f"{path}: missing columns {missing}")
+    for batch in f.iter_batches(batch_size=batch_rows, columns=list(columns) if columns else None):
+        yield batch.to_pylist()
+
+
+def read_parquet(path: str | Path) -> list[dict[str, Any]]:
+    """Every row of a (small: one RL step's shard, the pass rates, a test's fixture) Parquet file. Data that
+    scales with the dataset is read with :func:`iter_rows` or :func:`read_columns` instead."""
+    return [r for batch in iter_rows(path) for r in batch]
+
+
+def read_problems(path: str | Path, limit: int | None = None) -> list[Problem]:
+    """The problems of a curated split (the first ``limit``; None: all), read a record batch at a time up to
+    ``limit``. A file without the problem columns is a ValueError naming the ones it lacks."""
+    missing = set(PROBLEM_SCHEMA.names) - set(parquet_file(path).schema_arrow.names)
     if missing:
         raise ValueError(f"{path}: not a problems file (missing columns {sorted(missing)})")
-    return rows  # type: ignore[return-value]
+    rows: list[dict[str, Any]] = []
+    for batch in iter_rows(path):
+        if limit is not None and len(rows) >= limit:
+            break
+        rows += batch
+    return rows[:limit]  # type: ignore[return-value]
 
 
 def write_json(path: str | Path, obj: Any) -> None:

@@ -17,6 +17,10 @@ disjoint blocks of k samples), mean completion length and the share cut at ``max
 intervals over problems). A problem whose gold answer cannot be parsed is unscorable: counted, and left out
 of every denominator (never counted correct).
 
+Memory: ``generations.parquet`` is written split by split (``schema.parquet_sink``), so only one split's
+completions are alive at a time; a split is generated in one backend call (the backends seed by position in the
+call: splitting it would change the samples, and the metrics).
+
 Run: ``dvc repro evaluate@sft`` (or ``dvc repro report`` for all) or
 ``python -m stages.evaluate --model sft [--params params.yaml]``.
 """
@@ -39,7 +43,7 @@ from posttrain.config import ConfigError, MathTask, Params, Validation
 from posttrain.outputs import as_one_set
 from posttrain.rollout import BACKENDS, Completion, ModelFolder, SamplingParams, chat_prompt_ids, generator
 from posttrain.runner import model_arg, stage_main
-from posttrain.schema import GENERATION_SCHEMA, Problem, read_problems, write_json, write_parquet
+from posttrain.schema import BATCH_ROWS, GENERATION_SCHEMA, Problem, parquet_sink, read_problems, write_json
 from posttrain.sources import check_usable, problems_from
 from posttrain.tasks import get_task
 
@@ -100,7 +104,7 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
     cfg, name = params.evaluate, inputs["name"]
     torch.set_num_threads(params.runtime.generate_threads)
     device = modeling.resolve_device(params.runtime.device)
-    splits: dict[str, list[Problem]] = {"eval": read_problems(inputs["eval"])[: cfg.limit]}
+    splits: dict[str, list[Problem]] = {"eval": read_problems(inputs["eval"], cfg.limit)}
     for b in cfg.benchmarks:
         probs, bad = problems_from(b, MathTask(), params.seed, Validation())
         check_usable(b, len(probs), [x["reason"] for x in bad], cfg.max_unusable_frac, "evaluate.max_unusable_frac")
@@ -113,36 +117,37 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
                                params.seed)
     results: dict[str, dict[str, Any]] = {}
     per_problem: dict[str, dict[str, dict[str, Any]]] = {s: {} for s in splits}  # split -> problem id -> metrics
-    gen_rows: list[dict[str, Any]] = []
     tok = modeling.load_tokenizer(str(inputs["model"]))
     model = ModelFolder(str(inputs["model"]), params.model.dtype, device)  # each backend loads it its own way
     backend = BACKENDS[cfg.backend](model, tok, cfg.generate_batch_size, params.vllm_options())
-    for split, probs in tqdm(splits.items(), desc=f"evaluate {name}", disable=not params.runtime.progress):
-        t0 = time.time()
-        ids = chat_prompt_ids(tok, [p["prompt"] for p in probs])
-        greedy = backend.generate(ids, 1, greedy_sp)
-        n_s = len(ids) if cfg.sample_prompts is None else min(cfg.sample_prompts, len(ids))
-        samples = backend.generate(ids[:n_s], cfg.samples_per_prompt, sample_sp) + [[]] * (len(ids) - n_s)
-        per, unscorable = [], 0
-        for p, g, ss in zip(probs, greedy, samples, strict=True):
-            row, verdicts = score_problem(p, g[0], ss, cfg.ks)
-            if row is None:
-                unscorable += 1
-            else:
-                per.append(row)
-                per_problem[split][p["id"]] = row
-            for j, (c, (ext, ok)) in enumerate(zip([g[0], *ss], verdicts, strict=True)):
-                gen_rows.append({"model": name, "split": split, "id": p["id"], "mode": "greedy" if j == 0
-                                 else "sample", "sample": max(j - 1, 0), "completion": c.text,
-                                 "num_tokens": len(c.token_ids), "finish_reason": c.finish_reason,
-                                 "extracted": ext, "correct": ok})
-        results[split] = summarize(per, unscorable, cfg.bootstrap, params.seed)
-        results[split]["seconds"] = round(time.time() - t0, 1)
-        results[split]["generator"] = generator(cfg.backend)
-        r = results[split]
-        log.info("%s/%s: greedy %.3f pass@1 %.3f (n=%d, %.1fs)", name, split, r.get("greedy", float("nan")),
-                 r.get("pass@1", float("nan")), r["n"], r["seconds"])
-    write_parquet(out["dir"] / "generations.parquet", gen_rows, GENERATION_SCHEMA)
+    with parquet_sink(out["dir"] / "generations.parquet", GENERATION_SCHEMA) as write:
+        for split, probs in tqdm(splits.items(), desc=f"evaluate {name}", disable=not params.runtime.progress):
+            t0 = time.time()
+            ids = chat_prompt_ids(tok, [p["prompt"] for p in probs])
+            greedy = backend.generate(ids, 1, greedy_sp)
+            n_s = len(ids) if cfg.sample_prompts is None else min(cfg.sample_prompts, len(ids))
+            samples = backend.generate(ids[:n_s], cfg.samples_per_prompt, sample_sp) + [[]] * (len(ids) - n_s)
+            per, unscorable, gen_rows = [], 0, []
+            for p, g, ss in zip(probs, greedy, samples, strict=True):
+                row, verdicts = score_problem(p, g[0], ss, cfg.ks)
+                if row is None:
+                    unscorable += 1
+                else:
+                    per.append(row)
+                    per_problem[split][p["id"]] = row
+                for j, (c, (ext, ok)) in enumerate(zip([g[0], *ss], verdicts, strict=True)):
+                    gen_rows.append({"model": name, "split": split, "id": p["id"], "mode": "greedy" if j == 0
+                                     else "sample", "sample": max(j - 1, 0), "completion": c.text,
+                                     "num_tokens": len(c.token_ids), "finish_reason": c.finish_reason,
+                                     "extracted": ext, "correct": ok})
+            for i in range(0, len(gen_rows), BATCH_ROWS):  # this split's completions, then they are dropped
+                write(gen_rows[i : i + BATCH_ROWS])
+            results[split] = summarize(per, unscorable, cfg.bootstrap, params.seed)
+            results[split]["seconds"] = round(time.time() - t0, 1)
+            results[split]["generator"] = generator(cfg.backend)
+            r = results[split]
+            log.info("%s/%s: greedy %.3f pass@1 %.3f (n=%d, %.1fs)", name, split, r.get("greedy", float("nan")),
+                     r.get("pass@1", float("nan")), r["n"], r["seconds"])
     write_json(out["dir"] / "per_problem.json", per_problem)
     write_json(out["dir"] / "summary.json", results)
     write_json(out["metrics"], results)

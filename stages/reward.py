@@ -1,12 +1,20 @@
 """reward: label rollouts with the configured rewards; per-prompt pass rates; a reward audit.
 
-Inputs: ``paths.rollout_dir/rollouts.parquet``; ``reward.rewards`` (nested specs, REWARDS registry).
-Outputs: ``paths.reward_dir/scored.parquet`` (rollouts + ``reward``, null when unscorable, and each
-component as JSON), ``paths.reward_dir/pass_rates.parquet`` (per prompt: samples, scorable, correct,
+Inputs: ``paths.rollout_dir/rollouts.parquet`` (only the columns scoring reads, a record batch at a time);
+``reward.rewards`` (nested specs, REWARDS registry).
+Outputs: ``paths.reward_dir/rewards.parquet`` (``schema.REWARD_SCHEMA``: the reward columns only, keyed by
+(prompt_id, sample) of the rollouts: ``reward``, null when unscorable, and each component as JSON; join the
+rollouts for completions, tokens or log-probs: ``schema.join_rollouts``),
+``paths.reward_dir/pass_rates.parquet`` (per prompt: samples, scorable, correct,
 pass rate, mean reward: what ``rl`` selects its prompts from), ``paths.reward_report_dir/audit.{json,md}``
 (reward distribution, unscorable share, per-component means, pass-rate histogram, example completions per
 reward bucket) and ``metrics/reward.json``. Fails (after writing everything) when the unscorable share
 exceeds ``reward.max_unscorable_frac``.
+
+Streaming: rollouts are read in record batches (``schema.BATCH_ROWS`` rows), each batch scored by one
+``score_rows`` call and its reward columns written at once (``ParquetWriter``); a prompt's pass rate is written
+when its group of samples ends (the rollout stage writes each prompt's samples together: a prompt met twice is
+an error). Memory: one batch of rows, the audit's counters and examples, and a float per sample and prompt.
 
 Run: ``dvc repro reward`` or ``python -m stages.reward [--params params.yaml]``.
 """
@@ -16,56 +24,100 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from posttrain.config import Params
 from posttrain.errors import StageError
 from posttrain.outputs import as_one_set
 from posttrain.rewards import ERROR_KEY, RewardPool, pass_rates, score_rows
 from posttrain.runner import stage_main
-from posttrain.schema import PASS_RATE_SCHEMA, SCORED_SCHEMA, read_parquet, write_json, write_parquet, write_text
+from posttrain.schema import (
+    BATCH_ROWS,
+    PASS_RATE_SCHEMA,
+    REWARD_SCHEMA,
+    iter_rows,
+    parquet_sink,
+    write_json,
+    write_text,
+)
 from posttrain.tasks import get_task
 
 log = logging.getLogger("reward")
 
 
+class Audit:
+    """The reward audit, accumulated a batch of scored rows (``add``) and a batch of pass rates (``add_rates``)
+    at a time; ``result()`` is the JSON behind audit.md. Holds counters, the first examples per bucket and one
+    float per sample / prompt (numpy), never the rows."""
+
+    def __init__(self, n_examples: int) -> None:
+        self.n_examples, self.samples, self.n_prompts = n_examples, 0, 0
+        self.scorable: list[np.ndarray] = []
+        self.buckets: Counter[str] = Counter()
+        self.guards: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()  # why samples could not be scored (timeout, dead worker, raised)
+        self.comps: dict[str, list[np.ndarray]] = {}
+        self.examples: dict[str, list[dict[str, str]]] = {}
+        self.rates: list[np.ndarray] = []
+        self.hist: Counter[str] = Counter()
+
+    def add(self, scored: Sequence[dict[str, Any]]) -> None:
+        rewards = [r["reward"] for r in scored]
+        self.samples += len(rewards)
+        self.scorable.append(np.array([x for x in rewards if x is not None], dtype=np.float64))
+        self.buckets.update("unscorable" if x is None else f"{x:.2f}" for x in rewards)
+        comps: dict[str, list[float]] = {}
+        for r in scored:
+            parts = json.loads(r["rewards"])
+            if (e := parts.get(ERROR_KEY)) is not None:
+                self.errors[e] += 1
+            for k, v in parts.items():
+                if v is not None and k != ERROR_KEY:
+                    comps.setdefault(k, []).append(v)
+        for k, v in comps.items():
+            self.comps.setdefault(k, []).append(np.array(v, dtype=np.float64))
+        for r in scored:
+            key = "unscorable" if r["reward"] is None else f"{r['reward']:.2f}"
+            if len(self.examples.setdefault(key, [])) < self.n_examples:
+                self.examples[key].append({"prompt_id": r["prompt_id"], "prompt": r["prompt"], "answer": r["answer"],
+                                           "completion": r["completion"], "rewards": r["rewards"]})
+        # the verifiers' guards: completions refused before any equivalence check (hedges, several answers, ...)
+        self.guards.update(g for r in scored if (g := get_task(r["task"]).guard(r["completion"])) is not None)
+
+    def add_rates(self, rates: Sequence[dict[str, Any]]) -> None:
+        self.n_prompts += len(rates)
+        pr = [x["pass_rate"] for x in rates if x["pass_rate"] is not None]
+        self.rates.append(np.array(pr, dtype=np.float64))
+        self.hist.update(f"{x:.3f}" for x in pr)
+
+    def result(self) -> dict[str, Any]:
+        scorable, pr = np.concatenate([np.zeros(0), *self.scorable]), np.concatenate([np.zeros(0), *self.rates])
+        return {
+            "samples": self.samples, "unscorable": self.samples - len(scorable),
+            "unscorable_frac": (self.samples - len(scorable)) / max(self.samples, 1),
+            "reward_mean": float(np.mean(scorable)) if len(scorable) else None,
+            "reward_buckets": dict(sorted(self.buckets.items())),
+            "component_means": {k: float(np.mean(np.concatenate(v))) for k, v in self.comps.items()},
+            "prompts": self.n_prompts, "pass_rate_mean": float(np.mean(pr)) if len(pr) else None,
+            "pass_rate_histogram": dict(sorted(self.hist.items())),
+            "never_solved": int(np.sum(pr == 0)), "always_solved": int(np.sum(pr == 1)),
+            "guards": dict(sorted(self.guards.items())), "examples": self.examples,
+            **({"errors": dict(sorted(self.errors.items()))} if self.errors else {}),  # (absent when none)
+        }
+
+
 def audit(scored: list[dict[str, Any]], rates: list[dict[str, Any]], n_examples: int) -> dict[str, Any]:
-    """Distribution and examples of the rewards (the JSON behind audit.md)."""
-    rewards = [r["reward"] for r in scored]
-    scorable = [x for x in rewards if x is not None]
-    buckets = Counter("unscorable" if x is None else f"{x:.2f}" for x in rewards)
-    comps: dict[str, list[float]] = {}
-    for r in scored:
-        for k, v in json.loads(r["rewards"]).items():
-            if v is not None and k != ERROR_KEY:
-                comps.setdefault(k, []).append(v)
-    examples: dict[str, list[dict[str, str]]] = {}
-    for r in scored:
-        key = "unscorable" if r["reward"] is None else f"{r['reward']:.2f}"
-        if len(examples.setdefault(key, [])) < n_examples:
-            examples[key].append({"prompt_id": r["prompt_id"], "prompt": r["prompt"], "answer": r["answer"],
-                                  "completion": r["completion"], "rewards": r["rewards"]})
-    pr = [x["pass_rate"] for x in rates if x["pass_rate"] is not None]
-    hist = Counter(f"{x:.3f}" for x in pr)
-    # the verifiers' guards: completions refused before any equivalence check (hedges, several answers, ...)
-    # samples a reward function, a timeout or a dead worker could not score (the error's reason: never a reward)
-    errors = Counter(e for r in scored if (e := json.loads(r["rewards"]).get(ERROR_KEY)) is not None)
-    guards = Counter(g for r in scored if (g := get_task(r["task"]).guard(r["completion"])) is not None)
-    return {
-        "samples": len(rewards), "unscorable": len(rewards) - len(scorable),
-        "unscorable_frac": (len(rewards) - len(scorable)) / max(len(rewards), 1),
-        "reward_mean": float(np.mean(scorable)) if scorable else None,
-        "reward_buckets": dict(sorted(buckets.items())),
-        "component_means": {k: float(np.mean(v)) for k, v in comps.items()},
-        "prompts": len(rates), "pass_rate_mean": float(np.mean(pr)) if pr else None,
-        "pass_rate_histogram": dict(sorted(hist.items())),
-        "never_solved": sum(x == 0 for x in pr), "always_solved": sum(x == 1 for x in pr),
-        "guards": dict(sorted(guards.items())), "examples": examples,
-        **({"errors": dict(sorted(errors.items()))} if errors else {}),  # (absent when none: outputs unchanged)
-    }
+    """The audit of whole lists of scored rows and pass rates (one batch of each)."""
+    a = Audit(n_examples)
+    a.add(scored)
+    a.add_rates(rates)
+    return a.result()
 
 
 def audit_markdown(a: dict[str, Any]) -> str:
@@ -92,38 +144,79 @@ def audit_markdown(a: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+READ = ("prompt_id", "sample", "prompt", "answer", "task", "completion", "token_ids", "max_new_tokens",
+        "finish_reason")  # what scoring and the audit read of rollouts.parquet (not the log-probs)
+
+
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
-    """Score. ``inputs``: rollouts. ``out``: scored, pass_rates, report_dir, metrics."""
+    """Score. ``inputs``: rollouts. ``out``: rewards, pass_rates, report_dir, metrics."""
     with as_one_set(out, "reward", at_once=("report_dir",)):  # a kill: the old set of outputs or the new one
         return _run(params, inputs, out)
 
 
+def score_batches(rollouts: Path, specs: Sequence[Any], batch_rows: int, pool: RewardPool | None = None
+                  ) -> Iterator[list[dict[str, Any]]]:
+    """The rollouts' rows (``READ`` columns) with ``reward`` and ``rewards``, a record batch at a time: one
+    ``score_rows`` call per batch, scored in ``pool`` (None: in this thread)."""
+    for rows in iter_rows(rollouts, READ, batch_rows):
+        yield score_rows(rows, specs, pool)
+
+
 def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     cfg = params.reward
-    with RewardPool(cfg.workers, cfg.timeout_s) as pool:
-        scored = score_rows(read_parquet(inputs["rollouts"]), cfg.rewards, pool)
-    rates = pass_rates(scored)
-    a = audit(scored, rates, cfg.audit_examples)
-    write_parquet(out["scored"], scored, SCORED_SCHEMA)
-    write_parquet(out["pass_rates"], rates, PASS_RATE_SCHEMA)
-    write_json(out["report_dir"] / "audit.json", a)
-    write_text(out["report_dir"] / "audit.md", audit_markdown(a))
-    metrics = {k: a[k] for k in ("samples", "unscorable", "unscorable_frac", "reward_mean", "prompts",
-                                 "pass_rate_mean", "never_solved", "always_solved")}
+    a = Audit(cfg.audit_examples)
+    carry: list[dict[str, Any]] = []  # the samples of the last prompt seen: its group may go on in the next batch
+    seen: list[pa.Array] = []  # prompt ids with a pass rate (Arrow: a few bytes each), to check groups are whole
+    pending: list[dict[str, Any]] = []  # pass rates not written yet
+    with parquet_sink(out["rewards"], REWARD_SCHEMA) as write, \
+            parquet_sink(out["pass_rates"], PASS_RATE_SCHEMA) as write_rates, \
+            RewardPool(cfg.workers, cfg.timeout_s) as pool:
+        for scored in score_batches(inputs["rollouts"], cfg.rewards, BATCH_ROWS, pool):
+            write([{k: r[k] for k in REWARD_SCHEMA.names} for r in scored])
+            a.add(scored)
+            group = carry + [{k: r[k] for k in ("prompt_id", "reward", "rewards")} for r in scored]
+            cut = len(group)
+            while cut and group[cut - 1]["prompt_id"] == group[-1]["prompt_id"]:
+                cut -= 1
+            done, carry = group[:cut], group[cut:]
+            pending += _rates(done, a, seen)
+            while len(pending) >= BATCH_ROWS:  # row groups of BATCH_ROWS prompts (one for a small run, as before)
+                write_rates(pending[:BATCH_ROWS])
+                pending = pending[BATCH_ROWS:]
+        pending += _rates(carry, a, seen)
+        if pending:
+            write_rates(pending)
+    ids = pa.chunked_array(seen, pa.string())
+    if pc.count_distinct(ids).as_py() != len(ids):
+        raise StageError(f"{inputs['rollouts']}: a prompt's samples are not contiguous (the rollout stage writes "
+                         "each prompt's samples together; was the file written by another tool?)")
+    res = a.result()
+    write_json(out["report_dir"] / "audit.json", res)
+    write_text(out["report_dir"] / "audit.md", audit_markdown(res))
+    metrics = {k: res[k] for k in ("samples", "unscorable", "unscorable_frac", "reward_mean", "prompts",
+                                   "pass_rate_mean", "never_solved", "always_solved")}
     write_json(out["metrics"], metrics)
-    log.info("mean reward %s, mean pass rate %s, unscorable %d", a["reward_mean"], a["pass_rate_mean"],
-             a["unscorable"])
-    if a["unscorable_frac"] > cfg.max_unscorable_frac:
-        raise StageError(f"unscorable share {a['unscorable_frac']:.3f} > reward.max_unscorable_frac="
+    log.info("mean reward %s, mean pass rate %s, unscorable %d", res["reward_mean"], res["pass_rate_mean"],
+             res["unscorable"])
+    if res["unscorable_frac"] > cfg.max_unscorable_frac:
+        raise StageError(f"unscorable share {res['unscorable_frac']:.3f} > reward.max_unscorable_frac="
                          f"{cfg.max_unscorable_frac} (see {out['report_dir'] / 'audit.md'})")
     return metrics
+
+
+def _rates(group: list[dict[str, Any]], a: Audit, seen: list[pa.Array]) -> list[dict[str, Any]]:
+    """The pass rates of whole groups of samples, added to the audit."""
+    rates = pass_rates(group)
+    a.add_rates(rates)
+    seen.append(pa.array([r["prompt_id"] for r in rates], pa.string()))
+    return rates
 
 
 def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
     """This stage's inputs and outputs, from ``params.paths`` (used by ``main`` and by tests)."""
     P = p.paths
     return {"rollouts": Path(P.rollout_dir) / "rollouts.parquet"}, {
-        "scored": Path(P.reward_dir) / "scored.parquet", "pass_rates": Path(P.reward_dir) / "pass_rates.parquet",
+        "rewards": Path(P.reward_dir) / "rewards.parquet", "pass_rates": Path(P.reward_dir) / "pass_rates.parquet",
         "report_dir": Path(P.reward_report_dir), "metrics": Path(P.metrics_dir) / "reward.json"}
 
 

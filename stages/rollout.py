@@ -3,66 +3,123 @@
 Inputs: ``paths.curated_dir/train.parquet``; the policy ``paths.sft_model``.
 Outputs: ``paths.rollout_dir/rollouts.parquet`` (``schema.ROLLOUT_SCHEMA``: prompt id, sample index,
 completion, token ids, per-token sampler log-probs, finish reason, the policy's weight digest, sampling
-params and seed), ``metrics/rollout.json`` (samples/s, lengths).
+params and seed), ``metrics/rollout.json`` (lengths over every sample; samples/s and tokens/s of the samples
+this run drew, ``resumed_at_prompt``).
 The prompts are the first ``rollout.num_prompts`` of a seeded shuffle of the training split (null: all of it).
 These pass rates are what ``rl.select`` picks RL's prompts by, so RL's pool is the scored prompts. The same
-``sample_rows`` function produces every rollout of the ``rl`` loop.
+``sample_chunks`` function produces every rollout of the ``rl`` loop (through ``sample_rows``).
+
+Streaming and resume: prompts go in chunks of ``generate_batch_size // samples_per_prompt``; each finished chunk
+goes into a Parquet part under ``paths.rollout_checkpoints`` (``streaming.PartialParquet``; not a DVC out),
+written every ``rollout.checkpoint_every_s`` seconds or 8,192 rows, so memory holds one chunk of Python rows and
+at most 8,192 rows in Arrow whatever the number of prompts, and a killed run, re-run, continues at the first
+missing chunk ("resuming at prompt N of M"). Chunk ``c`` is seeded by its index, so the rows are the
+same as an uninterrupted run's. The parts belong to one configuration (rollout params, seed, model dtype,
+sampler, the train split's and the policy folder's digests): another one starts over, with a log line naming
+what changed. When every chunk is on disk the parts are streamed into ``rollouts.parquet`` (replaced whole, with
+the metrics) and removed.
 
 Run: ``dvc repro rollout`` or ``python -m stages.rollout [--params params.yaml]``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 import random
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import pyarrow.compute as pc
 import torch
+from tqdm import tqdm
 
-from posttrain import modeling
+from posttrain import checkpoint, modeling
 from posttrain.config import Params
 from posttrain.outputs import as_one_set
-from posttrain.rollout import BACKENDS, ModelFolder, SamplingParams, generator, sample_rows
+from posttrain.rollout import BACKENDS, ModelFolder, SamplingParams, generator, sample_chunks
 from posttrain.runner import stage_main
-from posttrain.schema import ROLLOUT_SCHEMA, read_problems, write_json, write_parquet
+from posttrain.schema import ROLLOUT_SCHEMA, read_columns, write_json
+from posttrain.streaming import PartialParquet
 
 log = logging.getLogger("rollout")
 
+PROMPT_COLUMNS = ("id", "prompt", "answer", "task")  # what sampling reads of the training split
+
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
-    """Sample. ``inputs``: train (train.parquet), policy (checkpoint). ``out``: rollouts, metrics."""
+    """Sample. ``inputs``: train (train.parquet), policy (checkpoint). ``out``: rollouts, metrics, checkpoints
+    (the partial run's folder: written at once, removed once the outputs are in place)."""
     with as_one_set(out, "rollout"):  # a kill leaves the old outputs or the new ones, never a mix
-        return _run(params, inputs, out)
+        metrics = _run(params, inputs, out)
+    shutil.rmtree(out["checkpoints"], ignore_errors=True)
+    return metrics
+
+
+def run_key(params: Params, inputs: dict[str, Path], policy: str) -> dict[str, str]:
+    """What a partial run's chunks depend on, by name (a resume needs every entry equal). ``policy``: the
+    policy's weight digest (``modeling.checkpoint_digest``)."""
+    pol = Path(inputs["policy"])
+    side = hashlib.sha256()  # tokenizer, chat template, generation config: the policy folder's non-weight files
+    for f in sorted(pol.iterdir()) if pol.is_dir() else []:
+        if f.is_file() and f.suffix not in (".safetensors", ".bin"):
+            side.update(f.name.encode() + b"\0" + f.read_bytes())
+    return {"params": checkpoint.fingerprint(params.rollout, params.seed, params.model.dtype, params.sampler_id()),
+            "train": checkpoint.file_digest(inputs["train"]), "policy": policy,
+            "policy_files": side.hexdigest()[:16]}
 
 
 def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
-    cfg = params.rollout
+    cfg, g = params.rollout, params.rollout.samples_per_prompt
     torch.set_num_threads(params.runtime.generate_threads)
-    problems = read_problems(inputs["train"])
-    random.Random(params.seed).shuffle(problems)
-    n_train, problems = len(problems), problems[: cfg.num_prompts]
-    log.info("scoring %d of %d training prompts (rollout.num_prompts): RL selects from these", len(problems),
-             n_train)
-    device = modeling.resolve_device(params.runtime.device)
-    tok = modeling.load_tokenizer(str(inputs["policy"]))
-    policy = ModelFolder(str(inputs["policy"]), params.model.dtype, device)  # each backend loads it its own way
-    backend = BACKENDS[cfg.backend](policy, tok, cfg.generate_batch_size, params.vllm_options())
-    sp = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens, params.seed)
-    rows, seconds = sample_rows(backend, tok, problems, cfg.samples_per_prompt, sp,
-                                policy=modeling.checkpoint_digest(inputs["policy"]),
-                                chunk_prompts=max(1, cfg.generate_batch_size // cfg.samples_per_prompt),
-                                progress=params.runtime.progress)
-    write_parquet(out["rollouts"], rows, ROLLOUT_SCHEMA)
-    lengths = [len(r["token_ids"]) for r in rows]
-    metrics = {"prompts": len(problems), "train_prompts": n_train, "samples": len(rows), "seconds": round(seconds, 2),
-               "samples_per_s": round(len(rows) / seconds, 1),
-               "tokens_per_s": round(sum(lengths) / seconds, 1), "mean_len": round(float(np.mean(lengths)), 2),
-               "truncated_frac": round(float(np.mean([r["finish_reason"] == "length" for r in rows])), 4),
-               "generator": generator(cfg.backend)}
+    train = read_columns(inputs["train"], PROMPT_COLUMNS)  # Arrow columns; rows become Python a chunk at a time
+    order = list(range(train.num_rows))
+    random.Random(params.seed).shuffle(order)  # the same permutation as shuffling the rows themselves
+    n_train, order = len(order), order[: cfg.num_prompts]
+    log.info("scoring %d of %d training prompts (rollout.num_prompts): RL selects from these", len(order), n_train)
+    per = max(1, cfg.generate_batch_size // g)  # prompts per chunk
+    total = math.ceil(len(order) / per)
+    policy = modeling.checkpoint_digest(inputs["policy"])
+    partial = PartialParquet(out["checkpoints"], run_key(params, inputs, policy), total, ROLLOUT_SCHEMA,
+                             flush_seconds=cfg.checkpoint_every_s)
+    start = partial.done()
+    where = f"resuming at prompt {start * per} of {len(order)}"
+    if start:
+        log.info("%s (%d of %d chunks on disk in %s)", where, start, total, out["checkpoints"])
+    made, made_tokens, t0 = 0, 0, time.time()
+    if start < total:
+        device = modeling.resolve_device(params.runtime.device)
+        tok = modeling.load_tokenizer(str(inputs["policy"]))
+        folder = ModelFolder(str(inputs["policy"]), params.model.dtype, device)  # each backend loads its own way
+        backend = BACKENDS[cfg.backend](folder, tok, cfg.generate_batch_size, params.vllm_options())
+        sp = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens, params.seed)
+        chunks = ((c, train.take(order[c * per : (c + 1) * per]).to_pylist()) for c in range(start, total))
+        bar = tqdm(total=len(order) * g, initial=start * per * g, desc=f"rollout ({where})" if start else "rollout",
+                   unit="sample", disable=not params.runtime.progress)
+        t0 = time.time()
+        try:
+            for c, rows in sample_chunks(backend, tok, chunks, g, sp, policy, bar):
+                partial.write(c, rows)
+                made, made_tokens = made + len(rows), made_tokens + sum(len(r["token_ids"]) for r in rows)
+        finally:  # an error (not a kill) keeps what was sampled
+            partial.flush()
+        bar.close()
+    seconds = max(time.time() - t0, 1e-9)
+    samples = partial.assemble(out["rollouts"])
+    tokens = truncated = 0
+    for b in partial.batches(columns=["token_ids", "finish_reason"]):
+        tokens += pc.sum(pc.list_value_length(b.column("token_ids"))).as_py() or 0
+        truncated += pc.sum(pc.equal(b.column("finish_reason"), "length")).as_py() or 0
+    metrics = {"prompts": len(order), "train_prompts": n_train, "samples": samples, "seconds": round(seconds, 2),
+               "samples_per_s": round(made / seconds, 1), "tokens_per_s": round(made_tokens / seconds, 1),
+               "mean_len": round(tokens / max(samples, 1), 2), "truncated_frac": round(truncated / max(samples, 1), 4),
+               "generator": generator(cfg.backend), "resumed_at_prompt": start * per}
     write_json(out["metrics"], metrics)
-    log.info("%d samples in %.1fs (%.0f samples/s)", len(rows), seconds, metrics["samples_per_s"])
+    log.info("%d samples (%d sampled in this run) in %.1fs (%.0f samples/s)", samples, made, seconds,
+             metrics["samples_per_s"])
     return metrics
 
 
@@ -70,7 +127,8 @@ def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
     """This stage's inputs and outputs, from ``params.paths`` (used by ``main`` and by tests)."""
     P = p.paths
     return ({"train": Path(P.curated_dir) / "train.parquet", "policy": Path(P.sft_model)},
-            {"rollouts": Path(P.rollout_dir) / "rollouts.parquet", "metrics": Path(P.metrics_dir) / "rollout.json"})
+            {"rollouts": Path(P.rollout_dir) / "rollouts.parquet", "metrics": Path(P.metrics_dir) / "rollout.json",
+             "checkpoints": Path(P.rollout_checkpoints)})
 
 
 def main() -> None:

@@ -37,7 +37,8 @@ ACCEPTED = {
                         "sft.phases[1].cot_frac", "sft.warmup_steps",
                         "sft.weight_decay", "task.min_multiplier", "tracking.enabled",
                         "evaluate.sampling.temperature", "rollout.sampling.temperature",  # 0 = greedy
-                        "evaluate.max_unusable_frac")},  # 0 = no benchmark row may be dropped
+                        "evaluate.max_unusable_frac",  # 0 = no benchmark row may be dropped
+                        "rollout.checkpoint_every_s")},  # 0 = write the finished chunks after every chunk
     **{k: {"null"} for k in ("evaluate.limit", "evaluate.sample_prompts", "model.lora", "model.prompt.template",
                              "rl.dual_clip", "rl.ref_reset", "rollout.vllm.max_model_len", "tracking.champion",
                              "rollout.vllm.dtype",  # model.dtype, the trainer's

@@ -263,7 +263,7 @@ def test_the_reward_stage_writes_the_same_bytes_with_the_pool(tiny, tmp_path):
         p = parse_params(tiny)
         _, out = reward.paths(p)
         reward.run(p, {"rollouts": tmp_path / "r.parquet"}, out)
-        got[workers] = [Path(out[k]).read_bytes() for k in ("scored", "pass_rates", "metrics")]
+        got[workers] = [Path(out[k]).read_bytes() for k in ("rewards", "pass_rates", "metrics")]
         got[workers].append((Path(out["report_dir"]) / "audit.json").read_bytes())
     assert got[0] == got[2]
     assert b'"errors"' not in got[0][3]  # nothing failed: the audit has no errors table (as before the pool)

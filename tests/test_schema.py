@@ -64,3 +64,23 @@ def test_an_io_error_inside_an_atomic_output_names_the_output_not_its_temp_folde
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "train.parquet"))
     assert e.value.errno == errno.ENOSPC and e.value.filename == str(out / "train.parquet")
     assert not out.exists() and not list(tmp_path.glob(".curated.tmp-*"))  # nothing half-written left
+
+
+def test_batched_writes_are_the_bytes_of_one_table_and_reads_stream(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from posttrain.errors import StageError
+
+    monkeypatch.setattr(schema, "BATCH_ROWS", 4)  # 10 rows: batches of 4, 4, 2
+    rows = [{"id": f"s:{i}", "source": "s", "task": "arith", "prompt": f"{i}*3=", "answer": str(3 * i),
+             "solution": None} for i in range(10)]
+    schema.write_parquet(tmp_path / "a.parquet", iter(rows), schema.PROBLEM_SCHEMA)  # a generator is enough
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema.PROBLEM_SCHEMA), tmp_path / "b.parquet")
+    assert (tmp_path / "a.parquet").read_bytes() == (tmp_path / "b.parquet").read_bytes()
+    assert [len(b) for b in schema.iter_rows(tmp_path / "a.parquet", ["id"], batch_rows=4)] == [4, 4, 2]
+    assert next(schema.iter_rows(tmp_path / "a.parquet", ["id", "answer"]))[1] == {"id": "s:1", "answer": "3"}
+    assert schema.read_problems(tmp_path / "a.parquet", limit=3) == rows[:3]
+    assert schema.read_problems(tmp_path / "a.parquet") == rows
+    with pytest.raises(StageError, match=r"missing columns \['nope'\]"):
+        schema.read_columns(tmp_path / "a.parquet", ["id", "nope"])

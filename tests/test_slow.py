@@ -254,7 +254,10 @@ def test_real_model_dag_on_gsm8k_with_lora(tmp_path):
     assert {"math500", "aime24", "amc2023", "eval_split"} >= set(cur["contaminated_by_benchmark"])
     train = pd_rows(repo / "data" / "curated" / "train.parquet")
     assert metrics["rollout"]["prompts"] == metrics["rollout"]["train_prompts"] == len(train) == cur["train"]
-    scored = pd_rows(repo / "data" / "reward" / "scored.parquet")  # num_prompts null: every prompt scored
+    from posttrain.schema import join_rollouts
+
+    scored = join_rollouts(repo / "data" / "rollout" / "rollouts.parquet", repo / "data" / "reward" / "rewards.parquet",
+                           ["task"]).to_pylist()  # num_prompts null: every prompt scored
     assert len(scored) == metrics["rollout"]["samples"] == 2 * len(train)
     assert all(r["task"] == "math" and json.loads(r["rewards"])["correct"] is not None for r in scored[:50])
     for name in ("sft", "rl", "student_sft", "student"):  # LoRA: merged folders, adapters beside them

@@ -201,8 +201,10 @@ def test_rollout_reward_rl_then_evaluate(tiny):
     assert len({r["policy"] for r in rows}) == 1 and len(rows[0]["policy"]) == 16  # weight digest
 
     m = reward.run(p, {"rollouts": o["rollout"]["rollouts"]}, o["reward"])
-    scored = read_parquet(o["reward"]["scored"])
+    scored = read_parquet(o["reward"]["rewards"])  # the reward columns only, keyed by (prompt_id, sample)
+    assert set(scored[0]) == {"prompt_id", "sample", "reward", "rewards"}
     assert len(scored) == 32 and all(r["reward"] is not None for r in scored)
+    assert [(r["prompt_id"], r["sample"]) for r in scored] == [(r["prompt_id"], r["sample"]) for r in rows]
     rates = read_parquet(o["reward"]["pass_rates"])
     assert len(rates) == 8 and all(r["n"] == 4 for r in rates)
     assert (Path(P.reward_report_dir) / "audit.md").read_text().startswith("# Reward audit")
@@ -251,6 +253,37 @@ def test_reward_stage_fails_on_unscorable_share(tiny, tmp_path):
     with pytest.raises(StageError, match="unscorable share 1.000"):
         reward.run(p, {"rollouts": tmp_path / "r.parquet"}, _outs(p)["reward"])
     assert json.loads((Path(p.paths.reward_report_dir) / "audit.json").read_text())["unscorable"] == 1
+
+
+def test_reward_stage_streams_batches_with_groups_across_their_edges(tiny, tmp_path, monkeypatch):
+    """Batches of 3 rows over groups of 4 samples: every group straddles a batch edge; the outputs equal the
+    one-batch run's (pass rates, rewards, audit), and a prompt met twice is refused."""
+    from posttrain.schema import ROLLOUT_SCHEMA, join_rollouts, write_parquet
+
+    p = parse_params(tiny)
+    rows = [{"prompt_id": f"x:{i}", "sample": j, "prompt": f"1{i}*3=", "answer": str(3 * (10 + i)), "task": "arith",
+             "completion": f"answer: {3 * (10 + i) + (j % 2) * (i % 3)}", "token_ids": [1] * (j + 2),
+             "logprobs": [-0.1] * (j + 2), "finish_reason": "stop", "policy": "p", "temperature": 1.0, "top_p": 1.0,
+             "max_new_tokens": 24, "seed": 0} for i in range(5) for j in range(4)]
+    write_parquet(tmp_path / "r.parquet", rows, ROLLOUT_SCHEMA)
+    outs = {}
+    for n in (8192, 3):
+        monkeypatch.setattr(reward, "BATCH_ROWS", n)
+        o = {k: Path(str(v) + f"-{n}") for k, v in _outs(p)["reward"].items()}
+        reward.run(p, {"rollouts": tmp_path / "r.parquet"}, o)
+        outs[n] = [read_parquet(o["pass_rates"]), read_parquet(o["rewards"]),
+                   (o["report_dir"] / "audit.json").read_text()]
+    assert outs[3] == outs[8192]
+    rates = outs[3][0]
+    assert [r["prompt_id"] for r in rates] == [f"x:{i}" for i in range(5)]
+    # i % 3 == 0: all 4 correct; otherwise the odd samples are off by i % 3: 2 of 4
+    assert [r["pass_rate"] for r in rates] == [1.0, 0.5, 0.5, 1.0, 0.5]
+    j = join_rollouts(tmp_path / "r.parquet", o["rewards"], ["completion"])
+    assert j.column("completion").to_pylist() == [r["completion"] for r in rows] and j.num_rows == 20
+
+    write_parquet(tmp_path / "bad.parquet", rows + rows[:1], ROLLOUT_SCHEMA)  # x:0 again after x:4
+    with pytest.raises(StageError, match="not contiguous"):
+        reward.run(p, {"rollouts": tmp_path / "bad.parquet"}, _outs(p)["reward"])
 
 
 def test_pass_at_k_crossing_words():

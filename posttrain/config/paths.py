@@ -21,7 +21,10 @@ class Paths(Section):
     sft_checkpoints: PathStr = Field(description="resumable sft checkpoints; NOT a DVC out, so a re-run finds them")
     sft_report_dir: PathStr = Field(description="sft training log (CSV for dvc plots)")
     rollout_dir: PathStr = Field(description="rollout stage: rollouts.parquet (G samples per prompt, SFT policy)")
-    reward_dir: PathStr = Field(description="reward stage: scored.parquet, pass_rates.parquet")
+    rollout_checkpoints: PathStr = Field(description="rollout's finished chunks while it runs (a killed run resumes "
+                                         "from them); NOT a DVC out, removed once rollouts.parquet is written")
+    reward_dir: PathStr = Field(description="reward stage: rewards.parquet (reward columns by prompt_id, sample), "
+                          "pass_rates.parquet")
     reward_report_dir: PathStr = Field(description="reward audit (JSON + Markdown)")
     rl_model: PathStr = Field(description="the RL policy (HF folder)")
     rl_dir: PathStr = Field(description="rl stage data: per-step rollout shards, the selected prompts")

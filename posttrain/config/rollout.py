@@ -70,5 +70,9 @@ class Rollout(Section):
     generate_batch_size: int = Field(256, ge=1, le=MAX_BATCH,
                                      description="sequences per generate() call (part of the result: "
                                      "each chunk of prompts is seeded by its index)")
+    checkpoint_every_s: float = Field(
+        30.0, ge=0, le=86_400, description="seconds of sampling between writes of the finished chunks to "
+        "paths.rollout_checkpoints (also after every 8,192 rows): a killed run resumes from them and loses at most "
+        "this much sampling; 0: after every chunk", json_schema_extra=NOT_RESULT)
     vllm: VLLMOptions = Field(default_factory=VLLMOptions, description="engine settings of the vllm backend "
                               "(used by every stage that generates with it)")

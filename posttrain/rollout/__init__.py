@@ -21,7 +21,7 @@ fails with one line saying so.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -31,7 +31,7 @@ from posttrain import seeds
 from posttrain.rollout.base import Completion, ModelFolder, RolloutBackend, SamplingParams, chat_prompt_ids
 
 __all__ = ["BACKENDS", "ModelFolder", "Completion", "RolloutBackend", "SamplingParams", "chat_prompt_ids",
-           "generator", "sample_rows"]
+           "generator", "sample_chunks", "sample_rows"]
 
 
 def _hf(model: Any, tokenizer: PreTrainedTokenizerBase, batch_size: int, vllm_options: Any = None
@@ -86,17 +86,29 @@ def sample_rows(backend: RolloutBackend, tokenizer: PreTrainedTokenizerBase, pro
                 ) -> tuple[list[dict[str, Any]], float]:
     """``n`` completions per problem as rollout rows (``schema.ROLLOUT_SCHEMA``), and the seconds it took.
 
-    The one rollout path: the rollout stage and every RL step call this. Prompts go in chunks so the
-    progress bar can show samples/s; chunk ``c`` is seeded ``seeds.chunk(sampling.seed, c)``.
+    The one rollout path: every RL step calls this, and the rollout stage calls :func:`sample_chunks` (the
+    same rows, a chunk at a time). Chunk ``c`` of ``chunk_prompts`` prompts is seeded ``seeds.chunk(sampling.seed, c)``.
     """
-    rows: list[dict[str, Any]] = []
     t0 = time.time()
+    chunks = ((c, problems[s : s + chunk_prompts]) for c, s in enumerate(range(0, len(problems), chunk_prompts)))
     bar = tqdm(total=len(problems) * n, desc="rollout", unit="sample", disable=not progress)
-    for c, start in enumerate(range(0, len(problems), chunk_prompts)):
-        chunk = problems[start : start + chunk_prompts]
+    rows = [r for _, chunk in sample_chunks(backend, tokenizer, chunks, n, sampling, policy, bar) for r in chunk]
+    bar.close()
+    return rows, time.time() - t0
+
+
+def sample_chunks(backend: RolloutBackend, tokenizer: PreTrainedTokenizerBase,
+                  chunks: Iterable[tuple[int, Sequence[dict[str, Any]]]], n: int, sampling: SamplingParams,
+                  policy: str, bar: tqdm | None = None) -> Iterator[tuple[int, list[dict[str, Any]]]]:
+    """``(c, rows)`` per ``(c, problems)`` of ``chunks``: ``n`` completions per problem, sampled with seed
+    ``seeds.chunk(sampling.seed, c)``, so chunk ``c``'s rows are the same whichever chunks came before it (what
+    lets a killed rollout stage resume at a chunk). ``bar``: a progress bar advanced by samples."""
+    t0, made = time.time(), 0
+    for c, chunk in chunks:
         sp = SamplingParams(sampling.temperature, sampling.top_p, sampling.max_new_tokens,
                             seeds.chunk(sampling.seed, c))
         groups = backend.generate(chat_prompt_ids(tokenizer, [p["prompt"] for p in chunk]), n, sp)
+        rows = []
         for p, group in zip(chunk, groups, strict=True):
             for j, comp in enumerate(group):
                 rows.append({"prompt_id": p["id"], "sample": j, "prompt": p["prompt"], "answer": p["answer"],
@@ -104,7 +116,8 @@ def sample_rows(backend: RolloutBackend, tokenizer: PreTrainedTokenizerBase, pro
                              "logprobs": comp.logprobs, "finish_reason": comp.finish_reason, "policy": policy,
                              "temperature": sp.temperature, "top_p": sp.top_p, "max_new_tokens": sp.max_new_tokens,
                              "seed": sp.seed})
-        bar.update(len(chunk) * n)
-        bar.set_postfix(samples_per_s=f"{bar.n / max(time.time() - t0, 1e-9):.0f}")
-    bar.close()
-    return rows, time.time() - t0
+        made += len(rows)
+        if bar is not None:
+            bar.update(len(rows))
+            bar.set_postfix(samples_per_s=f"{made / max(time.time() - t0, 1e-9):.0f}")
+        yield c, rows
