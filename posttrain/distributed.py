@@ -154,17 +154,17 @@ class Dist:
 
     def plain(self, wrapped: torch.nn.Module) -> torch.nn.Module:
         """The model with the current full weights, run without collectives (generation, scoring, saving).
-        DDP: the wrapped model itself. FSDP2: this rank's full copy, refreshed from the shards here (a
-        collective: every rank calls it at the same point)."""
+        DDP: the wrapped model itself. FSDP2: this rank's full copy, refreshed from the shards here parameter
+        by parameter (an all-gather each, into the copy; a collective: every rank calls it at the same point)."""
         if not self.active:
             return wrapped
         if self.strategy == "ddp":
             return wrapped.module.model
         full = self._copies[id(wrapped)]
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        sd = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True))
-        full.load_state_dict({k.removeprefix(PREFIX): v for k, v in sd.items()})
+        into = dict(full.named_parameters())
+        with torch.no_grad():  # one parameter at a time: never a whole full state dict beside the copy
+            for name, p in wrapped.named_parameters():
+                into[name.removeprefix(PREFIX)].copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
         return full
 
     @contextlib.contextmanager
@@ -187,47 +187,61 @@ class Dist:
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
-    # ---------------------------------------------------------------- checkpoints (full state, any world size)
+    # ---------------------------------------------------------------- checkpoints (sharded, any world size)
     def state(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Full model and optimizer state dicts (optimizer state keyed by parameter name, so they load under any
-        strategy and world size). A collective under FSDP2; every rank gets them."""
-        if self.active and self.strategy == "fsdp2":
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_model_state_dict,
-                get_optimizer_state_dict,
-            )
+        """Model and optimizer state dicts of the *trainable* parameters (LoRA: the adapters), keyed by the
+        model's own parameter names, never gathered: DTensor shards under FSDP2, plain tensors otherwise (what
+        ``torch.distributed.checkpoint`` saves and reshards). An optimizer without state yet gets it (a zero
+        step at lr 0, torch's own ``_init_optim_state``), so the result is also the template a load reads
+        into. A collective under FSDP2."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-            o = StateDictOptions(full_state_dict=True)
-            msd, osd = get_model_state_dict(model, options=o), get_optimizer_state_dict(model, opt, options=o)
-            return _strip(msd), {"state": _strip(osd["state"]), "param_groups": [
-                {**g, "params": [n.removeprefix(PREFIX) for n in g["params"]]} for g in osd["param_groups"]]}
-        module = model.module.model if self.active else model
-        return module.state_dict(), _optim_by_name(module, opt)
+        pre, o = _prefix(model), _options()
+        msd, osd = get_model_state_dict(model, options=o), get_optimizer_state_dict(model, opt, options=o)
+        trainable = {n for n, p in _named(model) if p.requires_grad}  # torch keeps a tied frozen head: drop it
+        msd = {k: v for k, v in msd.items() if k in trainable}
+        return _strip(msd, pre), {"state": _strip(osd["state"], pre), "param_groups": [
+            {**g, "params": [n.removeprefix(pre) for n in g["params"]]} for g in osd["param_groups"]]}
 
     def load_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer, msd: dict[str, Any],
                    osd: dict[str, Any]) -> None:
-        if self.active and self.strategy == "fsdp2":
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                set_model_state_dict,
-                set_optimizer_state_dict,
-            )
+        """The inverse of ``state`` (dicts in its layout, e.g. filled by ``dcp.load``). Only trainable
+        parameters are loaded; a missing one or an unknown name is an error."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-            o = StateDictOptions(full_state_dict=True)
-            set_model_state_dict(model, {PREFIX + k: v for k, v in msd.items()}, options=o)
-            set_optimizer_state_dict(model, opt, {
-                "state": {PREFIX + k: v for k, v in osd["state"].items()},
-                "param_groups": [{**g, "params": [PREFIX + n for n in g["params"]]} for g in osd["param_groups"]]},
-                options=o)
-            return
-        module = model.module.model if self.active else model
-        module.load_state_dict(msd)
-        opt.load_state_dict(_optim_by_index(module, opt, osd))
+        pre, o = _prefix(model), _options(strict=False)
+        keys = set_model_state_dict(model, {pre + k: v for k, v in msd.items()}, options=o)
+        trainable = {n for n, p in _named(model) if p.requires_grad}
+        missing = set(keys.missing_keys) & trainable
+        if missing or keys.unexpected_keys:
+            raise RuntimeError(f"checkpoint does not fit the model: missing {sorted(missing)[:5]}, unexpected "
+                               f"{sorted(keys.unexpected_keys)[:5]}")
+        set_optimizer_state_dict(model, opt, {
+            "state": {pre + k: v for k, v in osd["state"].items()},
+            "param_groups": [{**g, "params": [pre + n for n in g["params"]]} for g in osd["param_groups"]]},
+            options=o)
 
 
-def _strip(d: dict[str, Any]) -> dict[str, Any]:
-    return {k.removeprefix(PREFIX): v for k, v in d.items()}
+def _options(strict: bool = True) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=strict)
+
+
+def _named(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """``model``'s parameters, named as its state dict names them (DDP's ``module.`` dropped)."""
+    inner = model.module if hasattr(model, "module") and isinstance(model.module, Forward) else model
+    return inner.named_parameters()
+
+
+def _prefix(model: torch.nn.Module) -> str:
+    """What ``Forward`` adds to state-dict names (checkpoints store the model's own names)."""
+    inner = model.module if hasattr(model, "module") else model
+    return PREFIX if isinstance(inner, Forward) else ""
+
+
+def _strip(d: dict[str, Any], pre: str = PREFIX) -> dict[str, Any]:
+    return {k.removeprefix(pre): v for k, v in d.items()}
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -237,24 +251,6 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(layers, torch.nn.ModuleList) and len(layers):
             return list(layers)
     return list(model.children())
-
-
-def _optim_by_name(module: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """``opt.state_dict()`` with parameter indices replaced by parameter names (the format of
-    ``get_optimizer_state_dict(full_state_dict=True)``)."""
-    sd = opt.state_dict()
-    name_of = {id(p): n for n, p in module.named_parameters()}
-    names = [name_of[id(p)] for g in opt.param_groups for p in g["params"]]
-    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
-    return {"state": {names[i]: s for i, s in sd["state"].items()}, "param_groups": groups}
-
-
-def _optim_by_index(module: torch.nn.Module, opt: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
-    """The inverse of ``_optim_by_name`` for this optimizer's parameter order."""
-    name_of = {id(p): n for n, p in module.named_parameters()}
-    index = {name_of[id(p)]: i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]]
-    return {"state": {index[n]: s for n, s in osd["state"].items()}, "param_groups": groups}
 
 
 _CURRENT = Dist()

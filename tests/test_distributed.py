@@ -173,7 +173,7 @@ def test_sft_at_world_size_2_equals_world_size_1_and_a_killed_rank_fails_cleanly
     proc = _stage("sft", two)
     ckpt = tmp_path / "ddp" / "checkpoints" / "sft"
     deadline = time.time() + 120
-    while not list(ckpt.glob("step_*.pt")) and time.time() < deadline and proc.poll() is None:
+    while not list(ckpt.glob("step_*")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
     workers = _workers(proc.pid)
     assert proc.poll() is None and set(workers) == {0, 1}, "the run ended before a rank could be killed"
@@ -183,7 +183,7 @@ def test_sft_at_world_size_2_equals_world_size_1_and_a_killed_rank_fails_cleanly
     print(f"rank 1 killed: the stage exited {proc.returncode} after {time.time() - t0:.1f}s")
     assert proc.returncode == 1 and "rank 1 failed (killed by signal 9)" in err
     assert not (tmp_path / "ddp" / "models" / "sft").exists()
-    killed_at = max(int(p.stem.split("_")[1]) for p in ckpt.glob("step_*.pt"))
+    killed_at = max(int(p.stem.split("_")[1]) for p in ckpt.glob("step_*"))
 
     runs = {"ddp": two, "fsdp2": _params(tmp_path / "fsdp2", curated, 2, "fsdp2", edit=long),
             "w1-resumed": _params(tmp_path / "w1-resumed", curated, 1, edit=long)}
@@ -215,3 +215,42 @@ def test_checkpoint_optimizer_state_is_keyed_by_name_and_loads_back():
     opt2 = torch.optim.AdamW(m.parameters(), lr=0.1)
     d.load_state(m, opt2, msd, osd)
     torch.testing.assert_close(opt2.state_dict()["state"][2]["exp_avg"], opt.state_dict()["state"][2]["exp_avg"])
+
+
+def _ckpt_job(mode: str, nproc: int, strategy: str, ckpt: Path, out: Path) -> dict:
+    script = [str(REPO / "tests" / "dist_ckpt.py"), mode, strategy, str(ckpt), str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script]
+    r = subprocess.run(cmd if nproc > 1 else [sys.executable, *script], cwd=REPO, env=ENV, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.slow
+def test_fsdp2_checkpoint_is_sharded_on_disk_and_resumes_at_another_world_size(tmp_path):
+    """FSDP2 at world size 2 saves through DCP without gathering any full tensor (each rank writes its own
+    half); the checkpoint resumes at world size 1 and at world size 2, and a world-size-1 checkpoint resumes
+    under FSDP2 at world size 2: all three end at the weights of an uninterrupted 4-step run."""
+    straight = _ckpt_job("straight", 1, "ddp", tmp_path / "none", tmp_path / "straight.pt")["weights"]
+    fs = tmp_path / "fsdp2"
+    saved = _ckpt_job("save", 2, "fsdp2", fs, tmp_path / "saved.pt")
+    assert saved["gathered"] == 0  # no full_tensor() while saving
+    files = sorted((fs / "step_0000002").glob("*.distcp"))
+    sizes = [f.stat().st_size for f in files]
+    print(f"fsdp2 world 2 checkpoint: {len(files)} shard files, bytes {sizes}")
+    assert len(files) == 2 and max(sizes) < 0.7 * sum(sizes)  # each rank wrote about half
+    w1 = tmp_path / "w1"
+    _ckpt_job("save", 1, "ddp", w1, tmp_path / "saved1.pt")
+    fsdp2 = _ckpt_job("straight", 2, "fsdp2", tmp_path / "none", tmp_path / "straight2.pt")["weights"]
+    noise = _max_diff(fsdp2, straight)  # reduction order alone, amplified by four Adam steps
+    print(f"uninterrupted fsdp2 world 2 vs world 1: max |dw| = {noise:.3g}")
+    for name, nproc, strategy, ckpt, same in (("fsdp2 w2 -> w1", 1, "ddp", fs, straight),
+                                              ("fsdp2 w2 -> fsdp2 w2", 2, "fsdp2", fs, fsdp2),
+                                              ("w1 -> fsdp2 w2", 2, "fsdp2", w1, straight)):
+        got = _ckpt_job("resume", nproc, strategy, ckpt, tmp_path / "resumed.pt")["weights"]
+        diff, exact = _max_diff(got, straight), _max_diff(got, fsdp2 if same is fsdp2 else straight)
+        print(f"checkpoint {name}: max |dw| vs uninterrupted world size 1 = {diff:.3g}")
+        assert diff < 1e-5
+        if same is fsdp2:  # the same layout throughout: the checkpoint changes nothing
+            print(f"checkpoint {name}: max |dw| vs uninterrupted fsdp2 world 2 = {exact:.3g}")
+            assert exact == 0
