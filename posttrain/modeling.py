@@ -258,16 +258,28 @@ def stop_ids(gc: GenerationConfig, tok: PreTrainedTokenizerBase) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
-    """``save_pretrained`` model + tokenizer into ``path`` (a standard HF folder). A LoRA model is saved merged
-    (a plain folder that ``from_pretrained`` and vLLM load) with its adapter in ``path/adapter``; the model
-    in memory keeps its adapter (the merge runs on a copy)."""
+def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path,
+                    dtype: str = "float32") -> None:
+    """``save_pretrained`` model + tokenizer into ``path`` (a standard HF folder), weights in ``dtype``
+    (``model.dtype``: a bf16 run's artifacts are half the size of its fp32 masters, which stay in the resumable
+    checkpoint; ``config.json`` says ``dtype``). A LoRA model is saved merged (a plain folder that
+    ``from_pretrained`` and vLLM load) with its adapter in ``path/adapter``; the model in memory keeps its
+    adapter and dtype (the merge and the cast run on copies, tensor by tensor, tied weights cast once)."""
     if is_lora(model):
         import copy
 
         model.save_pretrained(path / "adapter", safe_serialization=True)
         model = copy.deepcopy(model).merge_and_unload()
-    model.save_pretrained(path, safe_serialization=True)
+    target, cast, memo = getattr(torch, dtype), {}, {}
+    for k, v in model.state_dict().items():
+        if v.is_floating_point() and v.dtype != target:
+            key = (v.data_ptr(), v.dtype, tuple(v.shape))  # a tied weight: one cast tensor, saved once
+            v = memo.setdefault(key, v.to(target))
+        cast[k] = v
+    model.save_pretrained(path, safe_serialization=True, state_dict=cast if memo else None)
+    config = json.loads((path / "config.json").read_text())
+    if config.get("dtype") != dtype:  # save_pretrained writes the in-memory model's dtype
+        (path / "config.json").write_text(json.dumps({**config, "dtype": dtype}, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(path)
 
 

@@ -179,7 +179,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
             snapshot = d.plain(model)
             if d.main:
                 with atomic_path(ckpt_dir / "saved" / f"step_{done}") as tmp:
-                    modeling.save_checkpoint(snapshot, tok, tmp)
+                    modeling.save_checkpoint(snapshot, tok, tmp, params.model.dtype)
         if done % cfg.checkpoint_every == 0 and done < cfg.steps:
             checkpoint.save_loop_state(ckpt_dir, done, fp, cursor.pos, model, opt, log_rows, moving_ref,
                                      {"prior": {"p": prior.p, "n": prior.n}})
@@ -190,7 +190,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     if not d.main:
         return {"steps": cfg.steps, "rank": d.rank}
     with atomic_path(out["model"]) as tmp:
-        modeling.save_checkpoint(final, tok, tmp)
+        modeling.save_checkpoint(final, tok, tmp, params.model.dtype)
     with atomic_path(out["rl_dir"]) as tmp:
         tmp.mkdir()
         write_parquet(tmp / "selected_prompts.parquet", prompts, PROBLEM_SCHEMA)

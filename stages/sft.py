@@ -53,7 +53,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     model, tok = modeling.init_base(params.model, params.seed)  # every rank builds (or loads) the same weights
     if d.main:
         with atomic_path(out["base_model"]) as tmp:
-            modeling.save_checkpoint(model, tok, tmp)
+            modeling.save_checkpoint(model, tok, tmp, params.model.dtype)
     model = modeling.make_trainable(model, params.model.lora, params.model.gradient_checkpointing)
     model = d.wrap(model.to(device).train())
 
@@ -77,7 +77,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     if not d.main:
         return metrics
     with atomic_path(out["model"]) as tmp:
-        modeling.save_checkpoint(final, tok, tmp)
+        modeling.save_checkpoint(final, tok, tmp, params.model.dtype)
     train_log.close()
     plots.training_curves(log_rows, "step", ["loss", "lr", "grad_norm"], "sft", out["report_dir"] / "curves.png")
     write_json(out["metrics"], metrics)

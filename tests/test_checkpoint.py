@@ -116,3 +116,33 @@ def test_rng_states_round_trip_through_weights_only_load(tmp_path):
     checkpoint.restore(tmp_path, "fp", model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     got = (torch.rand(3), np.random.rand(2).tolist(), random.random())
     assert torch.equal(want[0], got[0]) and want[1:] == got[1:]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_artifacts_are_saved_in_model_dtype_and_load_back(tmp_path, lora):
+    """model.dtype bfloat16: the HF folder holds bf16 weights (half the fp32 bytes; the tied head saved once) and
+    says so in config.json; it loads for inference in bf16 and as fp32 masters for training, and its digest
+    is stable. The model in memory is untouched. float32 (the default) writes what it always wrote."""
+    tok = modeling.build_char_tokenizer()
+    model = _model(lora)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    modeling.save_checkpoint(model, tok, tmp_path / "fp32")
+    modeling.save_checkpoint(model, tok, tmp_path / "bf16", "bfloat16")
+    assert all(torch.equal(v, before[k]) and v.dtype == before[k].dtype for k, v in model.state_dict().items())
+    from safetensors.torch import load_file
+
+    w32, w16 = (load_file(tmp_path / d / "model.safetensors") for d in ("fp32", "bf16"))
+    assert w16.keys() == w32.keys() and {v.dtype for v in w16.values()} == {torch.bfloat16}
+    assert all(torch.equal(w16[k], w32[k].to(torch.bfloat16)) for k in w32)
+    size = {d: (tmp_path / d / "model.safetensors").stat().st_size for d in ("fp32", "bf16")}
+    assert size["bf16"] < 0.52 * size["fp32"]
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((tmp_path / "fp32" / "config.json").read_text())["dtype"] == "float32"
+    assert (tmp_path / "bf16" / "adapter").is_dir() == lora
+    inference = modeling.load_model(str(tmp_path / "bf16"), "bfloat16")
+    masters = modeling.load_model(str(tmp_path / "bf16"), "bfloat16", trainable=True)
+    assert inference.dtype == torch.bfloat16 and masters.dtype == torch.float32
+    for (k, a), b in zip(inference.named_parameters(), masters.parameters(), strict=True):
+        assert torch.equal(a, b.to(torch.bfloat16)) and torch.equal(a, w16.get(k, w16["model.embed_tokens.weight"]))
+    assert modeling.checkpoint_digest(tmp_path / "bf16") == modeling.checkpoint_digest(tmp_path / "bf16")
+    assert modeling.checkpoint_digest(tmp_path / "bf16") != modeling.checkpoint_digest(tmp_path / "fp32")
