@@ -28,6 +28,7 @@ import random
 import shutil
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,13 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from posttrain import distributed
 from posttrain.config import NOT_RESULT
@@ -105,6 +113,58 @@ def set_rank_rng(saved: dict[str, Any] | list[dict[str, Any]]) -> None:
                     len(states), d.world)
 
 
+# ------------------------------------------------------------------------------------------ state dicts
+def model_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Model and optimizer state dicts of the *trainable* parameters (LoRA: the adapters), keyed by the
+    model's own parameter names, never gathered: DTensor shards under FSDP2, plain tensors otherwise (what
+    ``torch.distributed.checkpoint`` saves and reshards). An optimizer without state yet gets it (a zero
+    step at lr 0, torch's own ``_init_optim_state``), so the result is also the template a load reads
+    into. A collective under FSDP2."""
+    pre, o = _prefix(model), _options()
+    msd, osd = get_model_state_dict(model, options=o), get_optimizer_state_dict(model, opt, options=o)
+    trainable = {n for n, p in _named(model) if p.requires_grad}  # torch keeps a tied frozen head: drop it
+    msd = {k: v for k, v in msd.items() if k in trainable}
+    return _strip(msd, pre), {"state": _strip(osd["state"], pre), "param_groups": [
+        {**g, "params": [n.removeprefix(pre) for n in g["params"]]} for g in osd["param_groups"]]}
+
+
+def load_model_state(model: torch.nn.Module, opt: torch.optim.Optimizer, msd: dict[str, Any],
+                     osd: dict[str, Any]) -> None:
+    """The inverse of ``model_state`` (dicts in its layout, e.g. filled by ``dcp.load``). Only trainable
+    parameters are loaded; a missing one or an unknown name is an error."""
+    pre, o = _prefix(model), _options(strict=False)
+    keys = set_model_state_dict(model, {pre + k: v for k, v in msd.items()}, options=o)
+    trainable = {n for n, p in _named(model) if p.requires_grad}
+    missing = set(keys.missing_keys) & trainable
+    if missing or keys.unexpected_keys:
+        raise RuntimeError(f"checkpoint does not fit the model: missing {sorted(missing)[:5]}, unexpected "
+                           f"{sorted(keys.unexpected_keys)[:5]}")
+    set_optimizer_state_dict(model, opt, {
+        "state": {pre + k: v for k, v in osd["state"].items()},
+        "param_groups": [{**g, "params": [pre + n for n in g["params"]]} for g in osd["param_groups"]]},
+        options=o)
+
+
+def _options(strict: bool = True) -> StateDictOptions:
+    return StateDictOptions(ignore_frozen_params=True, strict=strict)
+
+
+def _named(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """``model``'s parameters, named as its state dict names them (DDP's ``module.`` dropped)."""
+    inner = model.module if hasattr(model, "module") and isinstance(model.module, distributed.Forward) else model
+    return inner.named_parameters()
+
+
+def _prefix(model: torch.nn.Module) -> str:
+    """What ``Forward`` adds to state-dict names (checkpoints store the model's own names)."""
+    inner = model.module if hasattr(model, "module") else model
+    return distributed.PREFIX if isinstance(inner, distributed.Forward) else ""
+
+
+def _strip(d: dict[str, Any], pre: str) -> dict[str, Any]:
+    return {k.removeprefix(pre): v for k, v in d.items()}
+
+
 # ------------------------------------------------------------------------------------------ save and restore
 def save(ckpt_dir: Path, step: int, fp: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
          rest: dict[str, Any], ref: torch.nn.Module | None = None, keep: int = 2) -> Path:
@@ -118,7 +178,7 @@ def save(ckpt_dir: Path, step: int, fp: str, model: torch.nn.Module, opt: torch.
         shutil.rmtree(tmp, ignore_errors=True)  # what a killed save left
         tmp.mkdir(parents=True)
     d.barrier()
-    msd, osd = d.state(model, opt)
+    msd, osd = model_state(model, opt)
     tensors = {"model": msd, "optim": osd, **({"ref": ref.state_dict()} if ref is not None else {})}
     with warnings.catch_warnings():  # one process: DCP warns that it assumes one process
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
@@ -146,14 +206,14 @@ def restore(ckpt_dir: Path, fp: str, model: torch.nn.Module, opt: torch.optim.Op
     if path is None:
         return None
     d = distributed.current()
-    msd, osd = d.state(model, opt)  # this job's layout: DCP reads into it (shards under FSDP2)
+    msd, osd = model_state(model, opt)  # this job's layout: DCP reads into it (shards under FSDP2)
     tensors = {"model": msd, "optim": osd}
     if ref is not None and json.loads((path / META).read_text()).get("ref"):
         tensors["ref"] = ref.state_dict()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(tensors, checkpoint_id=path, no_dist=not d.active)
-    d.load_state(model, opt, tensors["model"], tensors["optim"])
+    load_model_state(model, opt, tensors["model"], tensors["optim"])
     if "ref" in tensors:
         ref.load_state_dict(tensors["ref"])
     rest = torch.load(path / REST, map_location="cpu", mmap=True, weights_only=True)

@@ -7,7 +7,7 @@ torch's own: ``ddp`` (``DistributedDataParallel``: every rank holds the model, g
 parameters all-gathered per layer for forward and backward). Plain torch.distributed rather than ``accelerate``:
 our loops are hand-written for exact gradient accumulation and group statistics, so what accelerate adds (its
 dataloader sharding, mixed precision, config files) we would bypass, and what we need (``no_sync``,
-``set_requires_gradient_sync``, full state dicts through ``torch.distributed.checkpoint.state_dict``) is torch's.
+``set_requires_gradient_sync``, sharded state dicts through ``torch.distributed.checkpoint``) is torch's.
 
 What every loop does with a ``Dist`` (``current()``; a single-process one when not launched by torchrun):
 
@@ -23,10 +23,14 @@ What every loop does with a ``Dist`` (``current()``; a single-process one when n
   ``micro_count`` is the global maximum, and a rank with fewer runs zero-weight ones on its first micro-batch.
   Gradients synchronise on the last micro-batch only (``grad_sync``).
 - **Scoring and generation never touch the wrapped model**: they use ``plain(model)``, the unwrapped module
-  (DDP) or a full-weight copy refreshed from the shards (FSDP2; a collective, called by every rank at the same
-  point). Under FSDP2 each rank thus holds one full copy for generation, as a colocated vLLM engine would.
-- **Rank 0 alone writes** outputs, checkpoints (full, unsharded state: any world size and strategy can load
-  them), logs and the MLflow run.
+  (DDP) or a full-weight copy refreshed from the shards one parameter at a time (FSDP2; a collective, called by
+  every rank at the same point). Under FSDP2 each rank thus holds one full copy for generation, as a colocated
+  vLLM engine would.
+- **Loading under FSDP2**: ranks other than 0 build the policy on the meta device (``loads_on_meta``); ``wrap``
+  shards it and broadcasts rank 0's weights into the shards, so one process reads the weights.
+- **Rank 0 alone writes** outputs, logs and the MLflow run. Resumable checkpoints are written by every rank
+  (``posttrain.checkpoint``: DCP, each rank its shards, never a gathered full state); any world size and
+  strategy can load them.
 """
 
 from __future__ import annotations
@@ -88,6 +92,12 @@ class Dist:
     def active(self) -> bool:
         return self.world > 1
 
+    @property
+    def loads_on_meta(self) -> bool:
+        """FSDP2 ranks but rank 0 build the policy on the meta device (no weights read, no full host copy):
+        ``wrap`` shards it and broadcasts rank 0's weights into the shards."""
+        return self.active and self.strategy == "fsdp2" and not self.main
+
     # ---------------------------------------------------------------- splitting work
     def shard(self, items: Sequence[T]) -> list[T]:
         """This rank's items: a contiguous block, the blocks in rank order (sizes differ by at most one)."""
@@ -143,12 +153,26 @@ class Dist:
 
             dev = next(model.parameters()).device
             return DistributedDataParallel(Forward(model), device_ids=[dev.index] if dev.type == "cuda" else None)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.fsdp import fully_shard
 
+        on_meta = any(p.is_meta for p in model.parameters())
         copy_ = copy.deepcopy(model).requires_grad_(False)
+        full = model.state_dict() if self.main else {}  # rank 0's weights, if the others load on meta
         for layer in _decoder_layers(model):
             fully_shard(layer)
         wrapped = fully_shard(Forward(model))
+        if self.max(float(on_meta)):  # some rank built the model on meta (Dist.loads_on_meta)
+            if on_meta:
+                dev = torch.device(self.comm_device)
+                wrapped.to_empty(device=dev)
+                _to_empty_tied(copy_, dev)  # parameters filled by plain(), one by one
+            set_model_state_dict(wrapped, {PREFIX + k: v for k, v in full.items()},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            for module in (wrapped, copy_):  # non-persistent buffers (rotary tables): in no state dict, small
+                for _, b in module.named_buffers():
+                    tdist.broadcast(b, 0)
+        del full
         self._copies[id(wrapped)] = copy_
         return wrapped
 
@@ -187,61 +211,19 @@ class Dist:
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
-    # ---------------------------------------------------------------- checkpoints (sharded, any world size)
-    def state(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Model and optimizer state dicts of the *trainable* parameters (LoRA: the adapters), keyed by the
-        model's own parameter names, never gathered: DTensor shards under FSDP2, plain tensors otherwise (what
-        ``torch.distributed.checkpoint`` saves and reshards). An optimizer without state yet gets it (a zero
-        step at lr 0, torch's own ``_init_optim_state``), so the result is also the template a load reads
-        into. A collective under FSDP2."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        pre, o = _prefix(model), _options()
-        msd, osd = get_model_state_dict(model, options=o), get_optimizer_state_dict(model, opt, options=o)
-        trainable = {n for n, p in _named(model) if p.requires_grad}  # torch keeps a tied frozen head: drop it
-        msd = {k: v for k, v in msd.items() if k in trainable}
-        return _strip(msd, pre), {"state": _strip(osd["state"], pre), "param_groups": [
-            {**g, "params": [n.removeprefix(pre) for n in g["params"]]} for g in osd["param_groups"]]}
-
-    def load_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer, msd: dict[str, Any],
-                   osd: dict[str, Any]) -> None:
-        """The inverse of ``state`` (dicts in its layout, e.g. filled by ``dcp.load``). Only trainable
-        parameters are loaded; a missing one or an unknown name is an error."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        pre, o = _prefix(model), _options(strict=False)
-        keys = set_model_state_dict(model, {pre + k: v for k, v in msd.items()}, options=o)
-        trainable = {n for n, p in _named(model) if p.requires_grad}
-        missing = set(keys.missing_keys) & trainable
-        if missing or keys.unexpected_keys:
-            raise RuntimeError(f"checkpoint does not fit the model: missing {sorted(missing)[:5]}, unexpected "
-                               f"{sorted(keys.unexpected_keys)[:5]}")
-        set_optimizer_state_dict(model, opt, {
-            "state": {pre + k: v for k, v in osd["state"].items()},
-            "param_groups": [{**g, "params": [pre + n for n in g["params"]]} for g in osd["param_groups"]]},
-            options=o)
-
-
-def _options(strict: bool = True) -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(ignore_frozen_params=True, strict=strict)
-
-
-def _named(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """``model``'s parameters, named as its state dict names them (DDP's ``module.`` dropped)."""
-    inner = model.module if hasattr(model, "module") and isinstance(model.module, Forward) else model
-    return inner.named_parameters()
-
-
-def _prefix(model: torch.nn.Module) -> str:
-    """What ``Forward`` adds to state-dict names (checkpoints store the model's own names)."""
-    inner = model.module if hasattr(model, "module") else model
-    return PREFIX if isinstance(inner, Forward) else ""
-
-
-def _strip(d: dict[str, Any], pre: str = PREFIX) -> dict[str, Any]:
-    return {k.removeprefix(pre): v for k, v in d.items()}
+def _to_empty_tied(module: torch.nn.Module, device: torch.device) -> None:
+    """``module.to_empty(device=...)`` keeping shared parameters shared (to_empty makes one new parameter per
+    owner: a tied LM head would come apart from its embedding)."""
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((m, name))
+    module.to_empty(device=device)
+    for (m0, n0), *rest in owners.values():
+        for m, name in rest:
+            m._parameters[name] = m0._parameters[n0]
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

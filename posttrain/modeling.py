@@ -147,12 +147,33 @@ def init_base(cfg: ModelCfg, seed: int) -> tuple[PreTrainedModel, PreTrainedToke
     return model, tok
 
 
-def load_policy(name: str, cfg: ModelCfg, device: torch.device) -> PreTrainedModel:
+def load_policy(name: str, cfg: ModelCfg, device: torch.device, meta: bool = False) -> PreTrainedModel:
     """A model folder to train: fp32 masters for full fine-tuning, or the base in ``cfg.dtype`` + fresh LoRA
-    adapters (:func:`make_trainable`)."""
-    model = load_model(name, cfg.dtype, device, trainable=cfg.lora is None,
-                       attn_implementation=cfg.attn_implementation)
+    adapters (:func:`make_trainable`). ``meta`` (FSDP2 ranks but rank 0: ``Dist.loads_on_meta``): built on the
+    meta device from the folder's config, no weight read; ``Dist.wrap`` shards it and rank 0 broadcasts the
+    weights."""
+    if meta:
+        model = empty_model(name, cfg.attn_implementation)
+    else:
+        model = load_model(name, cfg.dtype, device, trainable=cfg.lora is None,
+                           attn_implementation=cfg.attn_implementation)
     return make_trainable(model, cfg.lora, cfg.gradient_checkpointing)
+
+
+def empty_model(name: str, attn_implementation: str = "sdpa") -> PreTrainedModel:
+    """The fp32 model of folder ``name`` on the meta device (its config and generation config, no weights)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                     attn_implementation=attn_implementation)
+        if Path(name, "generation_config.json").is_file() or not _is_local(name):
+            model.generation_config = GenerationConfig.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(_load_hint(name, e)) from None
+    return model.eval()
 
 
 def make_trainable(model: PreTrainedModel, lora: LoraCfg | None, gradient_checkpointing: bool) -> PreTrainedModel:

@@ -80,7 +80,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
                          f"{cfg.select.max_pass_rate}] (rl.select); see the reward audit")
     log.info("%d prompts selected (rl.select.strategy %s)", len(prompts), cfg.select.strategy)
 
-    model = modeling.load_policy(str(inputs["policy"]), params.model, device)
+    model = modeling.load_policy(str(inputs["policy"]), params.model, device, meta=d.loads_on_meta)  # FSDP2: rank 0
     tok = modeling.load_tokenizer(str(inputs["policy"]))
     ref = None
     if cfg.kl_coef > 0 or cfg.kl_reward_coef > 0:  # under LoRA the policy with its adapter off: no second copy

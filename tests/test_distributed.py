@@ -25,7 +25,7 @@ import yaml
 from conftest import REPO, tiny_raw
 from safetensors.torch import load_file
 
-from posttrain import distributed, modeling
+from posttrain import checkpoint, modeling
 from posttrain.config import parse_params
 from posttrain.rewards import score_rows
 from posttrain.rollout import BACKENDS, SamplingParams, sample_rows
@@ -208,12 +208,11 @@ def test_checkpoint_optimizer_state_is_keyed_by_name_and_loads_back():
     opt = torch.optim.AdamW(m.parameters(), lr=0.1)
     m(torch.randn(2, 3)).sum().backward()
     opt.step()
-    d = distributed.Dist()
-    msd, osd = d.state(m, opt)
+    msd, osd = checkpoint.model_state(m, opt)
     assert sorted(osd["state"]) == ["0.bias", "0.weight", "1.bias", "1.weight"]
     assert osd["param_groups"][0]["params"] == ["0.weight", "0.bias", "1.weight", "1.bias"]
     opt2 = torch.optim.AdamW(m.parameters(), lr=0.1)
-    d.load_state(m, opt2, msd, osd)
+    checkpoint.load_model_state(m, opt2, msd, osd)
     torch.testing.assert_close(opt2.state_dict()["state"][2]["exp_avg"], opt.state_dict()["state"][2]["exp_avg"])
 
 
