@@ -185,7 +185,7 @@ def save(ckpt_dir: Path, step: int, fp: str, model: torch.nn.Module, opt: torch.
         dcp.save(tensors, checkpoint_id=tmp, no_dist=not d.active)
     rngs = rank_rngs()
     if d.main:
-        torch.save({"step": step, "rng": rngs, **rest}, tmp / REST)
+        torch.save(_loadable({"step": step, "rng": rngs, **rest}), tmp / REST)
         (tmp / META).write_text(json.dumps({"fingerprint": fp, "step": step, "world": d.world,
                                             "strategy": d.strategy if d.active else "none", "format": FORMAT,
                                             "ref": ref is not None}))
@@ -220,6 +220,15 @@ def restore(ckpt_dir: Path, fp: str, model: torch.nn.Module, opt: torch.optim.Op
     set_rank_rng(rest.pop("rng"))
     log.info("resuming from %s step %d", path, rest["step"])
     return rest
+
+
+def _loadable(x: Any) -> Any:
+    """``x`` with numpy scalars and arrays as Python numbers and lists (what ``weights_only=True`` reads)."""
+    if isinstance(x, dict):
+        return {k: _loadable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(_loadable(v) for v in x)
+    return x.tolist() if isinstance(x, np.ndarray | np.generic) else x
 
 
 def _checkpoints(ckpt_dir: Path) -> list[Path]:

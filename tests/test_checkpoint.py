@@ -111,9 +111,11 @@ def test_rng_states_round_trip_through_weights_only_load(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     _step(model, opt, 0)
     torch.manual_seed(5)
-    checkpoint.save(tmp_path, 1, "fp", model, opt, {"extra": {"prior": {"p": {"a": 0.5}, "n": {"a": 2.0}}}})
+    extra = {"prior": {"p": {"a": np.float64(0.5)}, "n": {"a": 2.0}}, "seen": np.arange(3)}  # numpy: as Python
+    checkpoint.save(tmp_path, 1, "fp", model, opt, {"extra": extra})
     want = (torch.rand(3), np.random.rand(2).tolist(), random.random())
-    checkpoint.restore(tmp_path, "fp", model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    rest = checkpoint.restore(tmp_path, "fp", model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert rest["extra"] == {"prior": {"p": {"a": 0.5}, "n": {"a": 2.0}}, "seen": [0, 1, 2]}
     got = (torch.rand(3), np.random.rand(2).tolist(), random.random())
     assert torch.equal(want[0], got[0]) and want[1:] == got[1:]
 
