@@ -7,7 +7,9 @@
   minibatches, so old log-probs and reference log-probs are filled by ranks and gathered), and one distill
   step on the same sequences, give the same weights at world size 1 and 2, for DDP, FSDP2 and DDP with LoRA;
 - one rank SIGKILLed mid-run: the stage fails at once (no hang: torchrun stops the other rank; the collective
-  timeout is the backstop), and re-running resumes from the last full checkpoint to the one-process weights.
+  timeout is the backstop), and re-running resumes from the last checkpoint to the one-process weights;
+- sharded checkpoints (``tests/dist_ckpt.py``): FSDP2 saves through DCP with no full tensor gathered, each rank
+  its half, and a checkpoint resumes at world size 2 -> 1, 1 -> 2 and 2 -> 2 (bit-identical in its own layout).
 """
 
 import json
