@@ -132,13 +132,18 @@ def _load_hint(name: str, e: Exception) -> str:
     return f"model {name!r}: {str(e).splitlines()[0]}"
 
 
-def init_base(cfg: ModelCfg, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def init_base(cfg: ModelCfg, seed: int, meta: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The starting policy and its tokenizer, prompt format and stops applied (:func:`apply_prompt`): built from
     ``model.tiny`` when ``model.base == 'tiny'``, else loaded (at ``model.revision``). fp32 master weights,
-    or the frozen base in ``model.dtype`` when LoRA is on; not yet made trainable (:func:`make_trainable`)."""
+    or the frozen base in ``model.dtype`` when LoRA is on; not yet made trainable (:func:`make_trainable`).
+    ``meta`` (``Dist.loads_on_meta``): a loaded base is built on the meta device, its weights read by rank 0
+    only (see :func:`load_policy`); the tiny base is built on every rank (cheap, deterministic)."""
     if cfg.base == "tiny":
         tok = build_char_tokenizer()
         model = build_tiny_model(cfg.tiny, tok, seed)
+    elif meta:
+        model = empty_model(cfg.base, cfg.attn_implementation, cfg.revision)
+        tok = load_tokenizer(cfg.base, cfg.revision)
     else:
         model = load_model(cfg.base, cfg.dtype, trainable=cfg.lora is None, revision=cfg.revision,
                            attn_implementation=cfg.attn_implementation)
@@ -160,17 +165,17 @@ def load_policy(name: str, cfg: ModelCfg, device: torch.device, meta: bool = Fal
     return make_trainable(model, cfg.lora, cfg.gradient_checkpointing)
 
 
-def empty_model(name: str, attn_implementation: str = "sdpa") -> PreTrainedModel:
+def empty_model(name: str, attn_implementation: str = "sdpa", revision: str | None = None) -> PreTrainedModel:
     """The fp32 model of folder ``name`` on the meta device (its config and generation config, no weights)."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(name)
+        config = AutoConfig.from_pretrained(name, revision=revision)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                      attn_implementation=attn_implementation)
         if Path(name, "generation_config.json").is_file() or not _is_local(name):
-            model.generation_config = GenerationConfig.from_pretrained(name)
+            model.generation_config = GenerationConfig.from_pretrained(name, revision=revision)
     except (OSError, ValueError) as e:
         raise ModelLoadError(_load_hint(name, e)) from None
     return model.eval()

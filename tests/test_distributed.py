@@ -255,3 +255,25 @@ def test_fsdp2_checkpoint_is_sharded_on_disk_and_resumes_at_another_world_size(t
         if same is fsdp2:  # the same layout throughout: the checkpoint changes nothing
             print(f"checkpoint {name}: max |dw| vs uninterrupted fsdp2 world 2 = {exact:.3g}")
             assert exact == 0
+
+
+@pytest.mark.slow
+def test_sft_of_a_loaded_base_under_fsdp2_reads_it_on_rank_0_only_and_equals_world_size_1(tmp_path):
+    """model.base a folder (not the built tiny model): under FSDP2 rank 1 builds it on the meta device and gets
+    rank 0's weights through the shards; the SFT result equals world size 1's."""
+    p = parse_params(tiny_raw(tmp_path))
+    model, tok = modeling.init_base(p.model, p.seed)
+    base = tmp_path / "base"
+    modeling.save_checkpoint(model, tok, base)
+
+    def edit(raw):
+        raw["model"]["base"] = str(base)
+
+    one = _params(tmp_path / "w1", None, 1, edit=edit)
+    _ok(_stage("curate", one))
+    two = _params(tmp_path / "fsdp2", tmp_path / "w1" / "data" / "curated", 2, "fsdp2", edit)
+    _ok(_stage("sft", one))
+    _ok(_stage("sft", two))
+    diff = _max_diff(_weights(tmp_path / "fsdp2", "sft"), _weights(tmp_path / "w1", "sft"))
+    print(f"sft of a loaded base, fsdp2 world 2 (rank 1 on meta) vs world 1: max |dw| = {diff:.3g}")
+    assert diff < 1e-5
