@@ -7,7 +7,7 @@ torch's own: ``ddp`` (``DistributedDataParallel``: every rank holds the model, g
 parameters all-gathered per layer for forward and backward). Plain torch.distributed rather than ``accelerate``:
 our loops are hand-written for exact gradient accumulation and group statistics, so what accelerate adds (its
 dataloader sharding, mixed precision, config files) we would bypass, and what we need (``no_sync``,
-``set_requires_gradient_sync``, full state dicts through ``torch.distributed.checkpoint.state_dict``) is torch's.
+``set_requires_gradient_sync``, sharded state dicts through ``torch.distributed.checkpoint``) is torch's.
 
 What every loop does with a ``Dist`` (``current()``; a single-process one when not launched by torchrun):
 
@@ -23,10 +23,14 @@ What every loop does with a ``Dist`` (``current()``; a single-process one when n
   ``micro_count`` is the global maximum, and a rank with fewer runs zero-weight ones on its first micro-batch.
   Gradients synchronise on the last micro-batch only (``grad_sync``).
 - **Scoring and generation never touch the wrapped model**: they use ``plain(model)``, the unwrapped module
-  (DDP) or a full-weight copy refreshed from the shards (FSDP2; a collective, called by every rank at the same
-  point). Under FSDP2 each rank thus holds one full copy for generation, as a colocated vLLM engine would.
-- **Rank 0 alone writes** outputs, checkpoints (full, unsharded state: any world size and strategy can load
-  them), logs and the MLflow run.
+  (DDP) or a full-weight copy refreshed from the shards one parameter at a time (FSDP2; a collective, called by
+  every rank at the same point). Under FSDP2 each rank thus holds one full copy for generation, as a colocated
+  vLLM engine would.
+- **Loading under FSDP2**: ranks other than 0 build the policy on the meta device (``loads_on_meta``); ``wrap``
+  shards it and broadcasts rank 0's weights into the shards, so one process reads the weights.
+- **Rank 0 alone writes** outputs, logs and the MLflow run. Resumable checkpoints are written by every rank
+  (``posttrain.checkpoint``: DCP, each rank its shards, never a gathered full state); any world size and
+  strategy can load them.
 """
 
 from __future__ import annotations
@@ -89,6 +93,12 @@ class Dist:
     @property
     def active(self) -> bool:
         return self.world > 1
+
+    @property
+    def loads_on_meta(self) -> bool:
+        """FSDP2 ranks but rank 0 build the policy on the meta device (no weights read, no full host copy):
+        ``wrap`` shards it and broadcasts rank 0's weights into the shards."""
+        return self.active and self.strategy == "fsdp2" and not self.main
 
     # ---------------------------------------------------------------- splitting work
     def shard(self, items: Sequence[T]) -> list[T]:
@@ -189,28 +199,42 @@ class Dist:
 
             dev = next(model.parameters()).device
             return DistributedDataParallel(Forward(model), device_ids=[dev.index] if dev.type == "cuda" else None)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.fsdp import fully_shard
 
+        on_meta = any(p.is_meta for p in model.parameters())
         copy_ = copy.deepcopy(model).requires_grad_(False)
+        full = model.state_dict() if self.main else {}  # rank 0's weights, if the others load on meta
         for layer in _decoder_layers(model):
             fully_shard(layer)
         wrapped = fully_shard(Forward(model))
+        if self.max(float(on_meta)):  # some rank built the model on meta (Dist.loads_on_meta)
+            if on_meta:
+                dev = torch.device(self.comm_device)
+                wrapped.to_empty(device=dev)
+                _to_empty_tied(copy_, dev)  # parameters filled by plain(), one by one
+            set_model_state_dict(wrapped, {PREFIX + k: v for k, v in full.items()},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+            for module in (wrapped, copy_):  # non-persistent buffers (rotary tables): in no state dict, small
+                for _, b in module.named_buffers():
+                    tdist.broadcast(b, 0)
+        del full
         self._copies[id(wrapped)] = copy_
         return wrapped
 
     def plain(self, wrapped: torch.nn.Module) -> torch.nn.Module:
         """The model with the current full weights, run without collectives (generation, scoring, saving).
-        DDP: the wrapped model itself. FSDP2: this rank's full copy, refreshed from the shards here (a
-        collective: every rank calls it at the same point)."""
+        DDP: the wrapped model itself. FSDP2: this rank's full copy, refreshed from the shards here parameter
+        by parameter (an all-gather each, into the copy; a collective: every rank calls it at the same point)."""
         if not self.active:
             return wrapped
         if self.strategy == "ddp":
             return wrapped.module.model
         full = self._copies[id(wrapped)]
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        sd = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True))
-        full.load_state_dict({k.removeprefix(PREFIX): v for k, v in sd.items()})
+        into = dict(full.named_parameters())
+        with torch.no_grad():  # one parameter at a time: never a whole full state dict beside the copy
+            for name, p in wrapped.named_parameters():
+                into[name.removeprefix(PREFIX)].copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
         return full
 
     @contextlib.contextmanager
@@ -233,47 +257,19 @@ class Dist:
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
-    # ---------------------------------------------------------------- checkpoints (full state, any world size)
-    def state(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Full model and optimizer state dicts (optimizer state keyed by parameter name, so they load under any
-        strategy and world size). A collective under FSDP2; every rank gets them."""
-        if self.active and self.strategy == "fsdp2":
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_model_state_dict,
-                get_optimizer_state_dict,
-            )
 
-            o = StateDictOptions(full_state_dict=True)
-            msd, osd = get_model_state_dict(model, options=o), get_optimizer_state_dict(model, opt, options=o)
-            return _strip(msd), {"state": _strip(osd["state"]), "param_groups": [
-                {**g, "params": [n.removeprefix(PREFIX) for n in g["params"]]} for g in osd["param_groups"]]}
-        module = model.module.model if self.active else model
-        return module.state_dict(), _optim_by_name(module, opt)
-
-    def load_state(self, model: torch.nn.Module, opt: torch.optim.Optimizer, msd: dict[str, Any],
-                   osd: dict[str, Any]) -> None:
-        if self.active and self.strategy == "fsdp2":
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                set_model_state_dict,
-                set_optimizer_state_dict,
-            )
-
-            o = StateDictOptions(full_state_dict=True)
-            set_model_state_dict(model, {PREFIX + k: v for k, v in msd.items()}, options=o)
-            set_optimizer_state_dict(model, opt, {
-                "state": {PREFIX + k: v for k, v in osd["state"].items()},
-                "param_groups": [{**g, "params": [PREFIX + n for n in g["params"]]} for g in osd["param_groups"]]},
-                options=o)
-            return
-        module = model.module.model if self.active else model
-        module.load_state_dict(msd)
-        opt.load_state_dict(_optim_by_index(module, opt, osd))
-
-
-def _strip(d: dict[str, Any]) -> dict[str, Any]:
-    return {k.removeprefix(PREFIX): v for k, v in d.items()}
+def _to_empty_tied(module: torch.nn.Module, device: torch.device) -> None:
+    """``module.to_empty(device=...)`` keeping shared parameters shared (to_empty makes one new parameter per
+    owner: a tied LM head would come apart from its embedding)."""
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((m, name))
+    module.to_empty(device=device)
+    for (m0, n0), *rest in owners.values():
+        for m, name in rest:
+            m._parameters[name] = m0._parameters[n0]
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -283,24 +279,6 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(layers, torch.nn.ModuleList) and len(layers):
             return list(layers)
     return list(model.children())
-
-
-def _optim_by_name(module: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """``opt.state_dict()`` with parameter indices replaced by parameter names (the format of
-    ``get_optimizer_state_dict(full_state_dict=True)``)."""
-    sd = opt.state_dict()
-    name_of = {id(p): n for n, p in module.named_parameters()}
-    names = [name_of[id(p)] for g in opt.param_groups for p in g["params"]]
-    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]
-    return {"state": {names[i]: s for i, s in sd["state"].items()}, "param_groups": groups}
-
-
-def _optim_by_index(module: torch.nn.Module, opt: torch.optim.Optimizer, osd: dict[str, Any]) -> dict[str, Any]:
-    """The inverse of ``_optim_by_name`` for this optimizer's parameter order."""
-    name_of = {id(p): n for n, p in module.named_parameters()}
-    index = {name_of[id(p)]: i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]]
-    return {"state": {index[n]: s for n, s in osd["state"].items()}, "param_groups": groups}
 
 
 _CURRENT = Dist()

@@ -132,13 +132,18 @@ def _load_hint(name: str, e: Exception) -> str:
     return f"model {name!r}: {str(e).splitlines()[0]}"
 
 
-def init_base(cfg: ModelCfg, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def init_base(cfg: ModelCfg, seed: int, meta: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The starting policy and its tokenizer, prompt format and stops applied (:func:`apply_prompt`): built from
     ``model.tiny`` when ``model.base == 'tiny'``, else loaded (at ``model.revision``). fp32 master weights,
-    or the frozen base in ``model.dtype`` when LoRA is on; not yet made trainable (:func:`make_trainable`)."""
+    or the frozen base in ``model.dtype`` when LoRA is on; not yet made trainable (:func:`make_trainable`).
+    ``meta`` (``Dist.loads_on_meta``): a loaded base is built on the meta device, its weights read by rank 0
+    only (see :func:`load_policy`); the tiny base is built on every rank (cheap, deterministic)."""
     if cfg.base == "tiny":
         tok = build_char_tokenizer()
         model = build_tiny_model(cfg.tiny, tok, seed)
+    elif meta:
+        model = empty_model(cfg.base, cfg.attn_implementation, cfg.revision)
+        tok = load_tokenizer(cfg.base, cfg.revision)
     else:
         model = load_model(cfg.base, cfg.dtype, trainable=cfg.lora is None, revision=cfg.revision,
                            attn_implementation=cfg.attn_implementation)
@@ -147,12 +152,33 @@ def init_base(cfg: ModelCfg, seed: int) -> tuple[PreTrainedModel, PreTrainedToke
     return model, tok
 
 
-def load_policy(name: str, cfg: ModelCfg, device: torch.device) -> PreTrainedModel:
+def load_policy(name: str, cfg: ModelCfg, device: torch.device, meta: bool = False) -> PreTrainedModel:
     """A model folder to train: fp32 masters for full fine-tuning, or the base in ``cfg.dtype`` + fresh LoRA
-    adapters (:func:`make_trainable`)."""
-    model = load_model(name, cfg.dtype, device, trainable=cfg.lora is None,
-                       attn_implementation=cfg.attn_implementation)
+    adapters (:func:`make_trainable`). ``meta`` (FSDP2 ranks but rank 0: ``Dist.loads_on_meta``): built on the
+    meta device from the folder's config, no weight read; ``Dist.wrap`` shards it and rank 0 broadcasts the
+    weights."""
+    if meta:
+        model = empty_model(name, cfg.attn_implementation)
+    else:
+        model = load_model(name, cfg.dtype, device, trainable=cfg.lora is None,
+                           attn_implementation=cfg.attn_implementation)
     return make_trainable(model, cfg.lora, cfg.gradient_checkpointing)
+
+
+def empty_model(name: str, attn_implementation: str = "sdpa", revision: str | None = None) -> PreTrainedModel:
+    """The fp32 model of folder ``name`` on the meta device (its config and generation config, no weights)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name, revision=revision)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                     attn_implementation=attn_implementation)
+        if Path(name, "generation_config.json").is_file() or not _is_local(name):
+            model.generation_config = GenerationConfig.from_pretrained(name, revision=revision)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(_load_hint(name, e)) from None
+    return model.eval()
 
 
 def make_trainable(model: PreTrainedModel, lora: LoraCfg | None, gradient_checkpointing: bool) -> PreTrainedModel:
@@ -258,16 +284,28 @@ def stop_ids(gc: GenerationConfig, tok: PreTrainedTokenizerBase) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
-    """``save_pretrained`` model + tokenizer into ``path`` (a standard HF folder). A LoRA model is saved merged
-    (a plain folder that ``from_pretrained`` and vLLM load) with its adapter in ``path/adapter``; the model
-    in memory keeps its adapter (the merge runs on a copy)."""
+def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path,
+                    dtype: str = "float32") -> None:
+    """``save_pretrained`` model + tokenizer into ``path`` (a standard HF folder), weights in ``dtype``
+    (``model.dtype``: a bf16 run's artifacts are half the size of its fp32 masters, which stay in the resumable
+    checkpoint; ``config.json`` says ``dtype``). A LoRA model is saved merged (a plain folder that
+    ``from_pretrained`` and vLLM load) with its adapter in ``path/adapter``; the model in memory keeps its
+    adapter and dtype (the merge and the cast run on copies, tensor by tensor, tied weights cast once)."""
     if is_lora(model):
         import copy
 
         model.save_pretrained(path / "adapter", safe_serialization=True)
         model = copy.deepcopy(model).merge_and_unload()
-    model.save_pretrained(path, safe_serialization=True)
+    target, cast, memo = getattr(torch, dtype), {}, {}
+    for k, v in model.state_dict().items():
+        if v.is_floating_point() and v.dtype != target:
+            key = (v.data_ptr(), v.dtype, tuple(v.shape))  # a tied weight: one cast tensor, saved once
+            v = memo.setdefault(key, v.to(target))
+        cast[k] = v
+    model.save_pretrained(path, safe_serialization=True, state_dict=cast if memo else None)
+    config = json.loads((path / "config.json").read_text())
+    if config.get("dtype") != dtype:  # save_pretrained writes the in-memory model's dtype
+        (path / "config.json").write_text(json.dumps({**config, "dtype": dtype}, indent=2, sort_keys=True) + "\n")
     tokenizer.save_pretrained(path)
 
 

@@ -150,11 +150,9 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
     opt = adamw(model, cfg.lr, cfg.weight_decay, SFT_BETAS)
     sched = get_cosine_schedule_with_warmup(opt, cfg.warmup_steps, total)
     start = 0
-    state = checkpoint.load_resumable(ckpt_dir, fp)
+    state = checkpoint.restore(ckpt_dir, fp, model, opt)
     if state is not None:
-        d.load_state(model, opt, state["model"], state["optimizer"])
         sched.load_state_dict(state["scheduler"])
-        checkpoint.set_rank_rng(state["rng"])
         start = state["step"]
         log_to.resume(state["log"])
         log.info("resuming %s from %s step %d", desc, ckpt_dir, start)
@@ -200,10 +198,7 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
                            "grad_norm": round(grad_norm, 4), "cot_frac": spec.cot_frac})
             bar.set_postfix(loss=f"{loss:.4f}", phase=phase)
         if done % cfg.checkpoint_every == 0 and done < total:
-            msd, osd = d.state(model, opt)
-            checkpoint.save_resumable(ckpt_dir, done, {
-                "fingerprint": fp, "step": done, "model": msd, "optimizer": osd,
-                "scheduler": sched.state_dict(), "rng": checkpoint.rank_rngs(), "log": log_to.rows})
+            checkpoint.save(ckpt_dir, done, fp, model, opt, {"scheduler": sched.state_dict(), "log": log_to.rows})
     positions, real_positions = d.sum(positions, real_positions)
     data.counts["padding_frac"] = round(1 - real_positions / positions, 4) if positions else 0.0
     model.eval()

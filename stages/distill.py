@@ -126,7 +126,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     cold = d.plain(student)
     if d.main:
         with atomic_path(out["student_sft"]) as tmp:
-            modeling.save_checkpoint(cold, tok, tmp)
+            modeling.save_checkpoint(cold, tok, tmp, params.model.dtype)
     sft_seconds = res["seconds"]
 
     # A, B, C: one global step counter, one optimizer (lr set per phase), resumable
@@ -226,7 +226,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     if not d.main:
         return {"steps": len(phases), "rank": d.rank}
     with atomic_path(out["student"]) as tmp:
-        modeling.save_checkpoint(final, tok, tmp)
+        modeling.save_checkpoint(final, tok, tmp, params.model.dtype)
     train_log.close()
     if log_rows:
         plots.training_curves(log_rows, "step", ["reverse_kl", "forward_kl", "entropy", "sample_pass_rate"],

@@ -75,7 +75,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
                          f"{cfg.select.max_pass_rate}] (rl.select); see the reward audit")
     log.info("%d prompts selected (rl.select.strategy %s)", len(prompts), cfg.select.strategy)
 
-    model = modeling.load_policy(str(inputs["policy"]), params.model, device)
+    model = modeling.load_policy(str(inputs["policy"]), params.model, device, meta=d.loads_on_meta)  # FSDP2: rank 0
     tok = modeling.load_tokenizer(str(inputs["policy"]))
     ref = None
     if cfg.kl_coef > 0 or cfg.kl_reward_coef > 0:  # under LoRA the policy with its adapter off: no second copy
@@ -167,7 +167,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
             snapshot = d.plain(model)
             if d.main:
                 with atomic_path(ckpt_dir / "saved" / f"step_{done}") as tmp:
-                    modeling.save_checkpoint(snapshot, tok, tmp)
+                    modeling.save_checkpoint(snapshot, tok, tmp, params.model.dtype)
         if done % cfg.checkpoint_every == 0 and done < cfg.steps:
             checkpoint.save_loop_state(ckpt_dir, done, fp, cursor.pos, model, opt, log_rows, moving_ref,
                                      {"prior": {"p": prior.p, "n": prior.n}})
@@ -178,7 +178,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     if not d.main:
         return {"steps": cfg.steps, "rank": d.rank}
     with atomic_path(out["model"]) as tmp:
-        modeling.save_checkpoint(final, tok, tmp)
+        modeling.save_checkpoint(final, tok, tmp, params.model.dtype)
     with atomic_path(out["rl_dir"]) as tmp:
         tmp.mkdir()
         write_parquet(tmp / "selected_prompts.parquet", prompts, PROBLEM_SCHEMA)

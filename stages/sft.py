@@ -53,12 +53,12 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     demos = read_problems(inputs["demos"])
     if not demos:
         raise ValueError(f"{inputs['demos']}: no demonstrations")
-    model, tok = modeling.init_base(params.model, params.seed)  # every rank builds (or loads) the same weights
+    model, tok = modeling.init_base(params.model, params.seed, meta=d.loads_on_meta)  # FSDP2: rank 0 reads
     if d.main:
         with atomic_path(out["base_model"]) as tmp:
-            modeling.save_checkpoint(model, tok, tmp)
+            modeling.save_checkpoint(model, tok, tmp, params.model.dtype)
     model = modeling.make_trainable(model, params.model.lora, params.model.gradient_checkpointing)
-    model = d.wrap(model.to(device).train())
+    model = d.wrap((model if d.loads_on_meta else model.to(device)).train())  # meta: wrap materialises it
 
     fp = checkpoint.fingerprint(params.sft, params.model, params.seed, checkpoint.file_digest(inputs["demos"]))
     with modeling.autocast(params.model.dtype, device):  # fp32 masters; bf16 compute when model.dtype says so
@@ -81,7 +81,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     if not d.main:
         return metrics
     with atomic_path(out["model"]) as tmp:
-        modeling.save_checkpoint(final, tok, tmp)
+        modeling.save_checkpoint(final, tok, tmp, params.model.dtype)
     train_log.close()
     plots.training_curves(log_rows, "step", ["loss", "lr", "grad_norm"], "sft", out["report_dir"] / "curves.png")
     write_json(out["metrics"], metrics)

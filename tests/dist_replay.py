@@ -38,7 +38,8 @@ def variant(dist: distributed.Dist, params: Params, policy: str, shard: str) -> 
     rows = read_parquet(Path(shard))
     sb = collect.StepBatch.from_rows(rows, g)  # each rank keeps its share of the groups, as collect_step does
     tok = modeling.load_tokenizer(policy)
-    model = modeling.load_policy(policy, params.model, torch.device("cpu"))
+    model = modeling.load_policy(policy, params.model, torch.device("cpu"), meta=dist.loads_on_meta)
+    assert all(p.is_meta for p in model.parameters()) == dist.loads_on_meta  # FSDP2: only rank 0 reads weights
     ref = modeling.load_model(policy) if cfg.kl_coef > 0 else None
     prompts = {r["prompt_id"]: r["prompt"] for r in rows}
     prompt_ids = dict(zip(prompts, chat_prompt_ids(tok, list(prompts.values())), strict=True))
@@ -49,7 +50,7 @@ def variant(dist: distributed.Dist, params: Params, policy: str, shard: str) -> 
     updated = {k: v.clone() for k, v in teacher.state_dict().items()}
     with torch.no_grad():  # a teacher measurably unlike the student: the updated policy, its head scaled
         teacher.get_output_embeddings().weight.mul_(3.0)
-    student = dist.wrap(modeling.load_policy(policy, params.model, torch.device("cpu")))
+    student = dist.wrap(modeling.load_policy(policy, params.model, torch.device("cpu"), meta=dist.loads_on_meta))
     s_opt = torch.optim.SGD(modeling.trainable_params(student), lr=1.0)  # weights move by the gradient itself
     seqs = [logprobs.Seq(prompt_ids[r["prompt_id"]], list(r["token_ids"]), list(r["logprobs"]), 0.0) for r in rows]
     d_metrics = distillation.divergence_update(student, teacher, s_opt, seqs, "reverse_kl", 0.5, tok.pad_token_id,

@@ -7,7 +7,9 @@
   minibatches, so old log-probs and reference log-probs are filled by ranks and gathered), and one distill
   step on the same sequences, give the same weights at world size 1 and 2, for DDP, FSDP2 and DDP with LoRA;
 - one rank SIGKILLed mid-run: the stage fails at once (no hang: torchrun stops the other rank; the collective
-  timeout is the backstop), and re-running resumes from the last full checkpoint to the one-process weights.
+  timeout is the backstop), and re-running resumes from the last checkpoint to the one-process weights;
+- sharded checkpoints (``tests/dist_ckpt.py``): FSDP2 saves through DCP with no full tensor gathered, each rank
+  its half, and a checkpoint resumes at world size 2 -> 1, 1 -> 2 and 2 -> 2 (bit-identical in its own layout).
 """
 
 import json
@@ -25,7 +27,7 @@ import yaml
 from conftest import REPO, tiny_raw
 from safetensors.torch import load_file
 
-from posttrain import distributed, modeling
+from posttrain import checkpoint, modeling
 from posttrain.config import parse_params
 from posttrain.rewards import score_rows
 from posttrain.rollout import BACKENDS, SamplingParams, sample_rows
@@ -173,7 +175,7 @@ def test_sft_at_world_size_2_equals_world_size_1_and_a_killed_rank_fails_cleanly
     proc = _stage("sft", two)
     ckpt = tmp_path / "ddp" / "checkpoints" / "sft"
     deadline = time.time() + 120
-    while not list(ckpt.glob("step_*.pt")) and time.time() < deadline and proc.poll() is None:
+    while not list(ckpt.glob("step_*")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
     workers = _workers(proc.pid)
     assert proc.poll() is None and set(workers) == {0, 1}, "the run ended before a rank could be killed"
@@ -183,7 +185,7 @@ def test_sft_at_world_size_2_equals_world_size_1_and_a_killed_rank_fails_cleanly
     print(f"rank 1 killed: the stage exited {proc.returncode} after {time.time() - t0:.1f}s")
     assert proc.returncode == 1 and "rank 1 failed (killed by signal 9)" in err
     assert not (tmp_path / "ddp" / "models" / "sft").exists()
-    killed_at = max(int(p.stem.split("_")[1]) for p in ckpt.glob("step_*.pt"))
+    killed_at = max(int(p.stem.split("_")[1]) for p in ckpt.glob("step_*"))
 
     runs = {"ddp": two, "fsdp2": _params(tmp_path / "fsdp2", curated, 2, "fsdp2", edit=long),
             "w1-resumed": _params(tmp_path / "w1-resumed", curated, 1, edit=long)}
@@ -208,12 +210,11 @@ def test_checkpoint_optimizer_state_is_keyed_by_name_and_loads_back():
     opt = torch.optim.AdamW(m.parameters(), lr=0.1)
     m(torch.randn(2, 3)).sum().backward()
     opt.step()
-    d = distributed.Dist()
-    msd, osd = d.state(m, opt)
+    msd, osd = checkpoint.model_state(m, opt)
     assert sorted(osd["state"]) == ["0.bias", "0.weight", "1.bias", "1.weight"]
     assert osd["param_groups"][0]["params"] == ["0.weight", "0.bias", "1.weight", "1.bias"]
     opt2 = torch.optim.AdamW(m.parameters(), lr=0.1)
-    d.load_state(m, opt2, msd, osd)
+    checkpoint.load_model_state(m, opt2, msd, osd)
     torch.testing.assert_close(opt2.state_dict()["state"][2]["exp_avg"], opt.state_dict()["state"][2]["exp_avg"])
 
 
@@ -260,3 +261,64 @@ def test_rl_step_at_world_size_2_gathers_scalars_only_and_every_rank_gets_the_ha
     assert max(float((r0["state"][k] - one["state"][k]).abs().max()) for k in one["state"]) < TOL
     w1, w2 = (pq.read_table(tmp_path / f"w{n}" / "shard.parquet").drop_columns(["seed"]) for n in (1, 2))
     assert w2.equals(w1) and w1.num_rows == 16  # the same rows in the same order (seeds differ by rank)
+
+
+def _ckpt_job(mode: str, nproc: int, strategy: str, ckpt: Path, out: Path) -> dict:
+    script = [str(REPO / "tests" / "dist_ckpt.py"), mode, strategy, str(ckpt), str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script]
+    r = subprocess.run(cmd if nproc > 1 else [sys.executable, *script], cwd=REPO, env=ENV, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.slow
+def test_fsdp2_checkpoint_is_sharded_on_disk_and_resumes_at_another_world_size(tmp_path):
+    """FSDP2 at world size 2 saves through DCP without gathering any full tensor (each rank writes its own
+    half); the checkpoint resumes at world size 1 and at world size 2, and a world-size-1 checkpoint resumes
+    under FSDP2 at world size 2: all three end at the weights of an uninterrupted 4-step run."""
+    straight = _ckpt_job("straight", 1, "ddp", tmp_path / "none", tmp_path / "straight.pt")["weights"]
+    fs = tmp_path / "fsdp2"
+    saved = _ckpt_job("save", 2, "fsdp2", fs, tmp_path / "saved.pt")
+    assert saved["gathered"] == 0  # no full_tensor() while saving
+    files = sorted((fs / "step_0000002").glob("*.distcp"))
+    sizes = [f.stat().st_size for f in files]
+    print(f"fsdp2 world 2 checkpoint: {len(files)} shard files, bytes {sizes}")
+    assert len(files) == 2 and max(sizes) < 0.7 * sum(sizes)  # each rank wrote about half
+    w1 = tmp_path / "w1"
+    _ckpt_job("save", 1, "ddp", w1, tmp_path / "saved1.pt")
+    fsdp2 = _ckpt_job("straight", 2, "fsdp2", tmp_path / "none", tmp_path / "straight2.pt")["weights"]
+    noise = _max_diff(fsdp2, straight)  # reduction order alone, amplified by four Adam steps
+    print(f"uninterrupted fsdp2 world 2 vs world 1: max |dw| = {noise:.3g}")
+    for name, nproc, strategy, ckpt, same in (("fsdp2 w2 -> w1", 1, "ddp", fs, straight),
+                                              ("fsdp2 w2 -> fsdp2 w2", 2, "fsdp2", fs, fsdp2),
+                                              ("w1 -> fsdp2 w2", 2, "fsdp2", w1, straight)):
+        got = _ckpt_job("resume", nproc, strategy, ckpt, tmp_path / "resumed.pt")["weights"]
+        diff, exact = _max_diff(got, straight), _max_diff(got, fsdp2 if same is fsdp2 else straight)
+        print(f"checkpoint {name}: max |dw| vs uninterrupted world size 1 = {diff:.3g}")
+        assert diff < 1e-5
+        if same is fsdp2:  # the same layout throughout: the checkpoint changes nothing
+            print(f"checkpoint {name}: max |dw| vs uninterrupted fsdp2 world 2 = {exact:.3g}")
+            assert exact == 0
+
+
+@pytest.mark.slow
+def test_sft_of_a_loaded_base_under_fsdp2_reads_it_on_rank_0_only_and_equals_world_size_1(tmp_path):
+    """model.base a folder (not the built tiny model): under FSDP2 rank 1 builds it on the meta device and gets
+    rank 0's weights through the shards; the SFT result equals world size 1's."""
+    p = parse_params(tiny_raw(tmp_path))
+    model, tok = modeling.init_base(p.model, p.seed)
+    base = tmp_path / "base"
+    modeling.save_checkpoint(model, tok, base)
+
+    def edit(raw):
+        raw["model"]["base"] = str(base)
+
+    one = _params(tmp_path / "w1", None, 1, edit=edit)
+    _ok(_stage("curate", one))
+    two = _params(tmp_path / "fsdp2", tmp_path / "w1" / "data" / "curated", 2, "fsdp2", edit)
+    _ok(_stage("sft", one))
+    _ok(_stage("sft", two))
+    diff = _max_diff(_weights(tmp_path / "fsdp2", "sft"), _weights(tmp_path / "w1", "sft"))
+    print(f"sft of a loaded base, fsdp2 world 2 (rank 1 on meta) vs world 1: max |dw| = {diff:.3g}")
+    assert diff < 1e-5

@@ -29,13 +29,13 @@ def _stage(name: str, params: Path, **kw) -> subprocess.Popen:
 
 def _wait_for_checkpoint_then_kill(proc: subprocess.Popen, ckpt: Path) -> int:
     deadline = time.time() + 120
-    while not list(ckpt.glob("step_*.pt")) and time.time() < deadline and proc.poll() is None:
+    while not list(ckpt.glob("step_*")) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.01)
     time.sleep(0.3)  # a little past the first checkpoint
     assert proc.poll() is None, "the stage finished before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    return max(int(p.stem.split("_")[1]) for p in ckpt.glob("step_*.pt"))
+    return max(int(p.stem.split("_")[1]) for p in ckpt.glob("step_*"))
 
 
 def _straight_and_killed(tmp_path: Path, stage: str, upstream: tuple[str, ...], edit, model: str,

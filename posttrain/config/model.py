@@ -80,8 +80,9 @@ class ModelCfg(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="compute dtype. Training keeps fp32 master weights and optimizer state and runs "
         "forward/backward under torch.autocast in this dtype (mixed precision); inference-only models (evaluate, "
-        "the rollout stage, a distillation teacher, a KL reference) are loaded in it. With LoRA the frozen base "
-        "is stored in this dtype and the adapters in fp32")
+        "the rollout stage, a distillation teacher, a KL reference) are loaded in it, and the model folders the "
+        "stages output are saved in it (the fp32 masters stay in the resumable checkpoints). With LoRA the "
+        "frozen base is stored in this dtype and the adapters in fp32")
     lora: LoraCfg | None = Field(None, description="null: full fine-tuning; else train LoRA adapters")
     gradient_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in "
                                          "backward (less memory, ~30% more compute)")
