@@ -108,8 +108,6 @@ def main() -> None:
                     # the tokenized file is reused across arms (its digest names it): only training is timed
                     res = training.sft_train(model, tok, demos, cfg, params.seed, Path(tmp) / name, "bench",
                                              progress=False)
-                    for p in (Path(tmp) / name).glob("step_*.pt"):
-                        p.unlink()
                     rows.append({"repeat": rep, "demos": name, "batching": batching, "micro_batch_size": micro,
                                  "seconds": round(res["seconds"], 3), "tokens": res["tokens"],
                                  "tokens_per_s": round(res["tokens"] / res["seconds"], 1),

@@ -241,7 +241,7 @@ def test_two_machines_share_only_the_server_and_a_dvc_remote_and_a_killed_worker
         worker("gpu")
         first = trigger()
         ckpt = repos["gpu"] / "checkpoints" / "rl"
-        _wait(lambda: any(ckpt.glob("step_*.pt")), 600, "rl's first resumable checkpoint", every=0.5)
+        _wait(lambda: any(ckpt.glob("step_*/meta.json")), 600, "rl's first resumable checkpoint", every=0.5)
         before = {pool: _mtimes(repos[pool], paths) for pool, paths in (
             ("cpu", ["data/curated", "data/reward"]), ("gpu", ["models/sft", "data/rollout"]))}
         assert not (repos["cpu"] / "checkpoints" / "rl").exists()  # rl runs in the other checkout only

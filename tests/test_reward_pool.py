@@ -41,6 +41,11 @@ def hang(sample):
         time.sleep(3600)
     return 0.0
 
+def slow_pid(sample):
+    """0.15 s a sample; the reward is the worker's pid (which workers scored it)."""
+    time.sleep(0.15)
+    return float(os.getpid())
+
 def die(sample):
     """Kills its own worker."""
     if "die" in sample.completion:
@@ -106,6 +111,18 @@ def test_pool_scores_exactly_as_serial():
             for i, s in enumerate(samples)]
     with RewardPool(3, timeout_s=30) as pool:
         assert score_rows(rows, SPECS, pool) == score_rows(rows, SPECS)  # the rows the reward stage writes
+
+
+def test_a_chunk_gets_the_time_of_its_samples_so_no_worker_is_killed_for_slow_but_timely_samples(plugin):
+    """64 samples of 0.15 s on 2 workers go in chunks of 8 (1.2 s a chunk); each sample is within the 0.5 s
+    limit. Every sample is scored by one of the 2 original workers: no chunk was killed and redone one by one
+    (with a chunk limited to one sample's 0.5 s, every chunk timed out and its worker was replaced)."""
+    specs = [Spec(f"{plugin}:slow_pid", 1.0, {})]
+    with RewardPool(2, timeout_s=0.5) as pool:
+        first = pool.score([Sample("x", "5", "arith", 5, 80)] * 2, specs)  # the workers as started
+        got = pool.score([Sample("x", "5", "arith", 5, 80)] * 64, specs)
+    assert all(r is not None for r, _ in first + got)
+    assert len({r for r, _ in first + got}) <= 2  # a killed chunk's samples would come back from new workers
 
 
 def test_a_hung_worker_is_killed_and_its_sample_unscorable(plugin, tmp_path):

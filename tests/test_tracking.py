@@ -144,7 +144,7 @@ def test_server_killed_mid_stage_then_outbox_sync_loses_nothing(tmp_path):
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         ckpts = repo / "checkpoints" / "sft"
         end = time.time() + 300
-        while not any(ckpts.glob("step_*.pt")) and time.time() < end and run.poll() is None:
+        while not any(ckpts.glob("step_*/meta.json")) and time.time() < end and run.poll() is None:
             time.sleep(0.1)
         stop(srv)  # the server dies in the middle of sft
         out = run.communicate(timeout=600)[0]

@@ -74,7 +74,8 @@ class Reward(Section):
     max_unscorable_frac: float = Field(0.05, ge=0, le=1, description="fail the stage above this unscorable share")
     workers: int = Field(0, ge=0, le=MAX_THREADS, json_schema_extra=NOT_RESULT,
                          description="scoring processes: 0 or 1 = in this process, one sample at a time (no timeout "
-                         "beyond math-verify's own); >= 2 = a process pool (results identical to in-process)")
+                         "beyond math-verify's own); >= 2 = a process pool (results identical to in-process unless "
+                         "a sample times out)")
     timeout_s: float = Field(30.0, gt=0, le=3600, json_schema_extra=NOT_RESULT,
                              description="with workers >= 2: seconds one sample may take; a sample past it (or "
                              "whose worker dies) is unscorable, its worker killed and replaced")

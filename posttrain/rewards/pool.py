@@ -125,29 +125,31 @@ class RewardPool:
         plain = specs_of(specs)
         if self._pool is None:
             return [combine(s, plain) for s in samples]
-        # Chunks amortise the per-task cost (a few ms of pipes and threads). A chunk gets one sample's time: one
-        # that runs past it, or loses its worker, is redone a sample at a time, so a sample is unscorable only
-        # when it alone runs out of time (or kills its worker), and the results stay those of serial scoring.
+        # Chunks amortise the per-task cost (a few ms of pipes and threads). A chunk of n samples gets n samples'
+        # time: one that runs past it, or loses its worker, is redone a sample at a time, so a sample is
+        # unscorable only when it alone runs out of time (or kills its worker).
         k = max(1, min(MAX_CHUNK, len(samples) // (4 * self.workers)))
         chunks = [samples[i : i + k] for i in range(0, len(samples), k)]
         out: list[tuple[float | None, dict[str, Any]]] = []
-        for chunk, got in zip(chunks, self._run(_score_chunk, [(c, plain) for c in chunks]), strict=True):
+        for chunk, got in zip(chunks, self._run(_score_chunk, [(c, plain) for c in chunks], k), strict=True):
             if isinstance(got, str) and len(chunk) > 1:  # redo it one sample at a time
                 got = [r[0] if isinstance(r, list) else failed(plain, r)
-                       for r in self._run(_score_chunk, [([x], plain) for x in chunk])]
+                       for r in self._run(_score_chunk, [([x], plain) for x in chunk], 1)]
             out += got if isinstance(got, list) else [failed(plain, got)]
         return out
 
-    def _run(self, fn: Any, args: list[tuple[Any, ...]]) -> list[Any]:
-        """``fn(*a)`` for each ``a`` in the pool: its result, or why it has none (a string)."""
+    def _run(self, fn: Any, args: list[tuple[Any, ...]], per_task: int) -> list[Any]:
+        """``fn(*a)`` for each ``a`` in the pool, each with ``per_task`` samples' time: its result, or why it has
+        none (a string)."""
         assert self._pool is not None
-        futures = [self._pool.schedule(fn, args=a, timeout=self.timeout_s) for a in args]
+        limit = self.timeout_s * per_task
+        futures = [self._pool.schedule(fn, args=a, timeout=limit) for a in args]
         out: list[Any] = []
         for f in futures:
             try:
                 out.append(f.result())
             except FutureTimeout:
-                out.append(f"timeout after {self.timeout_s:g}s")
+                out.append(f"timeout after {limit:g}s")
             except ProcessExpired as e:
                 out.append(f"worker died (exit code {e.exitcode})")
         return out
