@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from posttrain.errors import StageError
@@ -160,15 +161,22 @@ def read_columns(path: str | Path, columns: Sequence[str]) -> pa.Table:
     return f.read(columns=list(columns))
 
 
-def iter_rows(path: str | Path, columns: Sequence[str] | None = None, batch_rows: int = BATCH_ROWS
-              ) -> Iterator[list[dict[str, Any]]]:
+def iter_rows(path: str | Path, columns: Sequence[str] | None = None, batch_rows: int = BATCH_ROWS,
+              lengths: dict[str, str] | None = None) -> Iterator[list[dict[str, Any]]]:
     """The rows of a Parquet file (only ``columns``; None: all), a record batch of ``batch_rows`` at a time, as
-    lists of dicts: what a stage that streams a dataset converts, one batch alive at a time."""
+    lists of dicts: what a stage that streams a dataset converts, one batch alive at a time. ``lengths`` (list
+    column -> name): those columns are read as their lengths only, under the new name (``{"token_ids":
+    "num_tokens"}``: a reader that counts tokens never turns a token id into a Python int)."""
     f = parquet_file(path)
-    missing = sorted(set(columns or ()) - set(f.schema_arrow.names))
+    lengths = lengths or {}
+    missing = sorted((set(columns or ()) | set(lengths)) - set(f.schema_arrow.names))
     if missing:
         raise StageError(f"{path}: missing columns {missing}")
-    for batch in f.iter_batches(batch_size=batch_rows, columns=list(columns) if columns else None):
+    read = [*columns, *lengths] if columns else None
+    for batch in f.iter_batches(batch_size=batch_rows, columns=read):
+        for col, name in lengths.items():
+            i = batch.schema.get_field_index(col)
+            batch = batch.set_column(i, name, pc.list_value_length(batch.column(i)))
         yield batch.to_pylist()
 
 

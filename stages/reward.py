@@ -144,8 +144,9 @@ def audit_markdown(a: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-READ = ("prompt_id", "sample", "prompt", "answer", "task", "completion", "token_ids", "max_new_tokens",
-        "finish_reason")  # what scoring and the audit read of rollouts.parquet (not the log-probs)
+READ = ("prompt_id", "sample", "prompt", "answer", "task", "completion", "max_new_tokens",
+        "finish_reason")  # what scoring and the audit read of rollouts.parquet (not the log-probs) ...
+LENGTHS = {"token_ids": "num_tokens"}  # ... and the completions' lengths (never the token ids themselves)
 
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
@@ -158,7 +159,7 @@ def score_batches(rollouts: Path, specs: Sequence[Any], batch_rows: int, pool: R
                   ) -> Iterator[list[dict[str, Any]]]:
     """The rollouts' rows (``READ`` columns) with ``reward`` and ``rewards``, a record batch at a time: one
     ``score_rows`` call per batch, scored in ``pool`` (None: in this thread)."""
-    for rows in iter_rows(rollouts, READ, batch_rows):
+    for rows in iter_rows(rollouts, READ, batch_rows, LENGTHS):
         yield score_rows(rows, specs, pool)
 
 
