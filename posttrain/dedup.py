@@ -10,9 +10,11 @@ library gives the rules that keep distinct maths problems apart, which is what m
   than ``boilerplate_frac`` of the rows, counted on an evenly spaced sample of at most ``df_sample`` rows,
   are neither indexed nor scored: a shared instruction template (DAPO-Math-17k's, "Please reason step by
   step...") cannot make two problems look alike, and a copy wrapped in a common template is still caught.
-- **Numbers decide**: two rows are near duplicates only if they hold the same numbers (digit runs and
-  number words, as a multiset; ``numbers_must_match``). "Simplify √50" and "Simplify √72" are two problems;
-  a re-spaced, re-cased, reordered, LaTeX-rewritten or templated copy keeps its numbers.
+- **Numbers decide**: two rows are near duplicates only if they hold the same numbers in the same order with
+  the same signs and operators, sentence by sentence (digit runs, number words, ``+ - * / = ^`` and
+  plus/minus/times; ``numbers_must_match``). "Simplify √50" and "Simplify √72" are two problems, and so are
+  "60 miles in 2 hours" and "2 miles in 60 hours"; a re-spaced, re-cased, reordered, LaTeX-rewritten or
+  templated copy keeps its numbers.
 - ``ngram``: score = shared informative n-grams / the smaller row's count (an edited copy, or a copy inside
   a wrapper); every n-gram's posting list holds at most ``max_postings`` rows, so a row looks at most
   (its n-grams x max_postings) candidates: no quadratic walk. Memory grows with distinct n-grams.
@@ -43,13 +45,15 @@ _NUMBER_WORDS = {w: str(i) for i, w in enumerate(
     "seventeen eighteen nineteen twenty".split())}
 _NUMBER_WORDS |= {w: str(10 * i) for i, w in enumerate("thirty forty fifty sixty seventy eighty ninety".split(), 3)}
 _NUMBER_WORDS |= {"hundred": "100", "thousand": "1000", "million": "1000000", "half": "1/2", "twice": "x2"}
+_OPERATORS = {"+": "+", "-": "-", "*": "*", "/": "/", "=": "=", "^": "^", "plus": "+", "minus": "-", "times": "*",
+              "negative": "-"}
 
 
 @dataclass(frozen=True)
 class Features:
     digest: bytes  # exact-duplicate key
     grams: frozenset[str]  # word n-grams within sentences (boilerplate not yet removed)
-    numbers: int  # hash of the sorted multiset of numbers (stable within a run; equality only)
+    numbers: int  # hash of `maths` (stable within a run; equality only)
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,17 @@ def features(text: str, n: int) -> Features:
     toks = words(text)
     digest = hashlib.blake2b(" ".join(toks).encode(), digest_size=16).digest()
     grams = frozenset().union(*(ngrams(s, n) for s in sentences(toks))) if toks else frozenset()
-    nums = sorted(_NUMBER_WORDS.get(t, t) for t in toks if t.isdigit() or t in _NUMBER_WORDS)
-    return Features(digest, grams, hash(tuple(nums)))
+    return Features(digest, grams, hash(maths(toks)))
+
+
+def maths(toks: list[str]) -> tuple[tuple[str, ...], ...]:
+    """The numbers of a text in order with their signs and operators, per sentence (sentences sorted, so a
+    reordered copy keeps them): "60 miles in 2 hours" and "2 miles in 60 hours", or "x^2 - 4x + 3" and
+    "x^2 + 4x - 3", are two problems."""
+    per = (tuple(_NUMBER_WORDS.get(t) or _OPERATORS.get(t) or t for t in s
+                 if t.isdigit() or t in _NUMBER_WORDS or t in _OPERATORS)
+           for s in sentences(toks))
+    return tuple(sorted(p for p in per if any(t not in _OPERATORS for t in p)))
 
 
 def boilerplate(texts: list[str], n: int, frac: float, sample: int, min_rows: int = 3) -> frozenset[str]:
