@@ -34,8 +34,7 @@ ACCEPTED = {
                         "rl.max_refill_rounds", "rl.prior_budget", "rl.select.max_pass_rate",
                         "rl.select.min_pass_rate", "rollout.vllm.enforce_eager",
                         "curate.dedup.numbers_must_match", "runtime.progress", "sft.phases[0].cot_frac",
-                        "sft.phases[1].cot_frac", "sft.warmup_steps",
-                        "sft.weight_decay", "task.min_multiplier", "tracking.enabled",
+                        "sft.warmup_steps", "sft.weight_decay", "task.min_multiplier", "tracking.enabled",
                         "evaluate.sampling.temperature", "rollout.sampling.temperature",  # 0 = greedy
                         "evaluate.max_unusable_frac",  # 0 = no benchmark row may be dropped
                         "rollout.checkpoint_every_s")},  # 0 = write the finished chunks after every chunk
