@@ -14,7 +14,8 @@ exceeds ``reward.max_unscorable_frac``.
 Streaming: rollouts are read in record batches (``schema.BATCH_ROWS`` rows), each batch scored by one
 ``score_rows`` call and its reward columns written at once (``ParquetWriter``); a prompt's pass rate is written
 when its group of samples ends (the rollout stage writes each prompt's samples together: a prompt met twice is
-an error). Memory: one batch of rows, the audit's counters and examples, and a float per sample and prompt.
+an error). Memory: one batch of rows, the audit's counters, examples and running means, and the prompt ids
+seen (Arrow, a few bytes a prompt: to refuse a prompt met twice).
 
 Run: ``dvc repro reward`` or ``python -m stages.reward [--params params.yaml]``.
 """
@@ -23,12 +24,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -53,24 +54,25 @@ log = logging.getLogger("reward")
 
 class Audit:
     """The reward audit, accumulated a batch of scored rows (``add``) and a batch of pass rates (``add_rates``)
-    at a time; ``result()`` is the JSON behind audit.md. Holds counters, the first examples per bucket and one
-    float per sample / prompt (numpy), never the rows."""
+    at a time; ``result()`` is the JSON behind audit.md. Holds counters, the first examples per bucket and running
+    means (:class:`Mean`): never the rows, nor a number per sample or prompt."""
 
     def __init__(self, n_examples: int) -> None:
         self.n_examples, self.samples, self.n_prompts = n_examples, 0, 0
-        self.scorable: list[np.ndarray] = []
+        self.scorable = Mean()
         self.buckets: Counter[str] = Counter()
         self.guards: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()  # why samples could not be scored (timeout, dead worker, raised)
-        self.comps: dict[str, list[np.ndarray]] = {}
+        self.comps: dict[str, Mean] = {}
         self.examples: dict[str, list[dict[str, str]]] = {}
-        self.rates: list[np.ndarray] = []
+        self.rates = Mean()
+        self.never = self.always = 0
         self.hist: Counter[str] = Counter()
 
     def add(self, scored: Sequence[dict[str, Any]]) -> None:
         rewards = [r["reward"] for r in scored]
         self.samples += len(rewards)
-        self.scorable.append(np.array([x for x in rewards if x is not None], dtype=np.float64))
+        self.scorable.add([x for x in rewards if x is not None])
         self.buckets.update("unscorable" if x is None else f"{x:.2f}" for x in rewards)
         comps: dict[str, list[float]] = {}
         for r in scored:
@@ -81,7 +83,7 @@ class Audit:
                 if v is not None and k != ERROR_KEY:
                     comps.setdefault(k, []).append(v)
         for k, v in comps.items():
-            self.comps.setdefault(k, []).append(np.array(v, dtype=np.float64))
+            self.comps.setdefault(k, Mean()).add(v)
         for r in scored:
             key = "unscorable" if r["reward"] is None else f"{r['reward']:.2f}"
             if len(self.examples.setdefault(key, [])) < self.n_examples:
@@ -93,23 +95,39 @@ class Audit:
     def add_rates(self, rates: Sequence[dict[str, Any]]) -> None:
         self.n_prompts += len(rates)
         pr = [x["pass_rate"] for x in rates if x["pass_rate"] is not None]
-        self.rates.append(np.array(pr, dtype=np.float64))
+        self.rates.add(pr)
+        self.never += sum(x == 0 for x in pr)
+        self.always += sum(x == 1 for x in pr)
         self.hist.update(f"{x:.3f}" for x in pr)
 
     def result(self) -> dict[str, Any]:
-        scorable, pr = np.concatenate([np.zeros(0), *self.scorable]), np.concatenate([np.zeros(0), *self.rates])
         return {
-            "samples": self.samples, "unscorable": self.samples - len(scorable),
-            "unscorable_frac": (self.samples - len(scorable)) / max(self.samples, 1),
-            "reward_mean": float(np.mean(scorable)) if len(scorable) else None,
+            "samples": self.samples, "unscorable": self.samples - self.scorable.n,
+            "unscorable_frac": (self.samples - self.scorable.n) / max(self.samples, 1),
+            "reward_mean": self.scorable.mean(),
             "reward_buckets": dict(sorted(self.buckets.items())),
-            "component_means": {k: float(np.mean(np.concatenate(v))) for k, v in self.comps.items()},
-            "prompts": self.n_prompts, "pass_rate_mean": float(np.mean(pr)) if len(pr) else None,
+            "component_means": {k: v.mean() for k, v in self.comps.items()},
+            "prompts": self.n_prompts, "pass_rate_mean": self.rates.mean(),
             "pass_rate_histogram": dict(sorted(self.hist.items())),
-            "never_solved": int(np.sum(pr == 0)), "always_solved": int(np.sum(pr == 1)),
+            "never_solved": self.never, "always_solved": self.always,
             "guards": dict(sorted(self.guards.items())), "examples": self.examples,
             **({"errors": dict(sorted(self.errors.items()))} if self.errors else {}),  # (absent when none)
         }
+
+
+class Mean:
+    """A running mean: the count and ``math.fsum`` of each batch with the carried total (within an ulp a batch of
+    the exact sum), so the audit holds two numbers per statistic, never one per sample."""
+
+    def __init__(self) -> None:
+        self.n, self.total = 0, 0.0
+
+    def add(self, xs: Sequence[float]) -> None:
+        self.n += len(xs)
+        self.total = math.fsum([self.total, *xs])
+
+    def mean(self) -> float | None:
+        return self.total / self.n if self.n else None
 
 
 def audit(scored: list[dict[str, Any]], rates: list[dict[str, Any]], n_examples: int) -> dict[str, Any]:

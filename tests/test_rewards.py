@@ -134,3 +134,27 @@ def test_guards_never_refuse_a_real_benchmark_answer():
             assert mathfmt.guard(f"Working it out carefully, we get \\boxed{{{gold}}}.") is None, (name, gold)
             n += 1
     assert n == 1546
+
+
+def test_the_reward_audit_is_the_same_whatever_the_batching():
+    """stages.reward.Audit keeps running means, not one float per sample: batches of 3 + 1 rows give the audit of
+    one batch of 4, and the means are the hand-computed ones."""
+    import json
+
+    from stages import reward
+
+    rows = [{"prompt_id": f"p{i // 2}", "prompt": "q", "answer": "5", "task": "arith", "completion": "5",
+             "reward": r, "rewards": json.dumps({"correct": r})} for i, r in enumerate([1.0, 0.0, None, 0.5])]
+    rates = [{"prompt_id": "p0", "pass_rate": 0.5}, {"prompt_id": "p1", "pass_rate": 0.0}]
+    one, two = reward.Audit(1), reward.Audit(1)
+    one.add(rows)
+    one.add_rates(rates)
+    two.add(rows[:3])
+    two.add(rows[3:])
+    two.add_rates(rates[:1])
+    two.add_rates(rates[1:])
+    a = one.result()
+    assert a == two.result()
+    assert a["reward_mean"] == 0.5  # (1 + 0 + 0.5) / 3 scorable
+    assert a["unscorable"] == 1 and a["component_means"] == {"correct": 0.5}
+    assert a["pass_rate_mean"] == 0.25 and a["never_solved"] == 1 and a["always_solved"] == 0  # (0.5 + 0) / 2
