@@ -24,6 +24,7 @@ import re
 import unicodedata
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 _WORD_RE = re.compile(r"\d+|[^\W\d]+|[^\w\s]")  # digits apart from letters: `2x` is `2 x`
 _LATEX = [  # (pattern, replacement), in order
@@ -172,3 +173,32 @@ def report_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+class Checker:
+    """Rows checked one at a time against every benchmark's index (:func:`build_index`); ``report()`` is
+    decontamination.json (matches per benchmark, in row order)."""
+
+    def __init__(self, benchmarks: dict[str, list[tuple[str, str]]], cfg: Any) -> None:
+        self.cfg, self.checked, self.bad = cfg, 0, set[str]()
+        self.index = {name: build_index(items, cfg.ngram, cfg.boilerplate_frac)
+                      for name, items in benchmarks.items()}
+        self.items = {name: len(items) for name, items in benchmarks.items()}
+        self.matches: dict[str, list[dict[str, Any]]] = {name: [] for name in benchmarks}
+
+    def clean(self, r: dict[str, Any]) -> bool:
+        """False (and recorded) when ``r`` matches an item of some benchmark."""
+        self.checked += 1
+        for name, index in self.index.items():
+            m = index.query(r["prompt"])
+            if m is not None and m.score >= self.cfg.threshold:
+                self.matches[name].append({"row_id": r["id"], "item_id": m.item_id, "method": m.method,
+                                           "score": round(m.score, 3), "ngrams": m.shared[:5]})
+                self.bad.add(r["id"])
+        return r["id"] not in self.bad
+
+    def report(self) -> dict[str, Any]:
+        return {"ngram": self.cfg.ngram, "threshold": self.cfg.threshold, "rows_checked": self.checked,
+                "benchmarks": {name: {"items": self.items[name],
+                                      "boilerplate_ngrams": len(self.index[name].boilerplate),
+                                      "matched_rows": len(ms), "matched_ids": sorted({m["item_id"] for m in ms}),
+                                      "matches": ms} for name, ms in self.matches.items()},
+                "contaminated_rows": len(self.bad)}

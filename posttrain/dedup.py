@@ -19,9 +19,10 @@ library gives the rules that keep distinct maths problems apart, which is what m
   a wrapper); every n-gram's posting list holds at most ``max_postings`` rows, so a row looks at most
   (its n-grams x max_postings) candidates: no quadratic walk. Memory grows with distinct n-grams.
 - ``minhash``: datasketch MinHash signatures of the informative n-grams; LSH bands (b x r chosen by
-  datasketch's ``MinHashLSH`` for ``minhash_threshold``) grouped with numpy sorts, because datasketch's
-  in-memory buckets cost ~6 KB a row (6 GB at a million rows); candidates confirmed by the signatures'
-  estimated Jaccard and the numbers. Catches copies (Jaccard), not a copy inside a rare wrapper
+  datasketch's ``MinHashLSH`` for ``minhash_threshold``), each kept as one 64-bit key a row and grouped with
+  numpy sorts, because datasketch's in-memory buckets cost ~6 KB a row (6 GB at a million rows); candidates
+  confirmed by their recomputed signatures' estimated Jaccard and the numbers. About 140 bytes a row at the
+  defaults, the texts streamed twice (``Texts``). Catches copies (Jaccard), not a copy inside a rare wrapper
   (containment): that is the n-gram index's job.
 
 First occurrence kept; a duplicate names the kept row it repeats.
@@ -33,8 +34,8 @@ import hashlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from itertools import chain
-from typing import Any
+from itertools import chain, islice
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -47,6 +48,15 @@ _NUMBER_WORDS |= {w: str(10 * i) for i, w in enumerate("thirty forty fifty sixty
 _NUMBER_WORDS |= {"hundred": "100", "thousand": "1000", "million": "1000000", "half": "1/2", "twice": "x2"}
 _OPERATORS = {"+": "+", "-": "-", "*": "*", "/": "/", "=": "=", "^": "^", "plus": "+", "minus": "-", "times": "*",
               "negative": "-"}
+
+
+class Texts(Protocol):
+    """The rows' texts: sized and iterable more than once (a list, or ``schema.Column`` streaming a Parquet
+    column), so no method needs them all in memory at once."""
+
+    def __len__(self) -> int: ...
+
+    def __iter__(self) -> Iterator[str]: ...
 
 
 @dataclass(frozen=True)
@@ -82,15 +92,18 @@ def maths(toks: list[str]) -> tuple[tuple[str, ...], ...]:
     return tuple(sorted(p for p in per if any(t not in _OPERATORS for t in p)))
 
 
-def boilerplate(texts: list[str], n: int, frac: float, sample: int, min_rows: int = 3) -> frozenset[str]:
+def boilerplate(texts: Texts, n: int, frac: float, sample: int, min_rows: int = 3) -> frozenset[str]:
     """N-grams in more than ``frac`` of an evenly spaced sample of at most ``sample`` rows (and in more than
     ``min_rows`` of them, so a tiny set has none)."""
     step = max(1, len(texts) // sample)
-    picked = texts[::step][:sample]
+    picked = 0
     df: Counter[str] = Counter()
-    for t in picked:
+    for t in islice(texts, 0, None, step):
+        if picked == sample:
+            break
         df.update(features(t, n).grams)
-    limit = max(min_rows, frac * len(picked))
+        picked += 1
+    limit = max(min_rows, frac * picked)
     return frozenset(g for g, c in df.items() if c > limit)
 
 
@@ -104,7 +117,7 @@ def _exact_or_features(texts: Iterable[str], n: int, common: frozenset[str]
         yield i, (first if first != i else None), f, f.grams - common
 
 
-def near_ngram(texts: list[str], cfg: Any, common: frozenset[str]) -> list[Dup]:
+def near_ngram(texts: Texts, cfg: Any, common: frozenset[str]) -> list[Dup]:
     """Bounded n-gram index: informative n-gram overlap >= ``cfg.near_threshold`` with equal numbers."""
     postings: dict[int, list[int]] = {}
     size: dict[int, int] = {}  # kept row -> informative n-grams
@@ -134,36 +147,52 @@ def near_ngram(texts: list[str], cfg: Any, common: frozenset[str]) -> list[Dup]:
     return dups
 
 
-def near_minhash(texts: list[str], cfg: Any, common: frozenset[str]) -> list[Dup]:
+def near_minhash(texts: Texts, cfg: Any, common: frozenset[str]) -> list[Dup]:
     """MinHash-LSH over informative n-grams: estimated Jaccard >= ``cfg.minhash_threshold`` with equal
-    numbers. datasketch computes the signatures and picks the bands (b x r) for the threshold; the bands
-    are grouped with numpy sorts (see ``_lsh_pairs``), each row meeting at most ``max_postings`` earlier
-    rows per band, so memory is the signatures (num_perm x 4 bytes a row) and time is linear."""
+    numbers. datasketch computes the signatures and picks the bands (b x r) for the threshold. One pass keeps,
+    per row, its digest, its numbers and one 64-bit key per band (``b x 8`` bytes: 112 at the defaults, where a
+    signature is ``num_perm x 4`` = 512); bands are grouped with numpy sorts (``_lsh_pairs``, each row meeting at
+    most ``max_postings`` earlier rows per band); a second pass recomputes the signatures of the candidate rows
+    only, to confirm each pair by its estimated Jaccard. Memory: those few arrays of a number a row; time:
+    linear."""
     from datasketch import MinHash, MinHashLSH
 
-    p = cfg.num_perm
-    perms = MinHash(num_perm=p, seed=1, scheme="affine32").permutations
-    sig = np.zeros((len(texts), p), dtype=np.uint32)
-    nums = np.zeros(len(texts), dtype=np.int64)
-    usable = np.zeros(len(texts), dtype=bool)  # has informative n-grams and is no exact copy
-    dups: list[Dup] = []
-    for i, exact, f, inf in _exact_or_features(texts, cfg.near_ngram, common):
-        if exact is not None:
-            dups.append(Dup(i, exact, "exact", 1.0))
-            continue
-        nums[i] = f.numbers
-        if inf:
-            m = MinHash(num_perm=p, seed=1, permutations=perms, scheme="affine32")
-            m.update_batch([g.encode() for g in inf])
-            sig[i], usable[i] = m.hashvalues, True
-    lsh = MinHashLSH(threshold=cfg.minhash_threshold, num_perm=p)  # only for datasketch's choice of b, r
-    later, earlier = _lsh_pairs(sig, usable, nums if cfg.numbers_must_match else None, lsh.b, lsh.r,
-                                cfg.max_postings)
-    score = np.concatenate([(sig[later[k:k + 65536]] == sig[earlier[k:k + 65536]]).mean(axis=1)
-                            for k in range(0, len(later), 65536)] or [np.zeros(0)])
+    lsh = MinHashLSH(threshold=cfg.minhash_threshold, num_perm=cfg.num_perm)  # only for datasketch's b, r
+    perms = MinHash(num_perm=cfg.num_perm, seed=1, scheme="affine32").permutations
+    mult = np.random.default_rng(0).integers(1, 2**63, size=lsh.r, dtype=np.uint64) | np.uint64(1)  # odd
+
+    def signature(inf: frozenset[str]) -> np.ndarray:
+        m = MinHash(num_perm=cfg.num_perm, seed=1, permutations=perms, scheme="affine32")
+        m.update_batch([g.encode() for g in inf])
+        return m.hashvalues
+
+    n = len(texts)
+    digests, nums = np.zeros((n, 2), dtype=np.uint64), np.zeros(n, dtype=np.int64)
+    keys = np.zeros((n, lsh.b), dtype=np.uint64)
+    usable = np.zeros(n, dtype=bool)  # has informative n-grams and is no exact copy
+    for i, t in enumerate(texts):
+        f = features(t, cfg.near_ngram)
+        digests[i], nums[i] = np.frombuffer(f.digest, dtype=np.uint64), f.numbers
+        if inf := f.grams - common:
+            bands = signature(inf)[: lsh.b * lsh.r].reshape(lsh.b, lsh.r).astype(np.uint64)
+            keys[i], usable[i] = (bands * mult).sum(axis=1), True  # wraps mod 2^64: a hash of the band
+    dups = _exact(digests)
+    usable[[d.row for d in dups]] = False
+    later, earlier = _lsh_pairs(keys, usable, nums if cfg.numbers_must_match else None, cfg.max_postings)
+    del keys
+    need = np.unique(np.concatenate([later, earlier]))
+    sig = np.zeros((len(need), cfg.num_perm), dtype=np.uint64)
+    wanted = np.zeros(n, dtype=bool)
+    wanted[need] = True
+    for i, t in enumerate(texts):  # the candidates' signatures, recomputed (no signature was kept)
+        if wanted[i]:
+            sig[np.searchsorted(need, i)] = signature(features(t, cfg.near_ngram).grams - common)
+    a, b = np.searchsorted(need, later), np.searchsorted(need, earlier)
+    score = np.concatenate([(sig[a[k:k + 65536]] == sig[b[k:k + 65536]]).mean(axis=1)
+                            for k in range(0, len(a), 65536)] or [np.zeros(0)])
     ok = score >= cfg.minhash_threshold
     later, earlier, score = later[ok], earlier[ok], score[ok]
-    kept = np.ones(len(texts), dtype=bool)
+    kept = np.ones(n, dtype=bool)
     kept[[d.row for d in dups]] = False
     for k in np.lexsort((earlier, -score, later)):  # by row; best score, then earliest row, first
         j, i = int(later[k]), int(earlier[k])
@@ -173,20 +202,28 @@ def near_minhash(texts: list[str], cfg: Any, common: frozenset[str]) -> list[Dup
     return sorted(dups, key=lambda d: d.row)
 
 
-def _lsh_pairs(sig: np.ndarray, usable: np.ndarray, nums: np.ndarray | None, b: int, r: int, cap: int
+def _exact(digests: np.ndarray) -> list[Dup]:
+    """Rows whose digest an earlier row has, each naming the first row with it (a stable sort of the digests)."""
+    order = np.lexsort((digests[:, 1], digests[:, 0]))  # stable: equal digests stay in row order
+    sd = digests[order]
+    new_run = np.r_[True, np.any(sd[1:] != sd[:-1], axis=1)]
+    first = order[np.flatnonzero(new_run)][np.cumsum(new_run) - 1]
+    return [Dup(int(j), int(i), "exact", 1.0) for j, i in zip(order[~new_run], first[~new_run], strict=True)]
+
+
+def _lsh_pairs(keys: np.ndarray, usable: np.ndarray, nums: np.ndarray | None, cap: int
                ) -> tuple[np.ndarray, np.ndarray]:
-    """Candidate pairs (later row, earlier row), unique: rows whose signatures agree on all r values of
-    some band (and whose numbers agree, unless ``nums`` is None), each row paired with the first ``cap``
-    rows of its bucket. (datasketch's in-memory
-    ``MinHashLSH`` keeps ~350 bytes a band a row in Python dicts, 6.4 KB a row at num_perm 128: 6 GB at a
-    million rows; sorting each band's values with numpy needs a few arrays of one integer a row.)"""
+    """Candidate pairs (later row, earlier row), unique: rows with the same key in some band (and the same
+    numbers, unless ``nums`` is None), each row paired with the first ``cap`` rows of its bucket. (datasketch's
+    in-memory ``MinHashLSH`` keeps ~350 bytes a band a row in Python dicts, 6.4 KB a row at num_perm 128: 6 GB
+    at a million rows; sorting each band's keys with numpy needs a few arrays of one integer a row.)"""
     rows = np.flatnonzero(usable)
     pairs = []
-    for k in range(b):
-        band = sig[rows, k * r:(k + 1) * r]
-        order = np.lexsort(band.T[::-1])  # stable: equal bands stay in row order
+    for k in range(keys.shape[1]):
+        band = keys[rows, k]
+        order = np.argsort(band, kind="stable")  # equal keys stay in row order
         sb = band[order]
-        new_run = np.r_[True, np.any(sb[1:] != sb[:-1], axis=1)]
+        new_run = np.r_[True, sb[1:] != sb[:-1]]
         pos = np.flatnonzero(~new_run)  # positions in a bucket after its first row
         start = np.flatnonzero(new_run)[np.cumsum(new_run)[pos] - 1]  # where each one's bucket starts
         for d in range(cap):
@@ -205,7 +242,7 @@ def _lsh_pairs(sig: np.ndarray, usable: np.ndarray, nums: np.ndarray | None, b: 
     return key >> 32, key & 0xFFFFFFFF
 
 
-METHODS: dict[str, Callable[[list[str], Any, frozenset[str]], list[Dup]]] = {
+METHODS: dict[str, Callable[[Texts, Any, frozenset[str]], list[Dup]]] = {
     "ngram": near_ngram, "minhash": near_minhash,
 }
 
@@ -217,8 +254,9 @@ def resolve_method(cfg: Any, rows: int) -> str:
     return "minhash" if rows >= cfg.auto_minhash_rows else "ngram"
 
 
-def find_duplicates(texts: list[str], cfg: Any) -> tuple[str, list[Dup]]:
-    """The method used and every duplicate (exact or near) of ``texts``, first occurrence kept."""
+def find_duplicates(texts: Texts, cfg: Any) -> tuple[str, list[Dup]]:
+    """The method used and every duplicate (exact or near) of ``texts`` (a list, or a column of a Parquet file
+    read a batch at a time: ``schema.Column``), first occurrence kept."""
     method = resolve_method(cfg, len(texts))
     common = boilerplate(texts, cfg.near_ngram, cfg.boilerplate_frac, cfg.df_sample)
     dups = METHODS[method](texts, cfg, common)

@@ -180,6 +180,21 @@ def iter_rows(path: str | Path, columns: Sequence[str] | None = None, batch_rows
         yield batch.to_pylist()
 
 
+class Column:
+    """One column of a Parquet file as a sized, re-iterable sequence of Python values, read a record batch at a
+    time: what ``dedup.find_duplicates`` walks twice over a curated pool, never whole in memory."""
+
+    def __init__(self, path: str | Path, name: str) -> None:
+        self.path, self.name = Path(path), name
+
+    def __len__(self) -> int:
+        return parquet_file(self.path).metadata.num_rows
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in parquet_file(self.path).iter_batches(batch_size=BATCH_ROWS, columns=[self.name]):
+            yield from batch.column(0).to_pylist()
+
+
 def read_parquet(path: str | Path) -> list[dict[str, Any]]:
     """Every row of a (small: one RL step's shard, the pass rates, a test's fixture) Parquet file. Data that
     scales with the dataset is read with :func:`iter_rows` or :func:`read_columns` instead."""
@@ -221,7 +236,12 @@ def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], fields: Sequence
         w.writerows(rows)
 
 
-def write_jsonl(path: str | Path, rows: Sequence[dict[str, Any]]) -> None:
+def json_line(row: dict[str, Any]) -> str:
+    """One JSONL line (``write_jsonl``'s format)."""
+    return json.dumps(row, ensure_ascii=False, default=str) + "\n"
+
+
+def write_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> None:
     with atomic_path(path) as tmp, tmp.open("w") as f:
         for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False, default=str) + "\n")
+            f.write(json_line(r))

@@ -6,6 +6,10 @@ Outputs (``paths.curated_dir``): ``train.parquet`` (RL prompts), ``sft.parquet``
 solutions), ``eval.parquet`` (held-out), ``quarantine.jsonl`` (every rejected row with its reason);
 ``paths.curate_report_dir``: ``decontamination.json`` + ``.md``; ``metrics/curate.json`` (counts).
 
+Streaming: rows are read and validated into a scratch Parquet pool (a record batch in memory at a time),
+deduplicated over the pool's prompt column (``posttrain.dedup``; read twice, never whole), then decontaminated
+and split a row at a time into the outputs. Memory at 10^6 rows: ``benchmarks/results/scale.json``.
+
 Counts reconcile exactly: ``in = kept + quarantined + duplicates + contaminated`` (training rows; the
 eval split is counted on its own).
 
@@ -15,153 +19,233 @@ Run: ``dvc repro curate`` or ``python -m stages.curate [--params params.yaml]``.
 from __future__ import annotations
 
 import logging
+import shutil
 from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from posttrain import decontam, seeds
 from posttrain import dedup as dedup_mod
 from posttrain.config import Curate, Dedup, Params, SyntheticSource, Validation
+from posttrain.dedup import Texts
 from posttrain.errors import StageError
 from posttrain.outputs import atomic_path
 from posttrain.runner import stage_main
-from posttrain.schema import PROBLEM_SCHEMA, Problem, write_json, write_jsonl, write_parquet, write_text
+from posttrain.schema import (
+    BATCH_ROWS,
+    PROBLEM_SCHEMA,
+    Column,
+    Problem,
+    iter_rows,
+    json_line,
+    parquet_sink,
+    read_columns,
+    write_json,
+    write_jsonl,
+    write_parquet,
+    write_text,
+)
 from posttrain.sources import check_usable, read_source, validate
 
 log = logging.getLogger("curate")
 
 # --------------------------------------------------------------------------------------------- run
+@dataclass
+class Pool:
+    """The rows of some sources: the valid ones in a scratch Parquet file (``rows``, ``PROBLEM_SCHEMA``), the
+    rejected ones with their reasons in a scratch JSONL (``quarantine``), and the counts."""
+
+    rows: Path
+    quarantine: Path
+    n_in: int = 0
+    n_bad: int = 0
+    reasons: Counter[str] = field(default_factory=Counter)
+
+
 def _collect(sources: list[Any], task: Any, task_kind: str, v: Validation, seed: int, progress: bool,
-             desc: str, max_quarantined_frac: float) -> tuple[list[Problem], list[dict[str, Any]], int, list[str]]:
-    """Valid rows, quarantined rows, rows read, and one complaint per source whose quarantined share exceeds
-    ``max_quarantined_frac`` (naming the file and its top reasons)."""
-    rows, quarantined, n_in, complaints = [], [], 0, []
-    for k, src in enumerate(sources):
-        n_src, bad = 0, Counter()
-        for rid, obj, err in tqdm(read_source(src, task, seed + 1000 * k), desc=f"{desc}:{src.name}",
-                                  disable=not progress, unit="row", leave=False):
-            n_in += 1
-            n_src += 1
-            err = err or validate(obj, task_kind, v)
-            if err:
-                quarantined.append({"id": rid, "split": desc, "reason": err,
-                                    "row": obj if obj is not None else None})
-                bad[err.split(":")[0]] += 1
-                continue
-            rows.append(Problem(id=rid, source=src.name, task=task_kind, prompt=obj["prompt"],
-                                answer=obj["answer"].strip(), solution=obj.get("solution")))
-        share = sum(bad.values()) / max(n_src, 1)
-        if n_src == 0 or share > max_quarantined_frac:
-            where = getattr(src, "path", None) or getattr(src, "hub_id", None) or src.name
-            top = ", ".join(f"{reason} ({n})" for reason, n in bad.most_common(3)) or "no rows at all"
-            complaints.append(f"{desc} source {src.name!r} ({where}): {sum(bad.values())} of {n_src} rows "
-                              f"quarantined ({share:.0%} > curate.max_quarantined_frac={max_quarantined_frac}); "
-                              f"top reasons: {top}")
-    return rows, quarantined, n_in, complaints
+             desc: str, max_quarantined_frac: float, scratch: Path) -> tuple[Pool, list[str]]:
+    """Read and validate ``sources`` into a :class:`Pool` under ``scratch`` (a batch of rows in memory at a
+    time), and one complaint per source whose quarantined share exceeds ``max_quarantined_frac`` (naming the
+    file and its top reasons)."""
+    pool, complaints, batch = Pool(scratch / f"{desc}.parquet", scratch / f"{desc}.quarantine.jsonl"), [], []
+    with pq.ParquetWriter(pool.rows, PROBLEM_SCHEMA) as w, pool.quarantine.open("w") as q:
+        def flush() -> None:
+            w.write_batch(pa.RecordBatch.from_pylist(batch, schema=PROBLEM_SCHEMA))
+            batch.clear()
+
+        for k, src in enumerate(sources):
+            n_src, bad = 0, Counter()
+            for rid, obj, err in tqdm(read_source(src, task, seed + 1000 * k), desc=f"{desc}:{src.name}",
+                                      disable=not progress, unit="row", leave=False):
+                n_src += 1
+                err = err or validate(obj, task_kind, v)
+                if err:
+                    q.write(json_line({"id": rid, "split": desc, "reason": err, "row": obj}))
+                    bad[err.split(":")[0]] += 1
+                    continue
+                batch.append(Problem(id=rid, source=src.name, task=task_kind, prompt=obj["prompt"],
+                                     answer=obj["answer"].strip(), solution=obj.get("solution")))
+                if len(batch) == BATCH_ROWS:
+                    flush()
+            pool.n_in, pool.n_bad = pool.n_in + n_src, pool.n_bad + sum(bad.values())
+            pool.reasons += bad
+            share = sum(bad.values()) / max(n_src, 1)
+            if n_src == 0 or share > max_quarantined_frac:
+                where = getattr(src, "path", None) or getattr(src, "hub_id", None) or src.name
+                top = ", ".join(f"{reason} ({n})" for reason, n in bad.most_common(3)) or "no rows at all"
+                complaints.append(f"{desc} source {src.name!r} ({where}): {sum(bad.values())} of {n_src} rows "
+                                  f"quarantined ({share:.0%} > curate.max_quarantined_frac={max_quarantined_frac})"
+                                  f"; top reasons: {top}")
+        if batch:
+            flush()
+    return pool, complaints
+
+
+def duplicates(prompts: Texts, ids: Sequence[str], cfg: Dedup) -> tuple[set[int], list[dict[str, Any]]]:
+    """The rows (indices) that are exact or near duplicates (``posttrain.dedup``, first occurrence kept) and a
+    record per duplicate naming the row it repeats."""
+    _, found = dedup_mod.find_duplicates(prompts, cfg)
+    return {d.row for d in found}, [{"id": ids[d.row], "duplicate_of": ids[d.of], "method": d.method,
+                                     "score": d.score} for d in found]
 
 
 def dedup(rows: list[Problem], cfg: Dedup) -> tuple[list[Problem], list[dict[str, Any]]]:
-    """Exact and near duplicates removed (``posttrain.dedup``), first occurrence kept."""
-    _, found = dedup_mod.find_duplicates([r["prompt"] for r in rows], cfg)
-    gone = {d.row for d in found}
-    dups = [{"id": rows[d.row]["id"], "duplicate_of": rows[d.of]["id"], "method": d.method, "score": d.score}
-            for d in found]
+    """Exact and near duplicates removed from a list of rows, first occurrence kept."""
+    gone, dups = duplicates([r["prompt"] for r in rows], [r["id"] for r in rows], cfg)
     return [r for i, r in enumerate(rows) if i not in gone], dups
 
 
 def decontaminate(rows: list[Problem], benchmarks: dict[str, list[tuple[str, str]]], cfg: Any
                   ) -> tuple[list[Problem], set[str], dict[str, Any]]:
     """Drop rows matching any benchmark item; return kept rows, contaminated ids, and the report."""
-    report: dict[str, Any] = {"ngram": cfg.ngram, "threshold": cfg.threshold, "rows_checked": len(rows),
-                              "benchmarks": {}}
-    bad: set[str] = set()
-    for name, items in benchmarks.items():
-        index = decontam.build_index(items, cfg.ngram, cfg.boilerplate_frac)
-        matches = []
-        for r in rows:
-            m = index.query(r["prompt"])
-            if m is not None and m.score >= cfg.threshold:
-                matches.append({"row_id": r["id"], "item_id": m.item_id, "method": m.method,
-                                "score": round(m.score, 3), "ngrams": m.shared[:5]})
-                bad.add(r["id"])
-        report["benchmarks"][name] = {"items": len(items), "boilerplate_ngrams": len(index.boilerplate),
-                                      "matched_rows": len(matches),
-                                      "matched_ids": sorted({m["item_id"] for m in matches}),
-                                      "matches": matches}
-    report["contaminated_rows"] = len(bad)
-    return [r for r in rows if r["id"] not in bad], bad, report
+    d = decontam.Checker(benchmarks, cfg)
+    kept = [r for r in rows if d.clean(r)]
+    return kept, d.bad, d.report()
+
+
+def _kept_rows(pool: Pool, gone: set[int]) -> Iterator[Problem]:
+    """The pool's rows in order, but the duplicates, a record batch at a time."""
+    i = 0
+    for batch in iter_rows(pool.rows):
+        for r in batch:
+            if i not in gone:
+                yield r  # type: ignore[misc]
+            i += 1
 
 
 def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[str, Any]:
     """Curate. ``inputs``: nothing beyond params (sources are named there). ``out``: curated_dir, report_dir,
-    metrics. Returns the counts written to ``out['metrics']``."""
+    metrics. Returns the counts written to ``out['metrics']``.
+
+    Memory: a batch of rows, the dedup index (``posttrain.dedup``: a few numbers a row with MinHash), the
+    kept eval split and SFT demonstrations' ids, and one record per duplicate, contaminated or rejected row's
+    reason count; the rows themselves stream through scratch Parquet files beside the output."""
     cfg: Curate = params.curate
     task, kind, v, prog = params.task, params.task.kind, cfg.validation, params.runtime.progress
-
-    # 1. eval split: its own source (or the generator, seeded apart from training), validated, deduped
-    eval_src = cfg.eval.source or SyntheticSource(name="arith_eval", num_rows=cfg.eval.rows * 2)
-    ev, ev_quarantine, ev_in, complaints = _collect([eval_src], task, kind, v, seeds.eval_draw(params.seed), prog,
-                                                    "eval", cfg.max_quarantined_frac)
-    ev, _ = dedup(ev, cfg.dedup)
-    ev = ev[: cfg.eval.rows]
-
-    # 2. training pool: read + validate -> dedup -> decontaminate (eval split always, then benchmarks)
-    rows, quarantine, n_in, train_complaints = _collect(cfg.sources, task, kind, v, params.seed, prog, "train",
-                                                        cfg.max_quarantined_frac)
-    complaints += train_complaints
-    rows, dups = dedup(rows, cfg.dedup)
-    bench: dict[str, list[tuple[str, str]]] = {"eval_split": [(r["id"], r["prompt"]) for r in ev]}
-    for b in cfg.decontam.benchmarks:
-        read = list(read_source(b, task, params.seed))
-        items = [(rid, obj["prompt"]) for rid, obj, err in read if err is None]
-        check_usable(b, len(items), [err for _, _, err in read if err], cfg.max_quarantined_frac,
-                     "curate.max_quarantined_frac")
-        bench[b.name] = items
-    rows, bad, report = decontaminate(rows, bench, cfg.decontam)
-
-    # 3. split: SFT demonstrations (need a solution the task can render) and RL train prompts
-    can_demo = [r for r in rows if r["solution"] or kind == "arith"]
-    sft = can_demo[: cfg.sft_size]
-    sft_ids = {r["id"] for r in sft}
-    train = [r for r in rows if r["id"] not in sft_ids]
-    if not complaints and (not sft or not train):  # (complaints say why rows are missing: reported below)
-        raise StageError(f"{len(rows)} usable training rows, {len(can_demo)} with a solution: curate.sft_size "
-                         f"({cfg.sft_size}) leaves {len(sft)} SFT demonstrations and {len(train)} RL prompts; "
-                         "both must be > 0 (lower sft_size or add rows)")
-
-    counts = {"in": n_in, "kept": len(rows), "quarantined": len(quarantine), "duplicates": len(dups),
-              "contaminated": len(bad), "train": len(train), "sft": len(sft),
-              "eval": len(ev), "eval_in": ev_in, "eval_quarantined": len(ev_quarantine)}
-    assert counts["in"] == counts["kept"] + counts["quarantined"] + counts["duplicates"] + counts["contaminated"]
-    quarantine_reasons: dict[str, int] = {}
-    for q in quarantine + ev_quarantine:
-        key = q["reason"].split(":")[0]
-        quarantine_reasons[key] = quarantine_reasons.get(key, 0) + 1
-    counts["quarantine_reasons"] = quarantine_reasons
-    counts["contaminated_by_benchmark"] = {k: b["matched_rows"] for k, b in report["benchmarks"].items()}
-
     d = out["curated_dir"]
     with atomic_path(d) as tmp:  # the splits are one set: a kill leaves the old set or the new one, never a mix
-        write_parquet(tmp / "train.parquet", train, PROBLEM_SCHEMA)
-        write_parquet(tmp / "sft.parquet", sft, PROBLEM_SCHEMA)
+        scratch = tmp.parent / "scratch"  # (atomic_path's own folder: removed with it, or by the next run)
+        scratch.mkdir()
+        tmp.mkdir()
+        # 1. eval split: its own source (or the generator, seeded apart from training), validated, deduped
+        eval_src = cfg.eval.source or SyntheticSource(name="arith_eval", num_rows=cfg.eval.rows * 2)
+        ev_pool, complaints = _collect([eval_src], task, kind, v, seeds.eval_draw(params.seed), prog, "eval",
+                                       cfg.max_quarantined_frac, scratch)
+        gone, _ = duplicates(Column(ev_pool.rows, "prompt"), _Ids(ev_pool), cfg.dedup)
+        ev = list(islice(_kept_rows(ev_pool, gone), cfg.eval.rows))
+
+        # 2. training pool: read + validate -> dedup -> decontaminate (eval split always, then benchmarks)
+        pool, train_complaints = _collect(cfg.sources, task, kind, v, params.seed, prog, "train",
+                                          cfg.max_quarantined_frac, scratch)
+        complaints += train_complaints
+        gone, dups = duplicates(Column(pool.rows, "prompt"), _Ids(pool), cfg.dedup)
+        bench: dict[str, list[tuple[str, str]]] = {"eval_split": [(r["id"], r["prompt"]) for r in ev]}
+        for b in cfg.decontam.benchmarks:
+            read = list(read_source(b, task, params.seed))
+            items = [(rid, obj["prompt"]) for rid, obj, err in read if err is None]
+            check_usable(b, len(items), [err for _, _, err in read if err], cfg.max_quarantined_frac,
+                         "curate.max_quarantined_frac")
+            bench[b.name] = items
+        dc = decontam.Checker(bench, cfg.decontam)
+
+        # 3. split, streaming: the first sft_size rows with a solution the task can render are SFT
+        # demonstrations, the others RL train prompts
+        n = {"kept": 0, "can_demo": 0, "sft": 0, "train": 0}
+        with _sink(tmp / "train.parquet") as train, _sink(tmp / "sft.parquet") as sft:
+            for r in _kept_rows(pool, gone):
+                if not dc.clean(r):
+                    continue
+                n["kept"] += 1
+                demo = bool(r["solution"]) or kind == "arith"
+                n["can_demo"] += demo
+                to = "sft" if demo and n["sft"] < cfg.sft_size else "train"
+                n[to] += 1
+                (sft if to == "sft" else train)(r)
+            if not complaints and (not n["sft"] or not n["train"]):  # (complaints say why rows are missing)
+                raise StageError(f"{n['kept']} usable training rows, {n['can_demo']} with a solution: "
+                                 f"curate.sft_size ({cfg.sft_size}) leaves {n['sft']} SFT demonstrations and "
+                                 f"{n['train']} RL prompts; both must be > 0 (lower sft_size or add rows)")
         write_parquet(tmp / "eval.parquet", ev, PROBLEM_SCHEMA)
-        write_jsonl(tmp / "quarantine.jsonl", quarantine + ev_quarantine)
+        with (tmp / "quarantine.jsonl").open("wb") as f:  # training rows' reasons, then the eval split's
+            for part in (pool.quarantine, ev_pool.quarantine):
+                with part.open("rb") as src:
+                    shutil.copyfileobj(src, f)
         write_jsonl(tmp / "duplicates.jsonl", dups)
+    report = dc.report()
+
+    counts = {"in": pool.n_in, "kept": n["kept"], "quarantined": pool.n_bad, "duplicates": len(dups),
+              "contaminated": len(dc.bad), "train": n["train"], "sft": n["sft"],
+              "eval": len(ev), "eval_in": ev_pool.n_in, "eval_quarantined": ev_pool.n_bad}
+    assert counts["in"] == counts["kept"] + counts["quarantined"] + counts["duplicates"] + counts["contaminated"]
+    counts["quarantine_reasons"] = dict(pool.reasons + ev_pool.reasons)
+    counts["contaminated_by_benchmark"] = {k: b["matched_rows"] for k, b in report["benchmarks"].items()}
+
     write_json(out["report_dir"] / "decontamination.json", report)
     write_text(out["report_dir"] / "decontamination.md", decontam.report_markdown(report))
     write_json(out["metrics"], counts)
     log.info("in=%d kept=%d (train %d, sft %d) quarantined=%d duplicates=%d contaminated=%d eval=%d",
-             n_in, len(rows), len(train), len(sft), len(quarantine), len(dups), len(bad), len(ev))
+             pool.n_in, n["kept"], n["train"], n["sft"], pool.n_bad, len(dups), len(dc.bad), len(ev))
 
     if complaints:  # after the writes: quarantine.jsonl shows every rejected row and its reason
         raise StageError("; ".join(complaints) + f" (every row and reason: {d / 'quarantine.jsonl'})")
     limit = cfg.decontam.max_contaminated_frac
-    if limit is not None and n_in and len(bad) / n_in > limit:
-        raise StageError(f"contaminated share {len(bad) / n_in:.3f} > curate.decontam.max_contaminated_frac="
-                         f"{limit} (see {out['report_dir'] / 'decontamination.md'})")
+    if limit is not None and pool.n_in and len(dc.bad) / pool.n_in > limit:
+        raise StageError(f"contaminated share {len(dc.bad) / pool.n_in:.3f} > curate.decontam."
+                         f"max_contaminated_frac={limit} (see {out['report_dir'] / 'decontamination.md'})")
     return counts
+
+
+class _Ids:
+    """Row index -> id of a pool's row, from its id column read as Arrow (a few bytes a row, no Python string)."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.col = read_columns(pool.rows, ["id"]).column("id")
+
+    def __getitem__(self, i: int) -> str:
+        return self.col[i].as_py()
+
+
+@contextmanager
+def _sink(path: Path) -> Iterator[Callable[[Problem], None]]:
+    """A Parquet file of problems written ``BATCH_ROWS`` rows (a row group) at a time: yields ``add(row)``."""
+    batch: list[Problem] = []
+    with parquet_sink(path, PROBLEM_SCHEMA) as write:
+        def add(r: Problem) -> None:
+            batch.append(r)
+            if len(batch) == BATCH_ROWS:
+                write(batch)
+                batch.clear()
+
+        yield add
+        write(batch)
 
 
 def paths(p: Params) -> tuple[dict[str, Any], dict[str, Path]]:

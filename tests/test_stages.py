@@ -69,6 +69,25 @@ def test_curate_synthetic_counts_reconcile(tiny):
     assert (Path(p.paths.curate_report_dir) / "decontamination.md").read_text().startswith("# Decontamination")
 
 
+def test_curate_streams_its_rows_in_batches_with_the_same_splits(tiny, monkeypatch):
+    """curate reads, dedups and splits the pool a record batch at a time: with batches of 7 rows (the SFT split,
+    the duplicates and the eval split all cross batch boundaries) the splits hold the same rows in the same
+    order as with one batch."""
+    import posttrain.schema
+
+    p = parse_params(tiny)
+    d = Path(p.paths.curated_dir)
+    counts = curate.run(p, {}, _outs(p)["curate"])
+    names = ("train", "sft", "eval", "quarantine", "duplicates")
+    want = [read_problems(d / f"{s}.parquet") for s in names[:3]] + [(d / f"{s}.jsonl").read_text() for s in names[3:]]
+    monkeypatch.setattr(curate, "BATCH_ROWS", 7)
+    monkeypatch.setattr(posttrain.schema, "BATCH_ROWS", 7)
+    assert curate.run(p, {}, _outs(p)["curate"]) == counts
+    got = [read_problems(d / f"{s}.parquet") for s in names[:3]] + [(d / f"{s}.jsonl").read_text() for s in names[3:]]
+    assert got == want and counts["duplicates"] > 0
+    assert posttrain.schema.parquet_file(d / "train.parquet").metadata.num_row_groups > 1
+
+
 def test_curate_quarantines_malformed_rows(tiny, tmp_path):
     src = tmp_path / "messy.jsonl"
     _messy_jsonl(src)
@@ -361,17 +380,11 @@ def test_a_curate_killed_while_writing_leaves_the_old_splits_whole(tiny, monkeyp
     before = {f.name: f.read_bytes() for f in d.iterdir()}
     tiny["seed"] = 1  # another draw: every split changes
     p = parse_params(tiny)
-    calls = []
 
-    def dies_on_the_second_file(path, rows, schema):
-        calls.append(path)
-        if len(calls) == 2:
-            raise KeyboardInterrupt  # as a SIGINT between two files
-        return write_parquet(path, rows, schema)
+    def dies_on_the_last_file(path, rows):  # train, sft, eval and quarantine are written by now
+        raise KeyboardInterrupt  # as a SIGINT between two files
 
-    from posttrain.schema import write_parquet
-
-    monkeypatch.setattr(curate, "write_parquet", dies_on_the_second_file)
+    monkeypatch.setattr(curate, "write_jsonl", dies_on_the_last_file)
     with pytest.raises(KeyboardInterrupt):
         curate.run(p, *curate.paths(p))
     assert {f.name: f.read_bytes() for f in d.iterdir()} == before
