@@ -185,7 +185,7 @@ def main() -> None:
                 continue
             root = work / arm / str(n)
             root.mkdir(parents=True, exist_ok=True)
-            p = params(root, n, a.new_tokens, policy, arm == "after")
+            p = params(root, n, a.new_tokens, policy, (arms[arm] / "posttrain" / "streaming.py").exists())
             (root / "params.yaml").write_text(yaml.safe_dump(p))
             for name in a.stages:
                 if name == "rollout" and (n > a.rollout_max or not (root / "data" / "curated").exists()):

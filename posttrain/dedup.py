@@ -181,7 +181,7 @@ def near_minhash(texts: Texts, cfg: Any, common: frozenset[str]) -> list[Dup]:
     later, earlier = _lsh_pairs(keys, usable, nums if cfg.numbers_must_match else None, cfg.max_postings)
     del keys
     need = np.unique(np.concatenate([later, earlier]))
-    sig = np.zeros((len(need), cfg.num_perm), dtype=np.uint64)
+    sig = np.zeros((len(need), cfg.num_perm), dtype=np.uint32)  # (affine32: values < 2^32)
     wanted = np.zeros(n, dtype=bool)
     wanted[need] = True
     for i, t in enumerate(texts):  # the candidates' signatures, recomputed (no signature was kept)

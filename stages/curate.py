@@ -21,13 +21,14 @@ from __future__ import annotations
 import logging
 import shutil
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
@@ -109,18 +110,25 @@ def _collect(sources: list[Any], task: Any, task_kind: str, v: Validation, seed:
     return pool, complaints
 
 
-def duplicates(prompts: Texts, ids: Sequence[str], cfg: Dedup) -> tuple[set[int], list[dict[str, Any]]]:
-    """The rows (indices) that are exact or near duplicates (``posttrain.dedup``, first occurrence kept) and a
-    record per duplicate naming the row it repeats."""
+def duplicates(prompts: Texts, cfg: Dedup) -> tuple[np.ndarray, list[dedup_mod.Dup]]:
+    """A mask of the rows that are exact or near duplicates (``posttrain.dedup``, first occurrence kept) and
+    the duplicates found (each naming the row it repeats)."""
     _, found = dedup_mod.find_duplicates(prompts, cfg)
-    return {d.row for d in found}, [{"id": ids[d.row], "duplicate_of": ids[d.of], "method": d.method,
-                                     "score": d.score} for d in found]
+    gone = np.zeros(len(prompts), dtype=bool)
+    gone[[d.row for d in found]] = True
+    return gone, found
+
+
+def records(found: Iterable[dedup_mod.Dup], ids: Sequence[str]) -> Iterator[dict[str, Any]]:
+    """duplicates.jsonl's rows: each duplicate's id, the id of the row it repeats, the method and score."""
+    for d in found:
+        yield {"id": ids[d.row], "duplicate_of": ids[d.of], "method": d.method, "score": d.score}
 
 
 def dedup(rows: list[Problem], cfg: Dedup) -> tuple[list[Problem], list[dict[str, Any]]]:
     """Exact and near duplicates removed from a list of rows, first occurrence kept."""
-    gone, dups = duplicates([r["prompt"] for r in rows], [r["id"] for r in rows], cfg)
-    return [r for i, r in enumerate(rows) if i not in gone], dups
+    gone, found = duplicates([r["prompt"] for r in rows], cfg)
+    return [r for i, r in enumerate(rows) if not gone[i]], list(records(found, [r["id"] for r in rows]))
 
 
 def decontaminate(rows: list[Problem], benchmarks: dict[str, list[tuple[str, str]]], cfg: Any
@@ -131,12 +139,12 @@ def decontaminate(rows: list[Problem], benchmarks: dict[str, list[tuple[str, str
     return kept, d.bad, d.report()
 
 
-def _kept_rows(pool: Pool, gone: set[int]) -> Iterator[Problem]:
+def _kept_rows(pool: Pool, gone: np.ndarray) -> Iterator[Problem]:
     """The pool's rows in order, but the duplicates, a record batch at a time."""
     i = 0
     for batch in iter_rows(pool.rows):
         for r in batch:
-            if i not in gone:
+            if not gone[i]:
                 yield r  # type: ignore[misc]
             i += 1
 
@@ -159,14 +167,14 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
         eval_src = cfg.eval.source or SyntheticSource(name="arith_eval", num_rows=cfg.eval.rows * 2)
         ev_pool, complaints = _collect([eval_src], task, kind, v, seeds.eval_draw(params.seed), prog, "eval",
                                        cfg.max_quarantined_frac, scratch)
-        gone, _ = duplicates(Column(ev_pool.rows, "prompt"), _Ids(ev_pool), cfg.dedup)
+        gone, _ = duplicates(Column(ev_pool.rows, "prompt"), cfg.dedup)
         ev = list(islice(_kept_rows(ev_pool, gone), cfg.eval.rows))
 
         # 2. training pool: read + validate -> dedup -> decontaminate (eval split always, then benchmarks)
         pool, train_complaints = _collect(cfg.sources, task, kind, v, params.seed, prog, "train",
                                           cfg.max_quarantined_frac, scratch)
         complaints += train_complaints
-        gone, dups = duplicates(Column(pool.rows, "prompt"), _Ids(pool), cfg.dedup)
+        gone, dups = duplicates(Column(pool.rows, "prompt"), cfg.dedup)
         bench: dict[str, list[tuple[str, str]]] = {"eval_split": [(r["id"], r["prompt"]) for r in ev]}
         for b in cfg.decontam.benchmarks:
             read = list(read_source(b, task, params.seed))
@@ -198,7 +206,7 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
             for part in (pool.quarantine, ev_pool.quarantine):
                 with part.open("rb") as src:
                     shutil.copyfileobj(src, f)
-        write_jsonl(tmp / "duplicates.jsonl", dups)
+        write_jsonl(tmp / "duplicates.jsonl", records(dups, _Ids(pool)))
     report = dc.report()
 
     counts = {"in": pool.n_in, "kept": n["kept"], "quarantined": pool.n_bad, "duplicates": len(dups),
