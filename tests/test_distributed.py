@@ -10,6 +10,8 @@
   timeout is the backstop), and re-running resumes from the last checkpoint to the one-process weights;
 - sharded checkpoints (``tests/dist_ckpt.py``): FSDP2 saves through DCP with no full tensor gathered, each rank
   its half, and a checkpoint resumes at world size 2 -> 1, 1 -> 2 and 2 -> 2 (bit-identical in its own layout).
+- loading (``tests/dist_frozen.py``): the frozen model (rl's KL reference, distill's teacher) and a pretrained
+  distill student are read by rank 0 only, and every rank's copy is the one-process load bit for bit.
 """
 
 import json
