@@ -79,7 +79,7 @@ class Dist:
 
     @property
     def loads_on_meta(self) -> bool:
-        """FSDP2 ranks but rank 0 build the policy on the meta device (no weights read, no full host copy):
+        """FSDP2 ranks but rank 0 build the policy (a pretrained student) on the meta device (no weights read):
         ``wrap`` shards it and broadcasts rank 0's weights into the shards."""
         return self.active and self.strategy == "fsdp2" and not self.main
 
