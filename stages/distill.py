@@ -65,10 +65,12 @@ def _pass_rate(rows: list[dict[str, Any]]) -> float | None:
     return float(np.mean(v)) if v else None
 
 
-def _student(params: Params, tok: Any, teacher: Any, device: torch.device) -> Any:
+def _student(params: Params, tok: Any, teacher: Any, device: torch.device, meta: bool = False) -> Any:
     """The student, trainable (``model.lora``, gradient checkpointing), stopping like the teacher. A size builds
     a fresh Llama with the teacher's tokenizer and vocabulary size; a pretrained folder or hub id must share
-    the teacher's tokenizer (the divergences compare distributions token id by token id)."""
+    the teacher's tokenizer (the divergences compare distributions token id by token id). ``meta``
+    (``Dist.loads_on_meta``): a pretrained student is built on the meta device, no weight read; ``Dist.wrap``
+    gives it rank 0's weights."""
     cfg = params.distill
     if isinstance(cfg.student, str):
         s_tok = modeling.load_tokenizer(cfg.student, cfg.student_revision)
@@ -79,9 +81,13 @@ def _student(params: Params, tok: Any, teacher: Any, device: torch.device) -> An
                              "one vocabulary: use a student of the teacher's family, or a size (a fresh student "
                              "built on the teacher's tokenizer); cross-tokenizer distillation (e.g. ULD) is not "
                              "implemented")
-        student = modeling.load_model(cfg.student, params.model.dtype, trainable=params.model.lora is None,
-                                      revision=cfg.student_revision,
-                                      attn_implementation=params.model.attn_implementation)
+        if meta:  # in the dtype load_model gives: fp32 masters, or the frozen LoRA base in model.dtype
+            student = modeling.empty_model(cfg.student, params.model.attn_implementation, cfg.student_revision,
+                                           "float32" if params.model.lora is None else params.model.dtype)
+        else:
+            student = modeling.load_model(cfg.student, params.model.dtype, trainable=params.model.lora is None,
+                                          revision=cfg.student_revision,
+                                          attn_implementation=params.model.attn_implementation)
     else:
         student = modeling.build_tiny_model(cfg.student, tok, seeds.student_init(params.seed),
                                            vocab_size=teacher.config.vocab_size)
@@ -92,7 +98,7 @@ def _student(params: Params, tok: Any, teacher: Any, device: torch.device) -> An
     for k in ("eos_token_id", "stop_strings", "pad_token_id"):  # the teacher's prompt format ends turns
         setattr(student.generation_config, k, getattr(teacher.generation_config, k))
     student = modeling.make_trainable(student, params.model.lora, params.model.gradient_checkpointing)
-    return student.to(device)
+    return student if meta else student.to(device)
 
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
@@ -105,10 +111,12 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     cfg, rt, d = params.distill, params.runtime, distributed.current()
     device = modeling.resolve_device(rt.device)
     tok = modeling.load_tokenizer(str(inputs["teacher"]))
-    teacher = modeling.load_model(str(inputs["teacher"]), params.model.dtype, device)
+    teacher = d.load_on_rank0(lambda: modeling.load_model(str(inputs["teacher"]), params.model.dtype, device),
+                              lambda: modeling.empty_model(str(inputs["teacher"]), dtype=params.model.dtype),
+                              device)  # ranks > 0 read no weights: rank 0 broadcasts them
     for p in teacher.parameters():
         p.requires_grad_(False)
-    student = _student(params, tok, teacher, device)
+    student = _student(params, tok, teacher, device, d.loads_on_meta)
     log.info("teacher %d params, student %d params", modeling.num_params(teacher), modeling.num_params(student))
     student_params = modeling.num_params(student)
     student = d.wrap(student)  # the training handle (the model itself in one process)

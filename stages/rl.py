@@ -79,8 +79,9 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     tok = modeling.load_tokenizer(str(inputs["policy"]))
     ref = None
     if cfg.kl_coef > 0 or cfg.kl_reward_coef > 0:  # under LoRA the policy with its adapter off: no second copy
-        ref = model if modeling.is_lora(model) else modeling.load_model(str(inputs["policy"]), params.model.dtype,
-                                                                        device)
+        ref = model if modeling.is_lora(model) else d.load_on_rank0(  # ranks > 0 read no weights
+            lambda: modeling.load_model(str(inputs["policy"]), params.model.dtype, device),
+            lambda: modeling.empty_model(str(inputs["policy"]), dtype=params.model.dtype), device)
     model = d.wrap(model)  # the training handle (the model itself in one process)
     opt = training.adamw(model, cfg.lr, cfg.weight_decay, training.ONLINE_BETAS)
     backend = BACKENDS[params.rollout.backend](d.plain(model), tok, cfg.generate_batch_size, params.vllm_options())

@@ -10,6 +10,8 @@
   timeout is the backstop), and re-running resumes from the last checkpoint to the one-process weights;
 - sharded checkpoints (``tests/dist_ckpt.py``): FSDP2 saves through DCP with no full tensor gathered, each rank
   its half, and a checkpoint resumes at world size 2 -> 1, 1 -> 2 and 2 -> 2 (bit-identical in its own layout).
+- loading (``tests/dist_frozen.py``): the frozen model (rl's KL reference, distill's teacher) and a pretrained
+  distill student are read by rank 0 only, and every rank's copy is the one-process load bit for bit.
 """
 
 import json
@@ -28,7 +30,7 @@ from conftest import REPO, tiny_raw
 from safetensors.torch import load_file
 
 from posttrain import checkpoint, modeling
-from posttrain.config import parse_params
+from posttrain.config import TinyModel, parse_params
 from posttrain.rewards import score_rows
 from posttrain.rollout import BACKENDS, SamplingParams, sample_rows
 from posttrain.schema import SCORED_SCHEMA, write_parquet
@@ -322,3 +324,39 @@ def test_sft_of_a_loaded_base_under_fsdp2_reads_it_on_rank_0_only_and_equals_wor
     diff = _max_diff(_weights(tmp_path / "fsdp2", "sft"), _weights(tmp_path / "w1", "sft"))
     print(f"sft of a loaded base, fsdp2 world 2 (rank 1 on meta) vs world 1: max |dw| = {diff:.3g}")
     assert diff < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_frozen_models_and_a_pretrained_student_are_read_by_rank_0_only_and_arrive_bit_for_bit(tmp_path, dtype):
+    """``tests/dist_frozen.py`` at world size 2 (FSDP2, gloo), a model saved in ``dtype``: the frozen model (rl's
+    KL reference, distill's teacher: ``Dist.load_on_rank0``) and a pretrained distill student (meta on rank 1,
+    ``Dist.wrap``) are read from disk by rank 0 only (one weight file opened there, none on rank 1), and every
+    rank's copy equals the one-process load bit for bit: the same dtype (``model.dtype`` for the frozen model,
+    fp32 masters for the student), the tied LM head still tied, the rotary buffers (non-persistent) included."""
+    tok = modeling.build_char_tokenizer()
+    model = modeling.build_tiny_model(TinyModel(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64),
+                                      tok, 0)
+    folder, out = tmp_path / "m", tmp_path / "out"
+    modeling.save_checkpoint(model, tok, folder, dtype)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "tests" / "dist_frozen.py"), str(folder), dtype, str(out)]
+    r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r0, r1 = (torch.load(f"{out}.{rank}", weights_only=True) for rank in (0, 1))
+    print(f"{dtype}: weight files opened, rank 0 {len(r0['opened_frozen'])} + {len(r0['opened_student'])}, "
+          f"rank 1 {len(r1['opened_frozen'])} + {len(r1['opened_student'])}")
+    assert len(r0["opened_frozen"]) == len(r0["opened_student"]) == 1  # model.safetensors, on rank 0
+    assert r1["opened_frozen"] == r1["opened_student"] == []  # rank 1 read no weights
+    frozen = modeling.load_model(str(folder), dtype)
+    student = modeling.load_model(str(folder), dtype, trainable=True)
+    for name, alone in (("frozen", frozen), ("student", student)):
+        want = {n: t for n, t in (*alone.named_parameters(), *alone.named_buffers())}
+        assert "model.rotary_emb.inv_freq" in want and "model.rotary_emb.original_inv_freq" in want
+        for res in (r0, r1):
+            got = res[name]
+            assert got.keys() == want.keys(), name
+            for k, v in want.items():
+                assert got[k].dtype == v.dtype and torch.equal(got[k], v), (name, k)
+    for res in (r0, r1):
+        assert res["dtype"] == f"torch.{dtype}" and res["tied"] and res["eos"] == frozen.generation_config.eos_token_id

@@ -1,11 +1,11 @@
-"""The only place that builds, loads or saves models and tokenizers, plus log-prob helpers.
+"""Models: build, load (whole, or empty on the meta device), make trainable (LoRA, checkpointing), save.
 
-- ``model.base: tiny`` builds a small Llama-architecture model from ``model.tiny`` and a character-level
-  tokenizer (built with ``tokenizers``, saved as a standard ``PreTrainedTokenizerFast`` with a chat
-  template). Both are saved with ``save_pretrained`` and reload offline with ``AutoModelForCausalLM`` /
-  ``AutoTokenizer`` (and vLLM) from the folder.
+- ``model.base: tiny`` builds a small Llama-architecture model from ``model.tiny`` (:func:`build_tiny_model`),
+  saved with ``save_pretrained``; it reloads offline with ``AutoModelForCausalLM`` (and vLLM) from the folder.
 - Anything else is a local HF folder or a hub id, loaded with ``from_pretrained``. With
   ``HF_HUB_OFFLINE=1`` an id that is not cached fails fast with :class:`ModelLoadError`.
+- :func:`empty_model` is a folder's model without its weights (the meta device): what a rank builds when rank 0
+  alone reads the weights (``Dist.wrap`` for the policy, ``Dist.load_on_rank0`` for frozen models).
 """
 
 from __future__ import annotations
@@ -13,50 +13,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import string
 import sys
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
-    AutoTokenizer,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
 )
 
-from posttrain.config import LoraCfg, ModelCfg, PromptCfg, TinyModel
+from posttrain.config import LoraCfg, ModelCfg, TinyModel
 from posttrain.errors import ModelLoadError
-
-PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
-# Chat template of the character tokenizer: BOS, the user turn, a newline, then the assistant turn + EOS.
-# Real models bring their own template; the pipeline only ever calls apply_chat_template.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m['role'] == 'user' %}{{ m['content'] }}\n"
-    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}{% endif %}"
-    "{% endfor %}"
-)
-
-
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer over printable ASCII + newline, with pad/bos/eos/unk specials."""
-    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
-    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, UNK, *chars])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.padding_side = "left"
-    return fast
 
 
 def build_tiny_model(cfg: TinyModel, tokenizer: PreTrainedTokenizerBase, seed: int, vocab_size: int | None = None
@@ -85,20 +56,8 @@ def build_tiny_model(cfg: TinyModel, tokenizer: PreTrainedTokenizerBase, seed: i
     return model
 
 
-def _is_local(name: str) -> bool:
+def is_local(name: str) -> bool:
     return Path(name).exists() or name.startswith((".", "/")) or os.sep + os.sep in name
-
-
-def load_tokenizer(name: str, revision: str | None = None) -> PreTrainedTokenizerBase:
-    """Tokenizer from a local folder or hub id; left padding for generation; a pad token guaranteed."""
-    try:
-        tok = AutoTokenizer.from_pretrained(name, revision=revision)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(_load_hint(name, e)) from None
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 def load_model(name: str, dtype: str = "float32", device: str | torch.device = "cpu", trainable: bool = False,
@@ -112,7 +71,7 @@ def load_model(name: str, dtype: str = "float32", device: str | torch.device = "
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32 if trainable else getattr(torch, dtype),
                                                      revision=revision, attn_implementation=attn_implementation)
     except (OSError, ValueError) as e:
-        raise ModelLoadError(_load_hint(name, e)) from None
+        raise ModelLoadError(load_hint(name, e)) from None
     return model.to(device).eval()
 
 
@@ -124,32 +83,12 @@ def autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextMana
     return torch.autocast(device_type=device.type, dtype=getattr(torch, dtype))
 
 
-def _load_hint(name: str, e: Exception) -> str:
-    if _is_local(name) and not Path(name).exists():
+def load_hint(name: str, e: Exception) -> str:
+    if is_local(name) and not Path(name).exists():
         return f"model {name!r}: no such folder"
     if os.environ.get("HF_HUB_OFFLINE") == "1" and not Path(name).exists():
         return f"model {name!r}: not a local folder and HF_HUB_OFFLINE=1 (hub ids need the hub or a cache)"
     return f"model {name!r}: {str(e).splitlines()[0]}"
-
-
-def init_base(cfg: ModelCfg, seed: int, meta: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The starting policy and its tokenizer, prompt format and stops applied (:func:`apply_prompt`): built from
-    ``model.tiny`` when ``model.base == 'tiny'``, else loaded (at ``model.revision``). fp32 master weights,
-    or the frozen base in ``model.dtype`` when LoRA is on; not yet made trainable (:func:`make_trainable`).
-    ``meta`` (``Dist.loads_on_meta``): a loaded base is built on the meta device, its weights read by rank 0
-    only (see :func:`load_policy`); the tiny base is built on every rank (cheap, deterministic)."""
-    if cfg.base == "tiny":
-        tok = build_char_tokenizer()
-        model = build_tiny_model(cfg.tiny, tok, seed)
-    elif meta:
-        model = empty_model(cfg.base, cfg.attn_implementation, cfg.revision)
-        tok = load_tokenizer(cfg.base, cfg.revision)
-    else:
-        model = load_model(cfg.base, cfg.dtype, trainable=cfg.lora is None, revision=cfg.revision,
-                           attn_implementation=cfg.attn_implementation)
-        tok = load_tokenizer(cfg.base, cfg.revision)
-    apply_prompt(model, tok, cfg.prompt, cfg.base)
-    return model, tok
 
 
 def load_policy(name: str, cfg: ModelCfg, device: torch.device, meta: bool = False) -> PreTrainedModel:
@@ -165,19 +104,21 @@ def load_policy(name: str, cfg: ModelCfg, device: torch.device, meta: bool = Fal
     return make_trainable(model, cfg.lora, cfg.gradient_checkpointing)
 
 
-def empty_model(name: str, attn_implementation: str = "sdpa", revision: str | None = None) -> PreTrainedModel:
-    """The fp32 model of folder ``name`` on the meta device (its config and generation config, no weights)."""
+def empty_model(name: str, attn_implementation: str = "sdpa", revision: str | None = None,
+                dtype: str = "float32") -> PreTrainedModel:
+    """The model of folder ``name`` on the meta device in ``dtype`` (fp32 masters by default; a frozen model's
+    ``model.dtype``, as :func:`load_model` stores it): its config and generation config, no weights."""
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(name, revision=revision)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype),
                                                      attn_implementation=attn_implementation)
-        if Path(name, "generation_config.json").is_file() or not _is_local(name):
+        if Path(name, "generation_config.json").is_file() or not is_local(name):
             model.generation_config = GenerationConfig.from_pretrained(name, revision=revision)
     except (OSError, ValueError) as e:
-        raise ModelLoadError(_load_hint(name, e)) from None
+        raise ModelLoadError(load_hint(name, e)) from None
     return model.eval()
 
 
@@ -211,77 +152,6 @@ def adapter_off(model: torch.nn.Module) -> contextlib.AbstractContextManager:
 
 def trainable_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
-
-
-# ------------------------------------------------------------------------------------- prompt and stops
-def _jinja_str(s: str) -> str:
-    return json.dumps(s)  # a JSON string is a valid Jinja string literal (same escapes)
-
-
-def plain_chat_template(template: str) -> str:
-    """A chat template for a model without one, from ``model.prompt.template`` ('...{prompt}...'): system text
-    and a blank line, the user prompt in the template, then the completion and EOS."""
-    pre, post = template.split("{prompt}")
-    return ("{% if bos_token %}{{ bos_token }}{% endif %}{% for m in messages %}"
-            "{% if m['role'] == 'system' %}{{ m['content'] + '\\n\\n' }}"
-            f"{{% elif m['role'] == 'user' %}}{{{{ {_jinja_str(pre)} + m['content'] + {_jinja_str(post)} }}}}"
-            "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}")
-
-
-def wrap_chat_template(template: str, system: str | None, instruction: str) -> str:
-    """``template`` with the messages rewritten first: ``instruction`` appended to each user turn, ``system``
-    put first when the conversation has no system message. The model's own template renders the result."""
-    pre = ""
-    if instruction:
-        pre += ("{% set ns = namespace(m=[]) %}{% for m in messages %}{% if m['role'] == 'user' %}"
-                f"{{% set ns.m = ns.m + [{{'role': 'user', 'content': m['content'] + {_jinja_str(instruction)}}}] %}}"
-                "{% else %}{% set ns.m = ns.m + [m] %}{% endif %}{% endfor %}{% set messages = ns.m %}")
-    if system is not None:
-        pre += ("{% if messages[0]['role'] != 'system' %}"
-                f"{{% set messages = [{{'role': 'system', 'content': {_jinja_str(system)}}}] + messages %}}"
-                "{% endif %}")
-    return pre + template
-
-
-def apply_prompt(model: PreTrainedModel, tok: PreTrainedTokenizerBase, cfg: PromptCfg, name: str) -> None:
-    """Write ``model.prompt`` into the tokenizer's chat template and the model's generation_config (EOS ids +
-    stop strings): saved with the folder, inherited by every model trained from it. Raises ModelLoadError
-    when the model has no chat template and no ``model.prompt.template`` is set, or when its template drops
-    the system message."""
-    if cfg.template is not None:
-        tok.chat_template = plain_chat_template(cfg.template)
-    elif not tok.chat_template:
-        raise ModelLoadError(f"model {name!r} has no chat template: set model.prompt.template (a plain prompt "
-                             "with '{prompt}', e.g. 'Question: {prompt}\\nAnswer:')")
-    if cfg.system is not None or cfg.instruction:
-        tok.chat_template = wrap_chat_template(tok.chat_template, cfg.system, cfg.instruction)
-    if cfg.system is not None:
-        probe = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False,
-                                        add_generation_prompt=True)
-        if cfg.system not in probe:
-            raise ModelLoadError(f"model {name!r}: its chat template drops system messages; put the text in "
-                                 "model.prompt.instruction instead of model.prompt.system")
-    gc = model.generation_config
-    eos = gc.eos_token_id if isinstance(gc.eos_token_id, list) else [gc.eos_token_id]
-    ids, strings = [i for i in eos if i is not None] + [tok.eos_token_id], []
-    vocab = tok.get_vocab()
-    for s in cfg.stop:
-        if s in vocab:
-            ids.append(vocab[s])
-        else:
-            strings.append(s)
-    ids = sorted(set(ids))
-    gc.eos_token_id = ids if len(ids) > 1 else ids[0]
-    gc.stop_strings = strings or None
-    gc.pad_token_id = tok.pad_token_id
-
-
-def stop_ids(gc: GenerationConfig, tok: PreTrainedTokenizerBase) -> list[int]:
-    """Every token id that ends generation: ``gc``'s EOS ids (one or a list; a model's generation_config) and
-    the tokenizer's."""
-    eos = gc.eos_token_id
-    ids = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
-    return sorted(i for i in ids if i is not None)
 
 
 def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path,

@@ -26,8 +26,10 @@ What every loop does with a ``Dist`` (``current()``; a single-process one when n
   (DDP) or a full-weight copy refreshed from the shards one parameter at a time (FSDP2; a collective, called by
   every rank at the same point). Under FSDP2 each rank thus holds one full copy for generation, as a colocated
   vLLM engine would.
-- **Loading under FSDP2**: ranks other than 0 build the policy on the meta device (``loads_on_meta``); ``wrap``
-  shards it and broadcasts rank 0's weights into the shards, so one process reads the weights.
+- **Rank 0 alone reads weights.** Under FSDP2 ranks other than 0 build the policy (and a loaded distill student)
+  on the meta device (``loads_on_meta``); ``wrap`` shards it and broadcasts rank 0's weights into the shards.
+  Frozen models (the rl KL reference, the distill teacher) go through ``load_on_rank0`` under both strategies:
+  rank 0 reads them, the others build them empty and receive them tensor by tensor (``placement``).
 - **Rank 0 alone writes** outputs, logs and the MLflow run. Resumable checkpoints are written by every rank
   (``posttrain.checkpoint``: DCP, each rank its shards, never a gathered full state); any world size and
   strategy can load them.
@@ -36,7 +38,6 @@ What every loop does with a ``Dist`` (``current()``; a single-process one when n
 from __future__ import annotations
 
 import contextlib
-import copy
 import datetime
 import logging
 import os
@@ -47,30 +48,12 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as tdist
 
+from posttrain.distributed import placement
+from posttrain.distributed.placement import PREFIX, Forward, forward
+
+__all__ = ["PREFIX", "Dist", "Forward", "before_shutdown", "current", "forward", "init", "launched", "shutdown"]
 log = logging.getLogger("posttrain.distributed")
 T = TypeVar("T")
-
-
-class Forward(torch.nn.Module):
-    """``Forward(model)(fn, *args)`` = ``fn(model, *args)``: the module DDP and FSDP2 wrap, so that any training
-    forward (``logprobs.token_logp_entropy``, ``logprobs.hidden_at_targets``) runs their forward hooks."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return fn(self.model, *args, **kwargs)
-
-
-def forward(wrapped: torch.nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """``fn(model, *args)`` through ``wrapped`` (the result of ``Dist.wrap``: the model itself when alone)."""
-    if isinstance(wrapped, Forward) or isinstance(getattr(wrapped, "module", None), Forward):  # FSDP2 / DDP
-        return wrapped(fn, *args, **kwargs)
-    return fn(wrapped, *args, **kwargs)
-
-
-PREFIX = "model."  # Forward's parameter names: checkpoints store the model's own names
 
 
 @dataclass
@@ -96,7 +79,7 @@ class Dist:
 
     @property
     def loads_on_meta(self) -> bool:
-        """FSDP2 ranks but rank 0 build the policy on the meta device (no weights read, no full host copy):
+        """FSDP2 ranks but rank 0 build the policy (a pretrained student) on the meta device (no weights read):
         ``wrap`` shards it and broadcasts rank 0's weights into the shards."""
         return self.active and self.strategy == "fsdp2" and not self.main
 
@@ -199,28 +182,27 @@ class Dist:
 
             dev = next(model.parameters()).device
             return DistributedDataParallel(Forward(model), device_ids=[dev.index] if dev.type == "cuda" else None)
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        from torch.distributed.fsdp import fully_shard
-
-        on_meta = any(p.is_meta for p in model.parameters())
-        copy_ = copy.deepcopy(model).requires_grad_(False)
-        full = model.state_dict() if self.main else {}  # rank 0's weights, if the others load on meta
-        for layer in _decoder_layers(model):
-            fully_shard(layer)
-        wrapped = fully_shard(Forward(model))
-        if self.max(float(on_meta)):  # some rank built the model on meta (Dist.loads_on_meta)
-            if on_meta:
-                dev = torch.device(self.comm_device)
-                wrapped.to_empty(device=dev)
-                _to_empty_tied(copy_, dev)  # parameters filled by plain(), one by one
-            set_model_state_dict(wrapped, {PREFIX + k: v for k, v in full.items()},
-                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-            for module in (wrapped, copy_):  # non-persistent buffers (rotary tables): in no state dict, small
-                for _, b in module.named_buffers():
-                    tdist.broadcast(b, 0)
-        del full
+        from_rank0 = bool(self.max(float(any(p.is_meta for p in model.parameters()))))  # Dist.loads_on_meta
+        wrapped, copy_ = placement.fsdp2(model, self.main, torch.device(self.comm_device), from_rank0)
         self._copies[id(wrapped)] = copy_
         return wrapped
+
+    def load_on_rank0(self, load: Callable[[], torch.nn.Module], empty: Callable[[], torch.nn.Module],
+                      device: torch.device) -> torch.nn.Module:
+        """A frozen model (the KL reference, the teacher) that rank 0 alone reads: ``load()`` there; every other
+        rank builds ``empty()`` (the same model on the meta device, in the same dtype), allocates it on
+        ``device`` and receives rank 0's parameters and buffers one tensor at a time (no second full copy on any
+        rank). Any world size > 1 and either strategy: DDP ranks need full copies too, and N ranks deserialising
+        the same folder at once hold N full host copies and read the disk N times. Alone: ``load()``."""
+        if not self.active:
+            return load()
+        if self.main:
+            model = load()
+        else:
+            model = empty()
+            placement.to_empty_tied(model, device)
+        placement.broadcast_module(model, self.comm_device)
+        return model
 
     def plain(self, wrapped: torch.nn.Module) -> torch.nn.Module:
         """The model with the current full weights, run without collectives (generation, scoring, saving).
@@ -230,12 +212,7 @@ class Dist:
             return wrapped
         if self.strategy == "ddp":
             return wrapped.module.model
-        full = self._copies[id(wrapped)]
-        into = dict(full.named_parameters())
-        with torch.no_grad():  # one parameter at a time: never a whole full state dict beside the copy
-            for name, p in wrapped.named_parameters():
-                into[name.removeprefix(PREFIX)].copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
-        return full
+        return placement.refresh(self._copies[id(wrapped)], wrapped)
 
     @contextlib.contextmanager
     def grad_sync(self, model: torch.nn.Module, sync: bool) -> Iterator[None]:
@@ -256,29 +233,6 @@ class Dist:
         """Clip the global gradient norm (over every rank's shards under FSDP2); returns it."""
         norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-
-
-def _to_empty_tied(module: torch.nn.Module, device: torch.device) -> None:
-    """``module.to_empty(device=...)`` keeping shared parameters shared (to_empty makes one new parameter per
-    owner: a tied LM head would come apart from its embedding)."""
-    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
-    for m in module.modules():
-        for name, p in m._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((m, name))
-    module.to_empty(device=device)
-    for (m0, n0), *rest in owners.values():
-        for m, name in rest:
-            m._parameters[name] = m0._parameters[n0]
-
-
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks FSDP2 shards one by one (HF decoders: ``model.layers``; else every direct child)."""
-    for m in model.modules():
-        layers = getattr(m, "layers", None)
-        if isinstance(layers, torch.nn.ModuleList) and len(layers):
-            return list(layers)
-    return list(model.children())
 
 
 _CURRENT = Dist()

@@ -1,0 +1,120 @@
+"""Where a model's weights live across ranks: the training handle (``Forward``, FSDP2 shards), the full-weight copy
+refreshed from the shards, and meta-built models materialised with rank 0's weights.
+
+Rank 0 alone reads a model from disk when the others build it on the meta device (``Dist.loads_on_meta`` for the
+policy, ``Dist.load_on_rank0`` for the frozen KL reference and teacher): they allocate it empty here
+(:func:`to_empty_tied`) and receive rank 0's tensors. A sharded model gets them through torch's
+``set_model_state_dict(broadcast_from_rank0=True)``; a whole frozen model through :func:`broadcast_module`,
+one tensor at a time (torch has no whole-module broadcast that spares a second full state dict: DDP's
+``_sync_module_states`` is private and coalesces buffers; ``broadcast_from_rank0`` wants a full state dict on
+rank 0 and only fills DTensors or same-device tensors).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+PREFIX = "model."  # Forward's parameter names: checkpoints store the model's own names
+
+
+class Forward(torch.nn.Module):
+    """``Forward(model)(fn, *args)`` = ``fn(model, *args)``: the module DDP and FSDP2 wrap, so that any training
+    forward (``logprobs.token_logp_entropy``, ``logprobs.hidden_at_targets``) runs their forward hooks."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return fn(self.model, *args, **kwargs)
+
+
+def forward(wrapped: torch.nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(model, *args)`` through ``wrapped`` (the result of ``Dist.wrap``: the model itself when alone)."""
+    if isinstance(wrapped, Forward) or isinstance(getattr(wrapped, "module", None), Forward):  # FSDP2 / DDP
+        return wrapped(fn, *args, **kwargs)
+    return fn(wrapped, *args, **kwargs)
+
+
+def fsdp2(model: torch.nn.Module, main: bool, device: torch.device, from_rank0: bool
+          ) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``model`` sharded (``fully_shard`` per decoder layer and at the root of its ``Forward``) and a frozen
+    full-weight copy of it for ``refresh``. ``from_rank0`` (some rank built the model on the meta device): every
+    rank's shards and buffers get rank 0's values, the meta ranks' model and copy allocated on ``device``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    on_meta = any(p.is_meta for p in model.parameters())
+    copy_ = copy.deepcopy(model).requires_grad_(False)
+    full = model.state_dict() if main and from_rank0 else {}  # rank 0's weights, for the meta ranks
+    for layer in _decoder_layers(model):
+        fully_shard(layer)
+    wrapped = fully_shard(Forward(model))
+    if from_rank0:
+        if on_meta:
+            wrapped.to_empty(device=device)
+            to_empty_tied(copy_, device)  # parameters filled by refresh(), one by one
+        set_model_state_dict(wrapped, {PREFIX + k: v for k, v in full.items()},
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for module in (wrapped, copy_):  # non-persistent buffers (rotary tables): in no state dict, small
+            for _, b in module.named_buffers():
+                tdist.broadcast(b, 0)
+    del full
+    return wrapped, copy_
+
+
+def refresh(full: torch.nn.Module, wrapped: torch.nn.Module) -> torch.nn.Module:
+    """``full`` (the copy ``fsdp2`` made) with the current weights of ``wrapped``, all-gathered parameter by
+    parameter into it (a collective: every rank calls it at the same point)."""
+    into = dict(full.named_parameters())
+    with torch.no_grad():  # one parameter at a time: never a whole full state dict beside the copy
+        for name, p in wrapped.named_parameters():
+            into[name.removeprefix(PREFIX)].copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
+    return full
+
+
+def broadcast_module(module: torch.nn.Module, comm_device: str) -> None:
+    """Every rank's ``module`` (the same architecture and dtypes) gets rank 0's parameters and buffers
+    (non-persistent ones too), broadcast one tensor at a time in ``named_parameters``/``named_buffers`` order
+    (tied parameters once). A tensor off ``comm_device`` (NCCL reduces only CUDA tensors) goes through a
+    staging copy of that one tensor. Rank 0's names, shapes and dtypes are checked first: a mismatch is a bug."""
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    spec = [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors]
+    theirs = [spec]
+    tdist.broadcast_object_list(theirs, 0, device=torch.device(comm_device))
+    if theirs[0] != spec:
+        diff = next((a, b) for a, b in zip([*theirs[0], None], [*spec, None], strict=False) if a != b)
+        raise RuntimeError(f"broadcast_module: rank 0 has {diff[0]}, this rank {diff[1]}")
+    with torch.no_grad():
+        for _, t in tensors:
+            staged = t if t.device == torch.device(comm_device) else t.to(comm_device)
+            tdist.broadcast(staged, 0)
+            if staged is not t:
+                t.copy_(staged)
+
+
+def to_empty_tied(module: torch.nn.Module, device: torch.device | str) -> None:
+    """``module.to_empty(device=...)`` keeping shared parameters shared (to_empty makes one new parameter per
+    owner: a tied LM head would come apart from its embedding)."""
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((m, name))
+    module.to_empty(device=device)
+    for (m0, n0), *rest in owners.values():
+        for m, name in rest:
+            m._parameters[name] = m0._parameters[n0]
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks FSDP2 shards one by one (HF decoders: ``model.layers``; else every direct child)."""
+    for m in model.modules():
+        layers = getattr(m, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList) and len(layers):
+            return list(layers)
+    return list(model.children())
