@@ -60,8 +60,8 @@ def atomic_path(path: str | Path, now: bool = False) -> Iterator[Path]:
     ``output_set`` holding ``path`` the rename waits for the set's commit, unless ``now``.
 
     ``tmp.parent`` is a folder of this write's own, removed with it: room for scratch files the writer needs
-    until the end (curate's pool). Temp folders a killed run left beside ``path`` (``.<name>.tmp-*``, model-sized for a checkpoint) are
-    removed when the next run writes ``path``, with a warning naming each.
+    until the end (curate's pool). Temp folders a killed run left beside ``path`` (``.<name>.tmp-*``,
+    model-sized for a checkpoint) are removed when the next run writes ``path``, with a warning naming each.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
