@@ -15,13 +15,14 @@ Streaming: rollouts are read in record batches (``schema.BATCH_ROWS`` rows), eac
 ``score_rows`` call and its reward columns written at once (``ParquetWriter``); a prompt's pass rate is written
 when its group of samples ends (the rollout stage writes each prompt's samples together: a prompt met twice is
 an error). Memory: one batch of rows, the audit's counters, examples and running means, and the prompt ids
-seen (Arrow, a few bytes a prompt: to refuse a prompt met twice).
+seen (an 8-byte hash a prompt: to refuse a prompt met twice).
 
 Run: ``dvc repro reward`` or ``python -m stages.reward [--params params.yaml]``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -30,8 +31,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.compute as pc
+import numpy as np
 
 from posttrain.config import Params
 from posttrain.errors import StageError
@@ -185,7 +185,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     cfg = params.reward
     a = Audit(cfg.audit_examples)
     carry: list[dict[str, Any]] = []  # the samples of the last prompt seen: its group may go on in the next batch
-    seen: list[pa.Array] = []  # prompt ids with a pass rate (Arrow: a few bytes each), to check groups are whole
+    seen: list[np.ndarray] = []  # hashes of the prompt ids with a pass rate (8 bytes each): groups are whole
     pending: list[dict[str, Any]] = []  # pass rates not written yet
     with parquet_sink(out["rewards"], REWARD_SCHEMA) as write, \
             parquet_sink(out["pass_rates"], PASS_RATE_SCHEMA) as write_rates, \
@@ -205,8 +205,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
         pending += _rates(carry, a, seen)
         if pending:
             write_rates(pending)
-    ids = pa.chunked_array(seen, pa.string())
-    if pc.count_distinct(ids).as_py() != len(ids):
+    ids = np.concatenate([np.zeros(0, dtype=np.uint64), *seen])
+    if len(np.unique(ids)) != len(ids):  # (a 64-bit hash: two prompts colliding is a ~1e-8 chance at 10^6)
         raise StageError(f"{inputs['rollouts']}: a prompt's samples are not contiguous (the rollout stage writes "
                          "each prompt's samples together; was the file written by another tool?)")
     res = a.result()
@@ -223,11 +223,12 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     return metrics
 
 
-def _rates(group: list[dict[str, Any]], a: Audit, seen: list[pa.Array]) -> list[dict[str, Any]]:
+def _rates(group: list[dict[str, Any]], a: Audit, seen: list[np.ndarray]) -> list[dict[str, Any]]:
     """The pass rates of whole groups of samples, added to the audit."""
     rates = pass_rates(group)
     a.add_rates(rates)
-    seen.append(pa.array([r["prompt_id"] for r in rates], pa.string()))
+    seen.append(np.array([int.from_bytes(hashlib.blake2b(r["prompt_id"].encode(), digest_size=8).digest(), "little")
+                          for r in rates], dtype=np.uint64))
     return rates
 
 
