@@ -19,9 +19,9 @@ library gives the rules that keep distinct maths problems apart, which is what m
   a wrapper); every n-gram's posting list holds at most ``max_postings`` rows, so a row looks at most
   (its n-grams x max_postings) candidates: no quadratic walk. Memory grows with distinct n-grams.
 - ``minhash``: datasketch MinHash signatures of the informative n-grams; LSH bands (b x r chosen by
-  datasketch's ``MinHashLSH`` for ``minhash_threshold``), each kept as one 64-bit key a row and grouped with
+  datasketch's ``MinHashLSH`` for ``minhash_threshold``), each kept as one 32-bit key a row and grouped with
   numpy sorts, because datasketch's in-memory buckets cost ~6 KB a row (6 GB at a million rows); candidates
-  confirmed by their recomputed signatures' estimated Jaccard and the numbers. About 140 bytes a row at the
+  confirmed by their recomputed signatures' estimated Jaccard and the numbers. About 125 bytes a row at the
   defaults, the texts streamed twice (``Texts``). Catches copies (Jaccard), not a copy inside a rare wrapper
   (containment): that is the n-gram index's job.
 
@@ -150,11 +150,12 @@ def near_ngram(texts: Texts, cfg: Any, common: frozenset[str]) -> list[Dup]:
 def near_minhash(texts: Texts, cfg: Any, common: frozenset[str]) -> list[Dup]:
     """MinHash-LSH over informative n-grams: estimated Jaccard >= ``cfg.minhash_threshold`` with equal
     numbers. datasketch computes the signatures and picks the bands (b x r) for the threshold. One pass keeps,
-    per row, its digest, its numbers and one 64-bit key per band (``b x 8`` bytes: 112 at the defaults, where a
-    signature is ``num_perm x 4`` = 512); bands are grouped with numpy sorts (``_lsh_pairs``, each row meeting at
-    most ``max_postings`` earlier rows per band); a second pass recomputes the signatures of the candidate rows
-    only, to confirm each pair by its estimated Jaccard. Memory: those few arrays of a number a row; time:
-    linear."""
+    per row, its digest, its numbers and one 32-bit key per band (``b x 4`` bytes: 100 at the defaults, b = 25
+    for threshold 0.5, where a signature is ``num_perm x 4`` = 512; two bands whose keys collide make a
+    spurious candidate the signatures then refuse); bands are grouped with numpy sorts (``_lsh_pairs``, each
+    row meeting at most ``max_postings`` earlier rows per band); a second pass recomputes the signatures of
+    the candidate rows only, to confirm each pair by its estimated Jaccard. Memory: those few arrays of a
+    number a row; time: linear."""
     from datasketch import MinHash, MinHashLSH
 
     lsh = MinHashLSH(threshold=cfg.minhash_threshold, num_perm=cfg.num_perm)  # only for datasketch's b, r
@@ -168,14 +169,14 @@ def near_minhash(texts: Texts, cfg: Any, common: frozenset[str]) -> list[Dup]:
 
     n = len(texts)
     digests, nums = np.zeros((n, 2), dtype=np.uint64), np.zeros(n, dtype=np.int64)
-    keys = np.zeros((n, lsh.b), dtype=np.uint64)
+    keys = np.zeros((n, lsh.b), dtype=np.uint32)
     usable = np.zeros(n, dtype=bool)  # has informative n-grams and is no exact copy
     for i, t in enumerate(texts):
         f = features(t, cfg.near_ngram)
         digests[i], nums[i] = np.frombuffer(f.digest, dtype=np.uint64), f.numbers
         if inf := f.grams - common:
             bands = signature(inf)[: lsh.b * lsh.r].reshape(lsh.b, lsh.r).astype(np.uint64)
-            keys[i], usable[i] = (bands * mult).sum(axis=1), True  # wraps mod 2^64: a hash of the band
+            keys[i], usable[i] = (bands * mult).sum(axis=1) >> np.uint64(32), True  # a hash of the band (mod 2^64)
     dups = _exact(digests)
     usable[[d.row for d in dups]] = False
     later, earlier = _lsh_pairs(keys, usable, nums if cfg.numbers_must_match else None, cfg.max_postings)
