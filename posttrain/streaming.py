@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from posttrain.outputs import atomic_path
+from posttrain.schema import batches
 
 log = logging.getLogger("posttrain.streaming")
 
@@ -124,7 +125,7 @@ class PartialParquet:
     def batches(self, columns: Sequence[str] | None = None) -> Iterator[pa.RecordBatch]:
         """The finished chunks' rows, in chunk order, as record batches."""
         for c0, c1 in self._parts():
-            yield from pq.ParquetFile(self.part(c0, c1)).iter_batches(columns=columns)
+            yield from batches(pq.ParquetFile(self.part(c0, c1)), 65_536, columns)  # (iter_batches' default)
 
     def assemble(self, path: str | Path) -> int:
         """Stream every part into ``path`` (replaced whole; inside an output set, with the set). Returns rows."""

@@ -206,7 +206,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
         if pending:
             write_rates(pending)
     ids = np.concatenate([np.zeros(0, dtype=np.uint64), *seen])
-    if len(np.unique(ids)) != len(ids):  # (a 64-bit hash: two prompts colliding is a ~1e-8 chance at 10^6)
+    ids.sort()  # in place (np.unique's peak was ~8x the array: +180 MiB at 3,000,000 prompts)
+    if np.any(ids[1:] == ids[:-1]):  # (a 64-bit hash: two prompts colliding is a ~1e-8 chance at 10^6)
         raise StageError(f"{inputs['rollouts']}: a prompt's samples are not contiguous (the rollout stage writes "
                          "each prompt's samples together; was the file written by another tool?)")
     res = a.result()
