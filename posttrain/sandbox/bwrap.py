@@ -1,0 +1,114 @@
+"""The bubblewrap command line of one sandboxed run, and the check that bubblewrap works here.
+
+Why bubblewrap (``bwrap``) and not firejail or nsjail: bwrap is a small, audited, widely deployed (Flatpak's
+sandbox) Debian package that does exactly what we need and nothing more: it starts from an *empty* mount
+namespace and binds in only what it is told, unshares every namespace (user, PID, network, IPC, UTS, cgroup),
+drops all capabilities, and kills the sandbox with its parent. firejail starts from the host's filesystem and
+blacklists paths (a forgotten path leaks) and is a setuid-root binary with a long CVE history and a large
+profile language; nsjail is not packaged in Debian (a source build with protobuf) and its extra features
+(cgroups, seccomp policy language) are not needed for running one Python file. bwrap has no resource limits:
+those are rlimits, set inside the sandbox by a two-line launcher just before it execs the program
+(:func:`launcher`), and the wall-clock limit is the parent's (:mod:`posttrain.sandbox.executor`).
+
+What the program sees: ``/usr`` (and the ``/lib``, ``/lib64``, ``/bin``, ``/sbin`` that point into it)
+read-only, the interpreter's own installation read-only when it lives outside ``/usr``, a fresh ``/proc`` of
+its own PID namespace, a minimal ``/dev``, and ``/scratch``: a fresh tmpfs of ``max_file_mb``, its working
+directory, holding its files. Not the repository, not ``/work``, not the venv's site-packages (the program
+gets the standard library only: what unit tests of model-written code need), not ``/etc``, ``/home``,
+``/root``, ``/tmp`` or ``/sys``. Network: a new, empty network namespace (loopback only, nothing listening).
+Environment: a fixed minimal one (``ENV``), nothing inherited.
+
+Users: run as root, the parent starts bwrap as ``nobody`` (``HOST_UID``): RLIMIT_NPROC is not enforced for
+host uid 0, whatever the uid inside a user namespace maps to, and a root-owned file stays unwritable even
+through a mount the program could remount. Inside, the program is uid/gid 1000 of its own user namespace, which
+``--disable-userns`` keeps it from nesting (so ``unshare``/``mount`` through ctypes fail).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from posttrain.config.sandbox import SandboxCfg
+from posttrain.errors import StageError
+
+HOST_UID = 65534  # nobody: the host user bwrap runs as when the caller is root
+INNER_UID = 1000  # the program's uid and gid inside its user namespace
+SCRATCH = "/scratch"
+ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": SCRATCH, "LANG": "C.UTF-8", "TMPDIR": SCRATCH}
+# bwrap's own init (PID 1 of the sandbox) counts against RLIMIT_NPROC too
+NPROC_OVERHEAD = 1
+
+
+class SandboxUnavailable(StageError):
+    """Bubblewrap is missing or cannot create its namespaces here: code is refused, never run unsandboxed.
+    ``str()`` is one line saying what to do."""
+
+
+def resolve_bwrap(name: str) -> str:
+    """The bwrap executable's path, or :class:`SandboxUnavailable`."""
+    found = shutil.which(name)
+    if found is None:
+        raise SandboxUnavailable(f"sandbox: bubblewrap {name!r} not found (apt-get install -y bubblewrap); "
+                                 "refusing to run code unsandboxed")
+    return found
+
+
+def resolve_python(python: str | None) -> str:
+    """The interpreter inside the sandbox: ``python``, else ``/usr/bin/python3``, else the running Python's base
+    interpreter (the venv's own ``python`` would bring its site-packages path)."""
+    if python is not None:
+        return python
+    if Path("/usr/bin/python3").exists():
+        return "/usr/bin/python3"
+    return str(Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}")
+
+
+@functools.lru_cache(maxsize=8)
+def _ro_binds(python: str) -> tuple[str, ...]:
+    """``/usr`` and its companions as the host has them (merged-/usr symlinks or directories), plus the
+    interpreter's installation prefix when it is not under ``/usr``."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/lib", "/lib64", "/bin", "/sbin"):
+        p = Path(top)
+        if p.is_symlink():
+            args += ["--symlink", os.readlink(p), top]
+        elif p.is_dir():
+            args += ["--ro-bind", top, top]
+    real = Path(os.path.realpath(python))
+    prefix = real.parent.parent  # <prefix>/bin/python3.x
+    if not real.is_relative_to("/usr") and str(prefix) != "/":
+        args += ["--ro-bind", str(prefix), str(prefix)]
+    return tuple(args)
+
+
+def launcher(cfg: SandboxCfg, main: str) -> str:
+    """The program run first inside the sandbox: set the rlimits (lowering is always allowed), then exec the
+    interpreter on ``main`` in isolated mode (``-I``: no PYTHON* variables, no user site, no cwd on the path).
+    RLIMIT_CPU's hard limit one second past the soft: SIGXCPU first, SIGKILL if the program catches it."""
+    mb = 1024 * 1024
+    cpu = max(1, int(-(-cfg.cpu_s // 1)))
+    limits = [("CPU", cpu, cpu + 1), ("AS", cfg.memory_mb * mb, cfg.memory_mb * mb),
+              ("NPROC", cfg.max_procs + NPROC_OVERHEAD, cfg.max_procs + NPROC_OVERHEAD),
+              ("FSIZE", cfg.max_file_mb * mb, cfg.max_file_mb * mb),
+              ("NOFILE", cfg.max_open_files, cfg.max_open_files), ("CORE", 0, 0)]
+    sets = ";".join(f"r.setrlimit(r.RLIMIT_{k},({s},{h}))" for k, s, h in limits)
+    return f"import os,sys,resource as r;{sets};os.execv(sys.executable,[sys.executable,'-I',{main!r}])"
+
+
+def command(cfg: SandboxCfg, bwrap: str, python: str, files: dict[str, int], status_fd: int) -> list[str]:
+    """The bwrap argv: namespaces, binds, the scratch tmpfs filled from ``files`` (name -> readable fd), the
+    environment, then the launcher. ``status_fd``: bwrap's JSON status (child pid once set up, exit code)."""
+    args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+            "--cap-drop", "ALL", "--uid", str(INNER_UID), "--gid", str(INNER_UID), "--hostname", "sandbox",
+            "--json-status-fd", str(status_fd), *_ro_binds(python), "--proc", "/proc", "--dev", "/dev",
+            "--size", str(cfg.max_file_mb * 1024 * 1024), "--perms", "0700", "--tmpfs", SCRATCH]
+    for name, fd in files.items():
+        args += ["--file", str(fd), f"{SCRATCH}/{name}"]
+    args += ["--chdir", SCRATCH, "--clearenv"]
+    for k, v in ENV.items():
+        args += ["--setenv", k, v]
+    return [*args, python, "-I", "-S", "-c", launcher(cfg, "main.py")]
