@@ -5,6 +5,7 @@ and nothing runs. docs/sandbox.md says what is and is not covered."""
 
 from posttrain.sandbox.bwrap import SandboxUnavailable
 from posttrain.sandbox.executor import Sandbox
+from posttrain.sandbox.pool import Program, SandboxPool
 from posttrain.sandbox.result import STATUSES, Result, Status
 
-__all__ = ["STATUSES", "Result", "Sandbox", "SandboxUnavailable", "Status"]
+__all__ = ["STATUSES", "Program", "Result", "Sandbox", "SandboxPool", "SandboxUnavailable", "Status"]

@@ -38,8 +38,11 @@ from posttrain.errors import StageError
 HOST_UID = 65534  # nobody: the host user bwrap runs as when the caller is root
 INNER_UID = 1000  # the program's uid and gid inside its user namespace
 SCRATCH = "/scratch"
-ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": SCRATCH, "LANG": "C.UTF-8", "TMPDIR": SCRATCH}
-# bwrap's own init (PID 1 of the sandbox) counts against RLIMIT_NPROC too
+# MALLOC_ARENA_MAX: glibc reserves 64 MiB of address space per thread arena, which would make RLIMIT_AS a
+# limit on threads rather than on memory
+ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": SCRATCH, "LANG": "C.UTF-8", "TMPDIR": SCRATCH,
+       "MALLOC_ARENA_MAX": "2"}
+# the launcher (PID 1 of the sandbox) counts against RLIMIT_NPROC too
 NPROC_OVERHEAD = 1
 
 
@@ -86,29 +89,44 @@ def _ro_binds(python: str) -> tuple[str, ...]:
 
 
 def launcher(cfg: SandboxCfg, main: str) -> str:
-    """The program run first inside the sandbox: set the rlimits (lowering is always allowed), then exec the
-    interpreter on ``main`` in isolated mode (``-I``: no PYTHON* variables, no user site, no cwd on the path).
-    RLIMIT_CPU's hard limit one second past the soft: SIGXCPU first, SIGKILL if the program catches it."""
+    """PID 1 of the sandbox (``--as-pid-1``; bwrap's own init would be ptrace-able by the program, same uid):
+    makes itself non-dumpable (no ptrace, no ``/proc/1/mem`` from the program), sets the rlimits (lowering is
+    always allowed; children inherit them), forks the program (``python -I main.py``: no PYTHON* variables,
+    no user site, no cwd on the path), reaps every orphan until the program exits, and exits with its status
+    (128 + n for signal n). When PID 1 exits the kernel kills what is left in the PID namespace. RLIMIT_CPU's
+    hard limit is a second past the soft one: SIGXCPU first, SIGKILL if the program catches it."""
     mb = 1024 * 1024
     cpu = max(1, int(-(-cfg.cpu_s // 1)))
-    limits = [("CPU", cpu, cpu + 1), ("AS", cfg.memory_mb * mb, cfg.memory_mb * mb),
-              ("NPROC", cfg.max_procs + NPROC_OVERHEAD, cfg.max_procs + NPROC_OVERHEAD),
+    nproc = cfg.max_procs + NPROC_OVERHEAD
+    limits = [("CPU", cpu, cpu + 1), ("AS", cfg.memory_mb * mb, cfg.memory_mb * mb), ("NPROC", nproc, nproc),
               ("FSIZE", cfg.max_file_mb * mb, cfg.max_file_mb * mb),
               ("NOFILE", cfg.max_open_files, cfg.max_open_files), ("CORE", 0, 0)]
-    sets = ";".join(f"r.setrlimit(r.RLIMIT_{k},({s},{h}))" for k, s, h in limits)
-    return f"import os,sys,resource as r;{sets};os.execv(sys.executable,[sys.executable,'-I',{main!r}])"
+    sets = "\n".join(f"r.setrlimit(r.RLIMIT_{k},({s},{h}))" for k, s, h in limits)
+    return f"""import ctypes,os,signal,sys,resource as r
+signal.signal(signal.SIGINT,signal.SIG_DFL)
+if ctypes.CDLL(None).prctl(4,0,0,0,0):os._exit(126)
+{sets}
+c=os.fork()
+if c==0:os.execv(sys.executable,[sys.executable,'-I',{main!r}])
+while True:
+ p,s=os.wait()
+ if p==c:break
+e=os.waitstatus_to_exitcode(s)
+os._exit(e if e>=0 else 128-e)
+"""
 
 
 def command(cfg: SandboxCfg, bwrap: str, python: str, files: dict[str, int], status_fd: int) -> list[str]:
     """The bwrap argv: namespaces, binds, the scratch tmpfs filled from ``files`` (name -> readable fd), the
     environment, then the launcher. ``status_fd``: bwrap's JSON status (child pid once set up, exit code)."""
     args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+            "--as-pid-1",
             "--cap-drop", "ALL", "--uid", str(INNER_UID), "--gid", str(INNER_UID), "--hostname", "sandbox",
             "--json-status-fd", str(status_fd), *_ro_binds(python), "--proc", "/proc", "--dev", "/dev",
             "--size", str(cfg.max_file_mb * 1024 * 1024), "--perms", "0700", "--tmpfs", SCRATCH]
     for name, fd in files.items():
         args += ["--file", str(fd), f"{SCRATCH}/{name}"]
-    args += ["--chdir", SCRATCH, "--clearenv"]
+    args += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", SCRATCH, "--clearenv"]
     for k, v in ENV.items():
         args += ["--setenv", k, v]
     return [*args, python, "-I", "-S", "-c", launcher(cfg, "main.py")]
