@@ -12,7 +12,8 @@ those are rlimits, set inside the sandbox by a two-line launcher just before it 
 
 What the program sees: ``/usr`` (and the ``/lib``, ``/lib64``, ``/bin``, ``/sbin`` that point into it)
 read-only, the interpreter's own installation read-only when it lives outside ``/usr``, a fresh ``/proc`` of
-its own PID namespace, a minimal ``/dev``, and ``/scratch``: a fresh tmpfs of ``max_file_mb``, its working
+its own PID namespace, a minimal ``/dev``, and ``/scratch``: a fresh tmpfs of ``max_file_mb`` (+ 1 MiB: one file
+hits RLIMIT_FSIZE before the tmpfs is full), its working
 directory, holding its files. Not the repository, not ``/work``, not the venv's site-packages (the program
 gets the standard library only: what unit tests of model-written code need), not ``/etc``, ``/home``,
 ``/root``, ``/tmp`` or ``/sys``. Network: a new, empty network namespace (loopback only, nothing listening).
@@ -107,7 +108,7 @@ signal.signal(signal.SIGINT,signal.SIG_DFL)
 if ctypes.CDLL(None).prctl(4,0,0,0,0):os._exit(126)
 {sets}
 c=os.fork()
-if c==0:os.execv(sys.executable,[sys.executable,'-I',{main!r}])
+if c==0:os.execv(sys.executable,[sys.executable,'-E','-s','-B',{main!r}])
 while True:
  p,s=os.wait()
  if p==c:break
@@ -123,7 +124,7 @@ def command(cfg: SandboxCfg, bwrap: str, python: str, files: dict[str, int], sta
             "--as-pid-1",
             "--cap-drop", "ALL", "--uid", str(INNER_UID), "--gid", str(INNER_UID), "--hostname", "sandbox",
             "--json-status-fd", str(status_fd), *_ro_binds(python), "--proc", "/proc", "--dev", "/dev",
-            "--size", str(cfg.max_file_mb * 1024 * 1024), "--perms", "0700", "--tmpfs", SCRATCH]
+            "--size", str((cfg.max_file_mb + 1) * 1024 * 1024), "--perms", "0700", "--tmpfs", SCRATCH]
     for name, fd in files.items():
         args += ["--file", str(fd), f"{SCRATCH}/{name}"]
     args += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", SCRATCH, "--clearenv"]

@@ -80,6 +80,9 @@ def _run(cfg: SandboxCfg, bwrap_path: str, python: str, source: str, stdin: str 
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 pass_fds=(*fds.values(), status_w), env={}, start_new_session=True, **owner)
+    except OSError as e:  # bwrap not executable (by the host user it runs as): nothing ran
+        os.close(status_r)
+        return Result("refused", None, "", "", False, 0.0, f"cannot start {bwrap_path}: {e.strerror}")
     except BaseException:
         os.close(status_r)
         raise
