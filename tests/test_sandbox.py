@@ -462,3 +462,43 @@ def test_a_killed_run_leaves_no_bwrap_behind(sb):
     r = run(sb, "self SIGKILL", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
     assert (r.status, r.exit_code, r.detail) == ("killed", 128 + signal.SIGKILL, "ended by SIGKILL")
     assert {p for p in _host_procs("bwrap")} <= before
+
+
+def test_the_seccomp_filter_refuses_what_it_lists(sb):
+    r = run(sb, "seccomp", TRY + """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def call(nr, *args):
+    def f():
+        if libc.syscall(nr, *args) < 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return f
+attempt("keyctl", call(250, 0, 0, 0, 0))                  # x86-64 numbers
+attempt("bpf", call(321, 0, 0, 0))
+attempt("perf_event_open", call(298, 0, 0, -1, -1, 0))
+attempt("userfaultfd", call(323, 0))
+attempt("io_uring_setup", call(425, 1, 0))
+attempt("process_vm_readv", call(310, 1, 0, 0, 0, 0, 0))
+print([ln for ln in open("/proc/self/status") if ln.startswith("Seccomp:")])
+""")
+    if os.uname().machine != "x86_64":
+        pytest.skip("syscall numbers above are x86-64's")
+    assert "['Seccomp:\\t2\\n']" in r.stdout  # a filter is loaded
+    assert len(attempts(r)) == 6 and r.stdout.count("Operation not permitted") == 6
+
+
+def test_seccomp_off_loads_no_filter_and_a_missing_libseccomp_refuses(monkeypatch):
+    from posttrain.sandbox import seccomp
+
+    try:
+        r = Sandbox(SandboxCfg(seccomp=False)).run("print(open('/proc/self/status').read())")
+    except SandboxUnavailable as e:
+        pytest.skip(str(e))
+    assert "Seccomp:\t0" in r.stdout
+
+    def missing() -> bytes:
+        raise seccomp.SeccompUnavailable("libseccomp cannot be loaded (test)")
+
+    monkeypatch.setattr(seccomp, "program", missing)
+    with pytest.raises(SandboxUnavailable, match="set sandbox.seccomp: false"):
+        Sandbox(SandboxCfg())

@@ -29,6 +29,9 @@ class SandboxCfg(Section):
                                 "(RLIMIT_NOFILE)")
     workers: int = Field(2, ge=1, le=1024, description="programs run at once by the pool (one sandbox each)",
                          json_schema_extra=NOT_RESULT)
+    seccomp: bool = Field(True, description="also load the seccomp filter (posttrain/sandbox/seccomp.py: "
+                          "namespaces, mounts, ptrace, keyrings, eBPF, io_uring, ... refused with EPERM); true where "
+                          "libseccomp cannot be loaded refuses to run code; false: namespaces and rlimits only")
     python: str | None = Field(None, min_length=1, description="the interpreter inside the sandbox (its "
                                "installation is bound read-only; it must be readable by an unprivileged user); "
                                "null: /usr/bin/python3, else the base interpreter of the running Python")

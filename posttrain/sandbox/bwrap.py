@@ -117,9 +117,11 @@ os._exit(e if e>=0 else 128-e)
 """
 
 
-def command(cfg: SandboxCfg, bwrap: str, python: str, files: dict[str, int], status_fd: int) -> list[str]:
+def command(cfg: SandboxCfg, bwrap: str, python: str, files: dict[str, int], status_fd: int,
+            seccomp_fd: int | None) -> list[str]:
     """The bwrap argv: namespaces, binds, the scratch tmpfs filled from ``files`` (name -> readable fd), the
-    environment, then the launcher. ``status_fd``: bwrap's JSON status (child pid once set up, exit code)."""
+    environment, the seccomp filter (a readable fd of BPF, or None), then the launcher. ``status_fd``: bwrap's
+    JSON status (child pid once set up, exit code)."""
     args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
             "--as-pid-1",
             "--cap-drop", "ALL", "--uid", str(INNER_UID), "--gid", str(INNER_UID), "--hostname", "sandbox",
@@ -130,4 +132,6 @@ def command(cfg: SandboxCfg, bwrap: str, python: str, files: dict[str, int], sta
     args += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", SCRATCH, "--clearenv"]
     for k, v in ENV.items():
         args += ["--setenv", k, v]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
     return [*args, python, "-I", "-S", "-c", launcher(cfg, "main.py")]

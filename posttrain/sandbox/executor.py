@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping
 
 from posttrain.config.sandbox import SandboxCfg
-from posttrain.sandbox import bwrap
+from posttrain.sandbox import bwrap, seccomp
 from posttrain.sandbox.result import Result, Status
 
 READ = 65536
@@ -39,6 +39,12 @@ class Sandbox:
         self.cfg = cfg or SandboxCfg()
         self.bwrap = bwrap.resolve_bwrap(self.cfg.bwrap)
         self.python = bwrap.resolve_python(self.cfg.python)
+        if self.cfg.seccomp:
+            try:
+                seccomp.program()
+            except seccomp.SeccompUnavailable as e:
+                raise bwrap.SandboxUnavailable(f"sandbox: {e}: install libseccomp2, or set sandbox.seccomp: false "
+                                               "(namespaces and rlimits only)") from None
         _probe(self)
 
     def run(self, source: str, *, stdin: str | bytes = b"", files: Mapping[str, str | bytes] | None = None,
@@ -48,17 +54,17 @@ class Sandbox:
         return _run(self.cfg, self.bwrap, self.python, source, stdin, files or {})
 
 
-_PROBED: dict[tuple[str, str], str] = {}  # (bwrap, python) -> '' (works) or why not
+_PROBED: dict[tuple[str, str, bool], str] = {}  # (bwrap, python, seccomp) -> '' (works) or why not
 _PROBE_LOCK = threading.Lock()
 
 
 def _probe(sb: Sandbox) -> None:
     """One trivial program under the default limits: bubblewrap must set up every namespace and the interpreter
-    must start inside. Cached per (bwrap, python); a failure raises :class:`SandboxUnavailable`, one line."""
-    key = (sb.bwrap, sb.python)
+    must start inside. Cached per (bwrap, python, seccomp); a failure raises :class:`SandboxUnavailable`, one line."""
+    key = (sb.bwrap, sb.python, sb.cfg.seccomp)
     with _PROBE_LOCK:
         if key not in _PROBED:
-            r = _run(SandboxCfg(), sb.bwrap, sb.python, "print('ok')", b"", {})
+            r = _run(SandboxCfg(seccomp=sb.cfg.seccomp), sb.bwrap, sb.python, "print('ok')", b"", {})
             _PROBED[key] = "" if r.ok and r.stdout == "ok\n" else (r.detail or r.status)
     if _PROBED[key]:
         raise bwrap.SandboxUnavailable(f"sandbox: bubblewrap ({sb.bwrap}) cannot run {sb.python} in a sandbox here: "
@@ -73,13 +79,15 @@ def _run(cfg: SandboxCfg, bwrap_path: str, python: str, source: str, stdin: str 
     if bad:
         raise ValueError(f"sandbox file names must be plain names, got {bad}")
     fds = {name: _memfd(name, data) for name, data in contents.items()}
+    bpf = _memfd("seccomp", seccomp.program()) if cfg.seccomp else None
     status_r, status_w = os.pipe()
-    argv = bwrap.command(cfg, bwrap_path, python, fds, status_w)
+    argv = bwrap.command(cfg, bwrap_path, python, fds, status_w, bpf)
+    passed = (*fds.values(), status_w, *([bpf] if bpf is not None else []))
     owner: dict = {"user": bwrap.HOST_UID, "group": bwrap.HOST_UID, "extra_groups": []} if os.geteuid() == 0 else {}
     t0 = time.monotonic()
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                pass_fds=(*fds.values(), status_w), env={}, start_new_session=True, **owner)
+                                pass_fds=passed, env={}, start_new_session=True, **owner)
     except OSError as e:  # bwrap not executable (by the host user it runs as): nothing ran
         os.close(status_r)
         return Result("refused", None, "", "", False, 0.0, f"cannot start {bwrap_path}: {e.strerror}")
@@ -87,7 +95,7 @@ def _run(cfg: SandboxCfg, bwrap_path: str, python: str, source: str, stdin: str 
         os.close(status_r)
         raise
     finally:
-        for fd in (*fds.values(), status_w):
+        for fd in passed:
             os.close(fd)
     try:
         out, err, why = _communicate(proc, stdin.encode() if isinstance(stdin, str) else stdin,
