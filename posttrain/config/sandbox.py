@@ -17,9 +17,9 @@ class SandboxCfg(Section):
                          "(RLIMIT_CPU, rounded up to whole seconds): past it the process is killed (status timeout)")
     wall_s: float = Field(20.0, gt=0, le=3600, description="wall-clock seconds of the whole run, start-up "
                           "included: past it the whole process tree is killed (status timeout)")
-    memory_mb: int = Field(512, ge=32, le=1_048_576, description="address space of each process in MiB "
+    memory_mb: int = Field(256, ge=32, le=1_048_576, description="address space of each process in MiB "
                            "(RLIMIT_AS): an allocation past it fails (MemoryError: status memory)")
-    max_procs: int = Field(32, ge=1, le=4096, description="processes and threads the program may have at once "
+    max_procs: int = Field(16, ge=1, le=4096, description="processes and threads the program may have at once "
                            "(RLIMIT_NPROC in its own user namespace): a fork past it fails")
     max_file_mb: int = Field(16, ge=1, le=65_536, description="MiB the program may write, per file "
                              "(RLIMIT_FSIZE) and in all (the size of its scratch tmpfs)")
