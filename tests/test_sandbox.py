@@ -350,6 +350,18 @@ attempt("reboot", call("reboot", 0x4321FEDC))
     assert len(attempts(r)) == 11
 
 
+def test_limits_cannot_be_raised_and_no_stray_descriptor_is_inherited(sb):
+    r = run(sb, "raise rlimits, inherited fds", TRY + """
+import os, resource
+for name in ("RLIMIT_AS", "RLIMIT_NPROC", "RLIMIT_CPU", "RLIMIT_FSIZE", "RLIMIT_NOFILE"):
+    lim = getattr(resource, name)
+    attempt(name, lambda: resource.setrlimit(lim, (resource.RLIM_INFINITY, resource.RLIM_INFINITY)))
+print("fds", sorted(int(f) for f in os.listdir("/proc/self/fd")))
+""")
+    assert len(attempts(r)) == 5
+    assert "fds [0, 1, 2, 3]" in r.stdout  # stdin/out/err and listdir's own: no bwrap status or memfd
+
+
 def test_the_sandbox_runs_as_nobody_on_the_host(sb):
     """RLIMIT_NPROC is not enforced for host uid 0: the run's processes must belong to another host user."""
     seen: list[int] = []

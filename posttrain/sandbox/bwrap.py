@@ -7,22 +7,24 @@ drops all capabilities, and kills the sandbox with its parent. firejail starts f
 blacklists paths (a forgotten path leaks) and is a setuid-root binary with a long CVE history and a large
 profile language; nsjail is not packaged in Debian (a source build with protobuf) and its extra features
 (cgroups, seccomp policy language) are not needed for running one Python file. bwrap has no resource limits:
-those are rlimits, set inside the sandbox by a two-line launcher just before it execs the program
-(:func:`launcher`), and the wall-clock limit is the parent's (:mod:`posttrain.sandbox.executor`).
+those are rlimits, set inside the sandbox by the launcher that is its PID 1 (:func:`launcher`), and the
+wall clock and output cap are the parent's (:mod:`posttrain.sandbox.executor`). Its ``--seccomp`` loads the
+filter of :mod:`posttrain.sandbox.seccomp`.
 
 What the program sees: ``/usr`` (and the ``/lib``, ``/lib64``, ``/bin``, ``/sbin`` that point into it)
 read-only, the interpreter's own installation read-only when it lives outside ``/usr``, a fresh ``/proc`` of
-its own PID namespace, a minimal ``/dev``, and ``/scratch``: a fresh tmpfs of ``max_file_mb`` (+ 1 MiB: one file
-hits RLIMIT_FSIZE before the tmpfs is full), its working
-directory, holding its files. Not the repository, not ``/work``, not the venv's site-packages (the program
-gets the standard library only: what unit tests of model-written code need), not ``/etc``, ``/home``,
-``/root``, ``/tmp`` or ``/sys``. Network: a new, empty network namespace (loopback only, nothing listening).
-Environment: a fixed minimal one (``ENV``), nothing inherited.
+its own PID namespace, a minimal ``/dev``, and ``/scratch``: a fresh tmpfs of ``max_file_mb`` + 1 MiB (one
+file hits RLIMIT_FSIZE before the tmpfs is full), its working directory, holding its files. ``/`` and ``/dev``
+are remounted read-only (both are tmpfs of bwrap's: writable and unbounded otherwise). Not the repository,
+not ``/work``, not the venv's site-packages (the standard library only: what unit tests of model-written code
+need), not ``/etc``, ``/home``, ``/root``, ``/tmp`` or ``/sys``. Network: a new, empty network namespace
+(loopback only, nothing listening). Environment: a fixed minimal one (``ENV``), nothing inherited.
 
 Users: run as root, the parent starts bwrap as ``nobody`` (``HOST_UID``): RLIMIT_NPROC is not enforced for
 host uid 0, whatever the uid inside a user namespace maps to, and a root-owned file stays unwritable even
-through a mount the program could remount. Inside, the program is uid/gid 1000 of its own user namespace, which
-``--disable-userns`` keeps it from nesting (so ``unshare``/``mount`` through ctypes fail).
+through a mount the program could remount. Inside, the program is uid/gid 1000 of its own user namespace, with
+no capabilities, which ``--disable-userns`` keeps it from nesting (so ``unshare``/``mount`` through ctypes
+fail, as the seccomp filter also ensures). bwrap 0.8 or newer (``--disable-userns``).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def resolve_python(python: str | None) -> str:
     """The interpreter inside the sandbox: ``python``, else ``/usr/bin/python3``, else the running Python's base
     interpreter (the venv's own ``python`` would bring its site-packages path)."""
     if python is not None:
-        return python
+        return shutil.which(python) or python  # a bare name: the host's PATH, as the sandbox's /usr has it
     if Path("/usr/bin/python3").exists():
         return "/usr/bin/python3"
     return str(Path(sys.base_prefix) / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}")
