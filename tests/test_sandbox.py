@@ -362,6 +362,17 @@ print("fds", sorted(int(f) for f in os.listdir("/proc/self/fd")))
     assert "fds [0, 1, 2, 3]" in r.stdout  # stdin/out/err and listdir's own: no bwrap status or memfd
 
 
+def test_no_capability_no_new_privileges_every_mount_nosuid(sb):
+    """A setuid binary of /usr (gpasswd, newgrp, ...) gains nothing: no_new_privs, nosuid mounts, no caps."""
+    r = run(sb, "privileges", """
+    status = dict(ln.split(":", 1) for ln in open("/proc/self/status"))
+    print({k: status[k].strip() for k in ("CapEff", "CapPrm", "CapBnd", "NoNewPrivs")})
+    print("all nosuid", all("nosuid" in ln.split(" - ")[0] for ln in open("/proc/self/mountinfo")))
+    """)
+    assert "{'CapEff': '0000000000000000', 'CapPrm': '0000000000000000', 'CapBnd': '0000000000000000', " \
+           "'NoNewPrivs': '1'}" in r.stdout and "all nosuid True" in r.stdout
+
+
 def test_the_sandbox_runs_as_nobody_on_the_host(sb):
     """RLIMIT_NPROC is not enforced for host uid 0: the run's processes must belong to another host user."""
     seen: list[int] = []
