@@ -1,5 +1,6 @@
 """Throughput of the sandbox pool (posttrain/sandbox/): programs per second on trivial programs (``print(1)``)
-and on HumanEval's canonical solutions run against their own tests (all 164 must pass), at 1 and 2 workers.
+and on HumanEval's canonical solutions run against their own tests (all 164 must pass), at 1 and 2 workers;
+the baseline ("bare"): the same interpreter running ``print(1)`` as a plain subprocess, no sandbox.
 
 Arms alternate within the run (w1, w2, w1, w2, ...) so machine noise hits both; every repeat is reported.
 Each program gets a fresh sandbox (bwrap: new namespaces, a fresh scratch tmpfs, a Python start-up).
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from posttrain.config import SandboxCfg
 from posttrain.sandbox import Program, SandboxPool
+from posttrain.sandbox.bwrap import resolve_python
 
 ROOT = Path(__file__).resolve().parents[1]
 HUMANEVAL = ROOT.parent / "shared" / "benchmarks" / "humaneval.jsonl"
@@ -49,6 +51,24 @@ def arm(workers: int, programs: list[Program]) -> tuple[dict, list]:
             "p95_wall_ms": round(1000 * walls[int(0.95 * (len(walls) - 1))], 1)}, results
 
 
+def bare(workers: int, n: int, python: str) -> dict:
+    """The baseline: ``python -c 'print(1)'`` as a plain subprocess (no sandbox), ``workers`` at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(_: int) -> float:
+        t = time.perf_counter()
+        subprocess.run([python, "-c", "print(1)"], capture_output=True, check=True)
+        return time.perf_counter() - t
+
+    with ThreadPoolExecutor(workers) as ex:
+        t = time.perf_counter()
+        walls = sorted(ex.map(one, range(n)))
+        dt = time.perf_counter() - t
+    return {"workers": workers, "programs": n, "seconds": round(dt, 3), "programs_per_s": round(n / dt, 2),
+            "ok": n, "p50_wall_ms": round(1000 * statistics.median(walls), 1),
+            "p95_wall_ms": round(1000 * walls[int(0.95 * (n - 1))], 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trivial", type=int, default=100, help="trivial programs per repeat")
@@ -58,10 +78,12 @@ def main() -> None:
 
     rows, failures = [], {}
     trivial = [Program("print(1)")] * args.trivial
+    python = resolve_python(SandboxCfg().python)
     for rep in range(args.repeats):
         for w in (1, 2):
             row, _ = arm(w, trivial)
             rows.append({"suite": "trivial", "repeat": rep, **row})
+            rows.append({"suite": "bare", "repeat": rep, **bare(w, args.trivial, python)})
     ids, progs = humaneval_programs(HUMANEVAL)
     for rep in range(args.humaneval_repeats):
         for w in (1, 2):
