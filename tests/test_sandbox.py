@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -525,3 +526,23 @@ def test_seccomp_off_loads_no_filter_and_a_missing_libseccomp_refuses(monkeypatc
     monkeypatch.setattr(seccomp, "program", missing)
     with pytest.raises(SandboxUnavailable, match="set sandbox.seccomp: false"):
         Sandbox(SandboxCfg())
+
+
+@pytest.mark.slow
+def test_a_caller_killed_by_sigkill_takes_its_sandboxes_with_it(sb):
+    """The stage running the sandbox dies (SIGKILL, no cleanup): bwrap gets SIGKILL with it (--die-with-parent),
+    then the launcher, then the PID namespace: the program's background process does not survive."""
+    code = ("from posttrain.config import SandboxCfg\nfrom posttrain.sandbox import Sandbox\n"
+            "Sandbox(SandboxCfg(wall_s=60)).run(\"import subprocess, time\\n"
+            "subprocess.Popen(['sleep', '876543'])\\ntime.sleep(60)\")\n")
+    caller = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.monotonic() + 20
+    while not _host_procs("sleep 876543") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _host_procs("sleep 876543"), "the sandboxed program never started"
+    caller.kill()
+    caller.wait()
+    deadline = time.monotonic() + 5
+    while _host_procs("sleep 876543") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _host_procs("sleep 876543") == []
