@@ -3,10 +3,11 @@
 
 The parent enforces what rlimits cannot: the wall clock (``wall_s``, start-up included) and the output cap
 (``max_output_kb`` of stdout and of stderr, read through ``selectors``; a program that writes more is killed,
-so a ``while True: print()`` costs no more than its cap). Killing a run kills bwrap's process group; bwrap's
-PID 1 inside the sandbox dies with it (``--die-with-parent``) and the kernel then kills every process left in
-the sandbox's PID namespace, whatever ``setsid``/double fork it did: no process outlives the call. A program
-that exits normally ends the namespace the same way (bwrap's PID 1 exits with it).
+so a ``while True: print()`` costs no more than its cap). Killing a run kills bwrap's process group; the
+launcher, PID 1 inside the sandbox, dies with it (``--die-with-parent``; also when the caller itself is
+SIGKILLed) and the kernel then kills every process left in the sandbox's PID namespace, whatever
+``setsid``/double fork it did: no process outlives the call. A program that exits normally ends the namespace
+the same way (the launcher exits with it).
 
 Setup failures are told apart from the program's own exit codes by bwrap's JSON status pipe: no
 ``child-pid`` there means the sandbox was never set up (status ``refused``, nothing of the program ran).
@@ -32,7 +33,7 @@ READ = 65536
 
 class Sandbox:
     """Runs programs under ``cfg``'s limits. Construction checks that bubblewrap is installed and can create its
-    namespaces (one trivial run, cached per executable and interpreter) and raises
+    namespaces (one trivial run, cached per executable, interpreter and seccomp setting) and raises
     :class:`~posttrain.sandbox.bwrap.SandboxUnavailable` otherwise. Thread-safe: :meth:`run` keeps no state."""
 
     def __init__(self, cfg: SandboxCfg | None = None) -> None:
@@ -110,7 +111,9 @@ def _run(cfg: SandboxCfg, bwrap_path: str, python: str, source: str, stdin: str 
 def _memfd(name: str, data: str | bytes) -> int:
     """An anonymous in-memory file holding ``data``, positioned at 0 (bwrap ``--file`` copies it in)."""
     fd = os.memfd_create(f"sandbox-{name}")  # close-on-exec: pass_fds hands it to bwrap alone
-    os.write(fd, data.encode() if isinstance(data, str) else data)
+    view = memoryview(data.encode() if isinstance(data, str) else data)
+    while view:
+        view = view[os.write(fd, view):]
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
