@@ -6,9 +6,16 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup setup-gpu setup-vllm pipeline test test-fast test-vllm lint docs
+.PHONY: setup setup-gpu setup-vllm pipeline test test-fast test-vllm lint docs bubblewrap
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed bubblewrap
+
+# The code sandbox's isolation tool (posttrain/sandbox/, docs/sandbox.md), a Debian package: installed when
+# missing (needs root and apt). Without it, running model-written code is refused and the sandbox tests skip.
+bubblewrap:
+	@command -v bwrap >/dev/null || apt-get install -y -q bubblewrap >/dev/null 2>&1 \
+	  || (apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null) \
+	  || echo "make setup: bubblewrap not installed: running model-written code will be refused (docs/sandbox.md)"
 
 # torch first, from the CPU wheel: anything else would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml

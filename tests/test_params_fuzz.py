@@ -37,7 +37,8 @@ ACCEPTED = {
                         "sft.warmup_steps", "sft.weight_decay", "task.min_multiplier", "tracking.enabled",
                         "evaluate.sampling.temperature", "rollout.sampling.temperature",  # 0 = greedy
                         "evaluate.max_unusable_frac",  # 0 = no benchmark row may be dropped
-                        "rollout.checkpoint_every_s")},  # 0 = write the finished chunks after every chunk
+                        "rollout.checkpoint_every_s",  # 0 = write the finished chunks after every chunk
+                        "sandbox.seccomp")},  # false: namespaces and rlimits only
     **{k: {"null"} for k in ("evaluate.limit", "evaluate.sample_prompts", "model.lora", "model.prompt.template",
                              "rl.dual_clip", "rl.ref_reset", "rollout.vllm.max_model_len", "tracking.champion",
                              "rollout.vllm.dtype",  # model.dtype, the trainer's
@@ -48,7 +49,7 @@ ACCEPTED = {
     **{k: {"null", "zero"} for k in ("rollout.vllm.sleep_level", "rollout.vllm.enable_chunked_prefill")},
     "rollout.num_prompts": {"null"},  # the whole training split
     **{k: {"null", "wrong type"} for k in ("model.revision", "prefect.dvc_remote", "runtime.distributed.rdzv_endpoint",
-                                           "tracking.uri")},  # optional text: "bogus" is a text
+                                           "tracking.uri", "sandbox.python")},  # optional text: "bogus" is a text
     "model.prompt.system": {"null", "empty"},  # no system message / an empty one
     "model.prompt.instruction": {"empty"},  # no instruction (the default)
     "tracking.model_prefix": {"empty"},  # registered names "sft", "rl", ...

@@ -29,6 +29,7 @@ from posttrain.config.reward import Reward, RewardSpec
 from posttrain.config.rl import BATCH_BASELINE, KL_IN_REWARD, RefReset, Rl, RlSampling, RlSelect, Tis
 from posttrain.config.rollout import Rollout, Sampling, VLLMOptions
 from posttrain.config.runtime import Distributed, Runtime
+from posttrain.config.sandbox import SandboxCfg
 from posttrain.config.sft import Sft, SftPhase
 from posttrain.config.task import ArithTask, MathTask, TaskSpec
 from posttrain.config.tracking import TrackingCfg
@@ -38,7 +39,7 @@ __all__ = [
     "Distill", "DistillOnPolicy", "DistillPhase", "DistillWarmup", "Distributed", "EXIT_CONFIG_ERROR", "Edit",
     "Evaluate", "FileSource", "HubSource", "KL_IN_REWARD", "LoraCfg", "MathTask", "ModelCfg", "NOT_RESULT", "Params",
     "Paths", "PrefectCfg", "PromptCfg", "RefReset", "Refusal", "Report", "Reward", "RewardSpec", "Rl", "RlSampling",
-    "RlSelect", "Rollout", "Runtime", "Sampling", "Section", "Sft", "SftPhase", "SourceSpec", "SyntheticSource",
-    "TaskSpec", "Tis", "TinyModel", "TrackingCfg", "VLLMOptions", "Validation", "load_params", "parse_overrides",
-    "parse_params", "read_yaml", "render_overrides", "stage_metrics",
+    "RlSelect", "Rollout", "Runtime", "Sampling", "SandboxCfg", "Section", "Sft", "SftPhase", "SourceSpec",
+    "SyntheticSource", "TaskSpec", "Tis", "TinyModel", "TrackingCfg", "VLLMOptions", "Validation", "load_params",
+    "parse_overrides", "parse_params", "read_yaml", "render_overrides", "stage_metrics",
 ]

@@ -26,6 +26,7 @@ from posttrain.config.reward import Reward
 from posttrain.config.rl import Rl
 from posttrain.config.rollout import Rollout, VLLMOptions
 from posttrain.config.runtime import Runtime
+from posttrain.config.sandbox import SandboxCfg
 from posttrain.config.sft import Sft
 from posttrain.config.task import ArithTask, TaskSpec
 from posttrain.config.tracking import TrackingCfg
@@ -49,6 +50,7 @@ class Params(Section):
     report: Report = Field(default_factory=Report)
     prefect: PrefectCfg = Field(default_factory=PrefectCfg)
     tracking: TrackingCfg = Field(default_factory=TrackingCfg)
+    sandbox: SandboxCfg = Field(default_factory=SandboxCfg)
 
     def vllm_options(self) -> VLLMOptions:
         """``rollout.vllm`` with the defaults that follow other sections filled in (``dtype``: ``model.dtype``,

@@ -1,0 +1,231 @@
+"""Run one untrusted Python program in a bubblewrap sandbox (:mod:`posttrain.sandbox.bwrap`) and read back a
+:class:`~posttrain.sandbox.result.Result`: never an exception for anything the program does.
+
+The parent enforces what rlimits cannot: the wall clock (``wall_s``, start-up included) and the output cap
+(``max_output_kb`` of stdout and of stderr, read through ``selectors``; a program that writes more is killed,
+so a ``while True: print()`` costs no more than its cap). Killing a run kills bwrap's process group; the
+launcher, PID 1 inside the sandbox, dies with it (``--die-with-parent``; also when the caller itself is
+SIGKILLed) and the kernel then kills every process left in the sandbox's PID namespace, whatever
+``setsid``/double fork it did: no process outlives the call. A program that exits normally ends the namespace
+the same way (the launcher exits with it).
+
+Setup failures are told apart from the program's own exit codes by bwrap's JSON status pipe: no
+``child-pid`` there means the sandbox was never set up (status ``refused``, nothing of the program ran).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping
+
+from posttrain.config.sandbox import SandboxCfg
+from posttrain.sandbox import bwrap, seccomp
+from posttrain.sandbox.result import Result, Status
+
+READ = 65536
+
+
+class Sandbox:
+    """Runs programs under ``cfg``'s limits. Construction checks that bubblewrap is installed and can create its
+    namespaces (one trivial run, cached per executable, interpreter and seccomp setting) and raises
+    :class:`~posttrain.sandbox.bwrap.SandboxUnavailable` otherwise. Thread-safe: :meth:`run` keeps no state."""
+
+    def __init__(self, cfg: SandboxCfg | None = None) -> None:
+        self.cfg = cfg or SandboxCfg()
+        self.bwrap = bwrap.resolve_bwrap(self.cfg.bwrap)
+        self.python = bwrap.resolve_python(self.cfg.python)
+        if self.cfg.seccomp:
+            try:
+                seccomp.program()
+            except seccomp.SeccompUnavailable as e:
+                raise bwrap.SandboxUnavailable(f"sandbox: {e}: install libseccomp2, or set sandbox.seccomp: false "
+                                               "(namespaces and rlimits only)") from None
+        _probe(self)
+
+    def run(self, source: str, *, stdin: str | bytes = b"", files: Mapping[str, str | bytes] | None = None,
+            ) -> Result:
+        """Run ``source`` as ``/scratch/main.py`` with ``stdin`` and extra ``files`` (name -> content, in
+        ``/scratch``; e.g. a test module next to the completion)."""
+        return _run(self.cfg, self.bwrap, self.python, source, stdin, files or {})
+
+
+_PROBED: dict[tuple[str, str, bool], str] = {}  # (bwrap, python, seccomp) -> '' (works) or why not
+_PROBE_LOCK = threading.Lock()
+
+
+def _probe(sb: Sandbox) -> None:
+    """One trivial program under the default limits: bubblewrap must set up every namespace and the interpreter
+    must start inside. Cached per (bwrap, python, seccomp); a failure raises :class:`SandboxUnavailable`, one line."""
+    key = (sb.bwrap, sb.python, sb.cfg.seccomp)
+    with _PROBE_LOCK:
+        if key not in _PROBED:
+            r = _run(SandboxCfg(seccomp=sb.cfg.seccomp), sb.bwrap, sb.python, "print('ok')", b"", {})
+            _PROBED[key] = "" if r.ok and r.stdout == "ok\n" else (r.detail or r.status)
+    if _PROBED[key]:
+        raise bwrap.SandboxUnavailable(f"sandbox: bubblewrap ({sb.bwrap}) cannot run {sb.python} in a sandbox here: "
+                                       f"{_PROBED[key]}; refusing to run code unsandboxed")
+
+
+def _run(cfg: SandboxCfg, bwrap_path: str, python: str, source: str, stdin: str | bytes,
+         files: Mapping[str, str | bytes]) -> Result:
+    """One program in one fresh sandbox (see :meth:`Sandbox.run`)."""
+    contents = {"main.py": source, **files}
+    bad = [n for n in contents if not n or "/" in n or n in {".", ".."}]
+    if bad:
+        raise ValueError(f"sandbox file names must be plain names, got {bad}")
+    fds = {name: _memfd(name, data) for name, data in contents.items()}
+    bpf = _memfd("seccomp", seccomp.program()) if cfg.seccomp else None
+    status_r, status_w = os.pipe()
+    argv = bwrap.command(cfg, bwrap_path, python, fds, status_w, bpf)
+    passed = (*fds.values(), status_w, *([bpf] if bpf is not None else []))
+    owner: dict = {"user": bwrap.HOST_UID, "group": bwrap.HOST_UID, "extra_groups": []} if os.geteuid() == 0 else {}
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                pass_fds=passed, env={}, start_new_session=True, **owner)
+    except OSError as e:  # bwrap not executable (by the host user it runs as): nothing ran
+        os.close(status_r)
+        return Result("refused", None, "", "", False, 0.0, f"cannot start {bwrap_path}: {e.strerror}")
+    except BaseException:
+        os.close(status_r)
+        raise
+    finally:
+        for fd in passed:
+            os.close(fd)
+    try:
+        out, err, why = _communicate(proc, stdin.encode() if isinstance(stdin, str) else stdin,
+                                     t0 + cfg.wall_s, cfg.max_output_kb * 1024)
+    finally:
+        _kill(proc)
+        with os.fdopen(status_r, "rb") as f:
+            status = _status_lines(f.read())
+    return _classify(proc.returncode, status, out, err, why, time.monotonic() - t0)
+
+
+def _memfd(name: str, data: str | bytes) -> int:
+    """An anonymous in-memory file holding ``data``, positioned at 0 (bwrap ``--file`` copies it in)."""
+    fd = os.memfd_create(f"sandbox-{name}")  # close-on-exec: pass_fds hands it to bwrap alone
+    view = memoryview(data.encode() if isinstance(data, str) else data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+class _Capped:
+    def __init__(self, cap: int) -> None:
+        self.buf, self.cap, self.over = bytearray(), cap, False
+
+    def add(self, chunk: bytes) -> None:
+        room = self.cap - len(self.buf)
+        self.buf += chunk[:room]
+        self.over = self.over or len(chunk) > room
+
+
+def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, cap: int) -> tuple[_Capped, _Capped, str]:
+    """Feed stdin, read stdout and stderr up to ``cap`` each until both close, the deadline passes (``'wall'``)
+    or the cap is exceeded (``'output'``); then wait for bwrap to exit. Returns (out, err, why-killed-or-'')."""
+    assert proc.stdin and proc.stdout and proc.stderr
+    out, err = _Capped(cap), _Capped(cap)
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ, out)
+    sel.register(proc.stderr, selectors.EVENT_READ, err)
+    view = memoryview(stdin)
+    if view:
+        os.set_blocking(proc.stdin.fileno(), False)
+        sel.register(proc.stdin, selectors.EVENT_WRITE, None)
+    else:
+        proc.stdin.close()
+    try:
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return out, err, "wall"
+            for key, _ in sel.select(left):
+                if key.data is None:  # stdin writable
+                    try:
+                        view = view[os.write(key.fd, view[:READ]):]
+                    except BrokenPipeError:
+                        view = view[:0]
+                    if not view:
+                        sel.unregister(key.fileobj)
+                        key.fileobj.close()  # type: ignore[union-attr]
+                    continue
+                chunk = os.read(key.fd, READ)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                key.data.add(chunk)
+                if key.data.over:
+                    return out, err, "output"
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return out, err, "wall"
+        return out, err, ""
+    finally:
+        sel.close()
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL bwrap's process group (its PID 1 in the sandbox follows, and the PID namespace with it); reap."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    for f in (proc.stdin, proc.stdout, proc.stderr):
+        if f is not None and not f.closed:
+            f.close()
+
+
+def _status_lines(raw: bytes) -> dict[str, int]:
+    """bwrap's ``--json-status-fd`` records merged: ``child-pid`` once set up, ``exit-code`` at the end."""
+    merged: dict[str, int] = {}
+    for line in raw.decode("utf-8", "replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            merged.update({k: v for k, v in rec.items() if isinstance(v, int)})
+    return merged
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def _classify(returncode: int, status: dict[str, int], out: _Capped, err: _Capped, why: str, wall: float,
+              ) -> Result:
+    stdout, stderr = out.buf.decode("utf-8", "replace"), err.buf.decode("utf-8", "replace")
+
+    def result(s: Status, code: int | None, detail: str) -> Result:
+        return Result(s, code, stdout, stderr, out.over or err.over, round(wall, 4), detail)
+
+    if "child-pid" not in status:
+        return result("refused", None, _last_line(stderr) or f"bwrap exited {returncode} before the sandbox was set up")
+    if why == "wall":
+        return result("timeout", None, "wall-clock limit: the process tree was killed")
+    if why == "output":
+        return result("output_limit", None, "output past max_output_kb: the process tree was killed")
+    code = status.get("exit-code", returncode)
+    if code == 0:
+        return result("ok", 0, "")
+    if code > 128 and code - 128 < signal.NSIG:
+        sig = signal.Signals(code - 128).name if code - 128 in signal.valid_signals() else str(code - 128)
+        if sig == "SIGXCPU":
+            return result("timeout", code, "CPU-time limit (SIGXCPU)")
+        return result("killed", code, f"ended by {sig}")
+    last = _last_line(stderr)
+    if last.startswith("MemoryError"):
+        return result("memory", code, last)
+    return result("error", code, last or f"exit code {code}")
