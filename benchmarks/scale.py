@@ -46,8 +46,9 @@ PY = sys.executable
 SFT_SIZE, EVAL_ROWS = 100, 50
 
 
-def params(root: Path, n: int, new_tokens: int, policy: Path, arm_has_partial: bool) -> dict[str, Any]:
-    p = yaml.safe_load((ROOT / "params.yaml").read_text())
+def params(repo: Path, root: Path, n: int, new_tokens: int, policy: Path, arm_has_partial: bool) -> dict[str, Any]:
+    """The arm's own params.yaml (``repo``'s: a section another checkout lacks is an unknown key there), sized."""
+    p = yaml.safe_load((repo / "params.yaml").read_text())
     p["paths"] = {k: str(root / v) for k, v in p["paths"].items()}
     if not arm_has_partial:
         p["paths"].pop("rollout_checkpoints", None)
@@ -166,7 +167,7 @@ def main() -> None:
     pol_root = work / "policy"
     pol_root.mkdir(parents=True, exist_ok=True)
     needs_policy = "rollout" in a.stages
-    pp = params(pol_root, 1000, a.new_tokens, pol_root / "models" / "sft", True)
+    pp = params(arms["after"], pol_root, 1000, a.new_tokens, pol_root / "models" / "sft", True)
     (pol_root / "params.yaml").write_text(yaml.safe_dump(pp))
     for name in ("curate", "sft") if needs_policy else ():
         r = stage(arms["after"], name, pol_root / "params.yaml", a.timeout)
@@ -185,7 +186,7 @@ def main() -> None:
                 continue
             root = work / arm / str(n)
             root.mkdir(parents=True, exist_ok=True)
-            p = params(root, n, a.new_tokens, policy, (arms[arm] / "posttrain" / "streaming.py").exists())
+            p = params(arms[arm], root, n, a.new_tokens, policy, (arms[arm] / "posttrain" / "streaming.py").exists())
             (root / "params.yaml").write_text(yaml.safe_dump(p))
             for name in a.stages:
                 if name == "rollout" and (n > a.rollout_max or not (root / "data" / "curated").exists()):
