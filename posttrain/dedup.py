@@ -66,7 +66,7 @@ class Features:
     numbers: int  # hash of `maths` (stable within a run; equality only)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Dup:
     row: int  # index of the duplicate row
     of: int  # index of the kept row it repeats
@@ -261,5 +261,6 @@ def find_duplicates(texts: Texts, cfg: Any) -> tuple[str, list[Dup]]:
     method = resolve_method(cfg, len(texts))
     common = boilerplate(texts, cfg.near_ngram, cfg.boilerplate_frac, cfg.df_sample)
     dups = METHODS[method](texts, cfg, common)
-    root = {d.row: d.of for d in dups}  # an exact copy of a near duplicate names the row that was kept
-    return method, [Dup(d.row, root.get(d.of, d.of), d.method, d.score) for d in dups]
+    named = {d.of for d in dups}  # an exact copy of a near duplicate names the row that was kept:
+    root = {d.row: d.of for d in dups if d.row in named}  # (only the rare duplicate another one names)
+    return method, [d if d.of not in root else Dup(d.row, root[d.of], d.method, d.score) for d in dups]
