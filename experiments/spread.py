@@ -4,8 +4,10 @@ Each arm runs the DAG's stages in order (``python -m stages.<name>``, as ``dvc.y
 folder under ``--root``, with ``params.yaml`` plus the arm's ``key=value`` overrides, under one CPU instruction
 set: ``default`` (what torch picks here) or ``avx2`` (``ATEN_CPU_CAPABILITY=avx2`` for ATen's own kernels,
 ``ONEDNN_MAX_CPU_ISA=AVX2`` for oneDNN, ``MKL_ENABLE_INSTRUCTIONS=AVX2`` for MKL's GEMMs: what an AVX2-only
-machine runs). ``--upto sft`` stops after ``evaluate@sft`` (the recipe sweep); ``--upto all`` runs every stage
-through the report. It prints a table of greedy and pass@1 per model and writes JSON.
+machine runs). ``--upto sft`` stops after ``evaluate@sft`` (the recipe sweep); ``--upto rl`` after
+``evaluate@rl`` and the report (``--set`` the report's pairs and models to match); ``--upto all`` runs every
+stage through the report. ``--params`` picks the base file (a profile). It prints a table of greedy and pass@1
+per model (and per benchmark split) and writes JSON, with the report's paired differences when it ran.
 
 Run: ``python experiments/spread.py --seeds 0 1 2 --isas default avx2 --upto all --out benchmarks/results/spread.json``
 """
@@ -30,16 +32,20 @@ from posttrain.config.overrides import parse_overrides, render_overrides  # noqa
 ISAS = {"default": {},
         "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
 SFT_CHAIN = [["curate"], ["sft"], ["evaluate", "--model", "sft"]]
+RL_CHAIN = [*SFT_CHAIN, ["rollout"], ["reward"], ["rl"], ["evaluate", "--model", "rl"], ["report"]]
 ALL_CHAIN = [*SFT_CHAIN, ["rollout"], ["reward"], ["rl"], ["evaluate", "--model", "rl"], ["distill"],
              ["evaluate", "--model", "student_sft"], ["evaluate", "--model", "student"]]
 
 
-def run_arm(folder: Path, overrides: list[str], isa: str, chain: list[list[str]]) -> dict:
-    """Stages of ``chain`` in ``folder`` (fresh); returns {model: {greedy, pass@1}} and seconds."""
+def run_arm(folder: Path, overrides: list[str], isa: str, chain: list[list[str]], base: Path = REPO / "params.yaml"
+            ) -> dict:
+    """Stages of ``chain`` in ``folder`` (fresh), params ``base`` + ``overrides``; returns {model: {greedy,
+    pass@1}} (benchmark splits as ``model/split``), the report's paired differences if it ran, and seconds."""
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
-    _, edits = parse_overrides(REPO / "params.yaml", overrides)  # refuses a bad override before any work
-    (folder / "params.yaml").write_text(render_overrides((REPO / "params.yaml").read_text(), edits))
+    _, edits = parse_overrides(base, overrides)  # refuses a bad override before any work
+    text = render_overrides(base.read_text(), edits).replace("../shared/", f"{REPO.parent}/shared/")
+    (folder / "params.yaml").write_text(text)
     env = {**os.environ, **ISAS[isa], "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
            "MLFLOW_TRACKING_URI": f"sqlite:///{folder}/mlflow.db",}
     t0 = time.time()
@@ -51,8 +57,11 @@ def run_arm(folder: Path, overrides: list[str], isa: str, chain: list[list[str]]
             raise SystemExit(f"{folder}: {' '.join(stage)} exited {rc} (see {folder}/log.txt)")
     out = {"seconds": round(time.time() - t0, 1)}
     for f in sorted((folder / "metrics" / "evaluate").glob("*.json")):
-        ev = json.loads(f.read_text())["eval"]
-        out[f.stem] = {"greedy": ev["greedy"], "pass@1": ev.get("pass@1"), "len": ev.get("len")}
+        for split, ev in json.loads(f.read_text()).items():
+            key = f.stem if split == "eval" else f"{f.stem}/{split}"
+            out[key] = {k: ev.get(k) for k in ("greedy", "pass@1", "len", "pass@16", "pass@64") if k in ev}
+    if (folder / "metrics" / "report.json").exists():
+        out["paired"] = json.loads((folder / "metrics" / "report.json").read_text())
     sft = json.loads((folder / "metrics" / "sft.json").read_text())
     out["sft_final_loss"] = sft["final_loss"]
     return out
@@ -63,24 +72,25 @@ def main() -> None:
     ap.add_argument("--root", type=Path, default=Path("/tmp/spread"))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--isas", nargs="+", default=list(ISAS), choices=list(ISAS))
-    ap.add_argument("--upto", choices=["sft", "all"], default="sft")
+    ap.add_argument("--upto", choices=["sft", "rl", "all"], default="sft")
+    ap.add_argument("--params", type=Path, default=REPO / "params.yaml", help="the base params file (a profile)")
     ap.add_argument("--set", dest="overrides", nargs="*", default=[], help="key=value overrides of every arm")
     ap.add_argument("--name", default="default", help="the recipe's name in the JSON")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
-    chain = SFT_CHAIN if a.upto == "sft" else ALL_CHAIN
+    chain = {"sft": SFT_CHAIN, "rl": RL_CHAIN, "all": ALL_CHAIN}[a.upto]
     results = json.loads(a.out.read_text()) if a.out.exists() else {}
     arms = results.setdefault(a.name, {"overrides": a.overrides, "arms": {}})
     for seed in a.seeds:  # the ISAs alternate within each seed
         for isa in a.isas:
             key = f"seed{seed}/{isa}"
             over = [*a.overrides, f"seed={seed}", "runtime.progress=false"]
-            r = run_arm(a.root / a.name / key.replace("/", "_"), over, isa, chain)
+            r = run_arm(a.root / a.name / key.replace("/", "_"), over, isa, chain, a.params.resolve())
             arms["arms"][key] = r
             a.out.parent.mkdir(parents=True, exist_ok=True)
             a.out.write_text(json.dumps(results, indent=1) + "\n")
             print(key, json.dumps(r), flush=True)
-    models = sorted({m for r in arms["arms"].values() for m in r if isinstance(r[m], dict)})
+    models = sorted({m for r in arms["arms"].values() for m in r if isinstance(r[m], dict) and m != "paired"})
     print(f"\n{a.name}: {' '.join(a.overrides)}\n| model | metric | " + " | ".join(arms["arms"]) + " | range |")
     for m in models:
         for k in ("greedy", "pass@1"):

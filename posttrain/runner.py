@@ -25,6 +25,7 @@ import numpy as np
 
 from posttrain import seeds
 from posttrain.config import EXIT_CONFIG_ERROR, ConfigError, Params, load_params
+from posttrain.config.sandbox import ENV as SANDBOX_ENV
 from posttrain.errors import StageError
 
 
@@ -37,6 +38,7 @@ def seed_everything(seed: int) -> None:
 
 def setup(params: Params) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ[SANDBOX_ENV] = params.sandbox.model_dump_json()  # every process of the stage runs code alike
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(params.runtime.train_threads)
     if "transformers" in sys.modules:

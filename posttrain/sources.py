@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from posttrain.config import (
-    ArithTask,
     BenchmarkSpec,
     FileSource,
     HubSource,
@@ -25,19 +24,20 @@ from posttrain.config import (
 )
 from posttrain.errors import StageError
 from posttrain.schema import Problem
-from posttrain.tasks import arith, get_task, mathfmt
+from posttrain.tasks import ADAPTERS, FORMAT_TASK, get_task
 
 # A raw row: (row id, parsed dict) or (row id, error reason) when it could not even be read.
 Raw = tuple[str, dict[str, Any] | None, str | None]
 
 
 # ------------------------------------------------------------------------------------------ reading
-def _synthetic(name: str, n: int, task: ArithTask, rng: random.Random) -> Iterator[Raw]:
+def _synthetic(name: str, n: int, task: Any, rng: random.Random) -> Iterator[Raw]:
+    generate = get_task(task.kind).generate
+    if generate is None:
+        raise StageError(f"source {name!r}: task {task.kind!r} has no generator")
     for i in range(n):
-        a, b = arith.sample_operands(rng, task.min_digits, task.max_digits, task.min_multiplier,
-                                     task.max_multiplier)
-        prompt, answer = arith.make_problem(a, b)
-        yield f"{name}:{i}", {"prompt": prompt, "answer": answer, "solution": arith.chain_of_thought(a, b)}, None
+        prompt, answer, solution = generate(rng, task)
+        yield f"{name}:{i}", {"prompt": prompt, "answer": answer, "solution": solution}, None
 
 
 def _jsonl(src: FileSource) -> Iterator[Raw]:
@@ -90,7 +90,7 @@ def read_source(src: SourceSpec | BenchmarkSpec, task: Any, seed: int) -> Iterat
         return
     raw = _jsonl(src) if isinstance(src, FileSource) and src.path.endswith((".jsonl", ".json")) \
         else _datasets_rows(src)
-    adapter = mathfmt.ADAPTERS[src.format]
+    adapter = ADAPTERS[src.format]
     for rid, obj, err in raw:
         if err is not None:
             yield rid, None, err
@@ -112,9 +112,11 @@ def validate(row: dict[str, Any], task_kind: str, v: Validation) -> str | None:
         return "undecodable text (replacement character)"
     if len(p) < v.min_prompt_chars or len(p) > v.max_prompt_chars:
         return f"prompt length {len(p)} outside [{v.min_prompt_chars}, {v.max_prompt_chars}]"
-    if len(a) > v.max_answer_chars:
-        return f"answer length {len(a)} > {v.max_answer_chars}"
-    if not get_task(task_kind).gold_ok(a):
+    task = get_task(task_kind)
+    limit = v.max_tests_chars if task.answer_is_tests else v.max_answer_chars
+    if len(a) > limit:
+        return f"{'tests' if task.answer_is_tests else 'answer'} length {len(a)} > {limit}"
+    if not task.gold_ok(a):
         return "unparseable gold answer"
     return None
 
@@ -136,13 +138,20 @@ def check_usable(src: SourceSpec | BenchmarkSpec, n_ok: int, reasons: list[str],
 
 def problems_from(src: SourceSpec | BenchmarkSpec, task: Any, seed: int, v: Validation
                   ) -> tuple[list[Problem], list[dict[str, Any]]]:
-    """Valid problems of one source and the rejected rows (with reasons), for evaluation sets."""
+    """Valid problems of one source and the rejected rows (with reasons), for evaluation sets. A format that
+    implies a task (``FORMAT_TASK``: humaneval -> code) scores its rows with it, whatever ``task`` is."""
     ok, bad = [], []
+    kind = task_of(src, task.kind)
     for rid, obj, err in read_source(src, task, seed):
-        err = err or validate(obj, task.kind, v)
+        err = err or validate(obj, kind, v)
         if err:
             bad.append({"id": rid, "reason": err})
         else:
-            ok.append(Problem(id=rid, source=src.name, task=task.kind, prompt=obj["prompt"],
+            ok.append(Problem(id=rid, source=src.name, task=kind, prompt=obj["prompt"],
                               answer=obj["answer"].strip(), solution=obj.get("solution")))
     return ok, bad
+
+
+def task_of(src: SourceSpec | BenchmarkSpec, default: str) -> str:
+    """The task a source's rows belong to: the one its format implies, else ``default``."""
+    return FORMAT_TASK.get(getattr(src, "format", ""), default)

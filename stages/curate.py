@@ -54,7 +54,7 @@ from posttrain.schema import (
     write_parquet,
     write_text,
 )
-from posttrain.sources import check_usable, read_source, validate
+from posttrain.sources import check_usable, read_source, task_of, validate
 
 log = logging.getLogger("curate")
 
@@ -83,16 +83,16 @@ def _collect(sources: list[Any], task: Any, task_kind: str, v: Validation, seed:
             batch.clear()
 
         for k, src in enumerate(sources):
-            n_src, bad = 0, Counter()
+            n_src, bad, kind = 0, Counter(), task_of(src, task_kind)
             for rid, obj, err in tqdm(read_source(src, task, seed + 1000 * k), desc=f"{desc}:{src.name}",
                                       disable=not progress, unit="row", leave=False):
                 n_src += 1
-                err = err or validate(obj, task_kind, v)
+                err = err or validate(obj, kind, v)
                 if err:
                     q.write(json_line({"id": rid, "split": desc, "reason": err, "row": obj}))
                     bad[err.split(":")[0]] += 1
                     continue
-                batch.append(Problem(id=rid, source=src.name, task=task_kind, prompt=obj["prompt"],
+                batch.append(Problem(id=rid, source=src.name, task=kind, prompt=obj["prompt"],
                                      answer=obj["answer"].strip(), solution=obj.get("solution")))
                 if len(batch) == BATCH_ROWS:
                     flush()

@@ -5,7 +5,8 @@ One stage per model, so an experiment that changes one model's inputs (say RL pa
 alone; the others stay cached.
 
 Inputs: ``paths.curated_dir/eval.parquet``; the checkpoint ``evaluate.models[<name>]``; benchmark files/hub
-sets in ``evaluate.benchmarks`` (GSM8K / MATH formats, scored with math-verify).
+sets in ``evaluate.benchmarks`` (GSM8K / MATH formats, scored with math-verify; HumanEval, format ``humaneval``,
+scored by running its tests in the sandbox: pass@k on code).
 Outputs: ``paths.eval_report_dir/models/<name>/``: ``summary.json`` (``{split: {greedy, pass@k, maj@k, ...}}``),
 ``per_problem.json`` (``{split: {problem id: metrics}}``, what the report's paired differences resample) and
 ``generations.parquet`` (every completion with its extracted answer and verdict, for audit);
@@ -45,17 +46,21 @@ from posttrain.rollout import BACKENDS, Completion, ModelFolder, SamplingParams,
 from posttrain.runner import model_arg, stage_main
 from posttrain.schema import BATCH_ROWS, GENERATION_SCHEMA, Problem, parquet_sink, read_problems, write_json
 from posttrain.sources import check_usable, problems_from
-from posttrain.tasks import get_task
+from posttrain.tasks import get_task, verify_all
 
 log = logging.getLogger("evaluate")
 
 
-def score_problem(p: Problem, greedy: Completion, samples: list[Completion], ks: list[int]
+def score_problem(p: Problem, greedy: Completion, samples: list[Completion], ks: list[int],
+                  oks: list[bool | None] | None = None
                   ) -> tuple[dict[str, Any] | None, list[tuple[str | None, bool | None]]]:
     """Per-problem metrics (None when unscorable) and (extracted, correct) of greedy + each sample.
-    With no samples (outside ``sample_prompts``) only the greedy metrics are returned."""
-    task = get_task(p["task"])
-    verdicts = [(task.extract(c.text), task.verify(p["answer"], c.text)) for c in [greedy, *samples]]
+    With no samples (outside ``sample_prompts``) only the greedy metrics are returned. ``oks``: the verdicts of
+    greedy + each sample when already known (``verify_all`` of a whole split: code runs many at once)."""
+    task, texts = get_task(p["task"]), [c.text for c in [greedy, *samples]]
+    if oks is None:
+        oks = task.verify([(p["prompt"], p["answer"], t) for t in texts])
+    verdicts = [(task.extract(t), ok) for t, ok in zip(texts, oks, strict=True)]
     if verdicts[0][1] is None:
         return None, verdicts
     if not samples:
@@ -128,8 +133,10 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
             n_s = len(ids) if cfg.sample_prompts is None else min(cfg.sample_prompts, len(ids))
             samples = backend.generate(ids[:n_s], cfg.samples_per_prompt, sample_sp) + [[]] * (len(ids) - n_s)
             per, unscorable, gen_rows = [], 0, []
+            oks = iter(verify_all([(p["task"], p["prompt"], p["answer"], c.text)
+                                   for p, g, ss in zip(probs, greedy, samples, strict=True) for c in [g[0], *ss]]))
             for p, g, ss in zip(probs, greedy, samples, strict=True):
-                row, verdicts = score_problem(p, g[0], ss, cfg.ks)
+                row, verdicts = score_problem(p, g[0], ss, cfg.ks, [next(oks) for _ in range(1 + len(ss))])
                 if row is None:
                     unscorable += 1
                 else:

@@ -36,7 +36,7 @@ import numpy as np
 from posttrain.config import Params
 from posttrain.errors import StageError
 from posttrain.outputs import as_one_set
-from posttrain.rewards import ERROR_KEY, RewardPool, pass_rates, score_rows
+from posttrain.rewards import ERROR_KEY, WHY_KEY, RewardPool, pass_rates, score_rows
 from posttrain.runner import stage_main
 from posttrain.schema import (
     BATCH_ROWS,
@@ -63,6 +63,7 @@ class Audit:
         self.buckets: Counter[str] = Counter()
         self.guards: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()  # why samples could not be scored (timeout, dead worker, raised)
+        self.why: Counter[str] = Counter()  # why a reward gave less than full marks, where it says (code_tests)
         self.comps: dict[str, Mean] = {}
         self.examples: dict[str, list[dict[str, str]]] = {}
         self.rates = Mean()
@@ -77,10 +78,11 @@ class Audit:
         comps: dict[str, list[float]] = {}
         for r in scored:
             parts = json.loads(r["rewards"])
-            if (e := parts.get(ERROR_KEY)) is not None:
+            if (e := parts.pop(ERROR_KEY, None)) is not None:
                 self.errors[e] += 1
+            self.why.update(f"{k}: {w}" for k, w in parts.pop(WHY_KEY, {}).items())
             for k, v in parts.items():
-                if v is not None and k != ERROR_KEY:
+                if v is not None:
                     comps.setdefault(k, []).append(v)
         for k, v in comps.items():
             self.comps.setdefault(k, Mean()).add(v)
@@ -112,6 +114,7 @@ class Audit:
             "never_solved": self.never, "always_solved": self.always,
             "guards": dict(sorted(self.guards.items())), "examples": self.examples,
             **({"errors": dict(sorted(self.errors.items()))} if self.errors else {}),  # (absent when none)
+            **({"why": dict(self.why.most_common())} if self.why else {}),
         }
 
 
@@ -151,6 +154,9 @@ def audit_markdown(a: dict[str, Any]) -> str:
         lines += ["", "Unscorable because scoring failed (timeout, dead worker, a reward that raised or returned "
                   "no number):", "", "| error | samples |", "|---|---:|"]
         lines += [f"| {k} | {v} |" for k, v in a["errors"].items()]
+    if "why" in a:
+        lines += ["", "Why rewards gave less than full marks (where a reward says: `code_tests` runs the tests):", "",
+                  "| reward: why | samples |", "|---|---:|"] + [f"| {k} | {v} |" for k, v in a["why"].items()]
     lines += ["", "| reward | samples |", "|---|---:|"] + [f"| {k} | {v} |" for k, v in a["reward_buckets"].items()]
     lines += ["", "| pass rate | prompts |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in a["pass_rate_histogram"].items()]

@@ -31,12 +31,12 @@ from posttrain.config.rollout import Rollout, Sampling, VLLMOptions
 from posttrain.config.runtime import Distributed, Runtime
 from posttrain.config.sandbox import SandboxCfg
 from posttrain.config.sft import Sft, SftPhase
-from posttrain.config.task import ArithTask, MathTask, TaskSpec
+from posttrain.config.task import ArithTask, CodeTask, MathTask, TaskSpec
 from posttrain.config.tracking import TrackingCfg
 
 __all__ = [
-    "ArithTask", "BATCH_BASELINE", "BenchmarkSpec", "ConfigError", "Curate", "CurateEval", "Decontam", "Dedup",
-    "Distill", "DistillOnPolicy", "DistillPhase", "DistillWarmup", "Distributed", "EXIT_CONFIG_ERROR", "Edit",
+    "ArithTask", "BATCH_BASELINE", "BenchmarkSpec", "CodeTask", "ConfigError", "Curate", "CurateEval", "Decontam",
+    "Dedup", "Distill", "DistillOnPolicy", "DistillPhase", "DistillWarmup", "Distributed", "EXIT_CONFIG_ERROR", "Edit",
     "Evaluate", "FileSource", "HubSource", "KL_IN_REWARD", "LoraCfg", "MathTask", "ModelCfg", "NOT_RESULT", "Params",
     "Paths", "PrefectCfg", "PromptCfg", "RefReset", "Refusal", "Report", "Reward", "RewardSpec", "Rl", "RlSampling",
     "RlSelect", "Rollout", "Runtime", "Sampling", "SandboxCfg", "Section", "Sft", "SftPhase", "SourceSpec",

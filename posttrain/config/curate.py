@@ -12,7 +12,7 @@ from posttrain.config.base import MAX_CHARS, MAX_ROWS, Refusal, Section
 
 
 class SyntheticSource(Section):
-    """Problems drawn from the task generator (``task`` must be ``arith``)."""
+    """Problems drawn from the task generator (``task.kind`` arith or code)."""
 
     kind: Literal["synthetic"] = "synthetic"
     name: str = Field("arith", min_length=1, description="source name recorded in every row's `source`")
@@ -25,9 +25,9 @@ class FileSource(Section):
     kind: Literal["file"] = "file"
     name: str = Field(min_length=1, description="source name recorded in every row's `source`")
     path: str = Field(min_length=1, description="path to .jsonl/.json/.parquet, relative to the repo root")
-    format: Literal["gsm8k", "math", "generic"] = Field(
+    format: Literal[names.FORMATS] = Field(
         description="gsm8k: question/answer with '#### n'; math: problem/answer (or solution with \\boxed{}); "
-        "generic: prompt/answer[/solution]"
+        "generic: prompt/answer[/solution]; humaneval: prompt/test/entry_point[/canonical_solution] (task code)"
     )
     limit: int | None = Field(None, ge=1, le=MAX_ROWS, description="read at most this many rows")
 
@@ -49,7 +49,7 @@ class HubSource(Section):
     split: str = Field("train", description="split to load")
     revision: str | None = Field(None, description="dataset revision (commit sha, tag or branch): pin a sha for a "
                                  "reproducible run; recorded in the curate report and MLflow")
-    format: Literal["gsm8k", "math", "generic"] = Field(description="see FileSource.format")
+    format: Literal[names.FORMATS] = Field(description="see FileSource.format")
     limit: int | None = Field(None, ge=1, le=MAX_ROWS, description="read at most this many rows")
 
 
@@ -110,13 +110,15 @@ class Validation(Section):
     max_prompt_chars: int = Field(4000, ge=1, le=MAX_CHARS,
                                   description="longer prompts are quarantined (absurd length)")
     max_answer_chars: int = Field(200, ge=1, le=MAX_CHARS, description="longer gold answers are quarantined")
+    max_tests_chars: int = Field(20_000, ge=1, le=MAX_CHARS, description="longer gold tests (task code: the "
+                                 "answer is test source) are quarantined")
 
 
 class CurateEval(Section):
     """The held-out eval split. Training rows are always decontaminated against it."""
 
     source: SourceSpec | None = Field(
-        None, description="where eval problems come from; None = the task generator (task arith only), "
+        None, description="where eval problems come from; None = the task generator (task arith or code), "
         "seeded apart from the training draw"
     )
     rows: int = Field(200, ge=1, le=MAX_ROWS,

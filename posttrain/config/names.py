@@ -8,7 +8,10 @@ keys (a registry that gains a function without its name here fails that test, no
 
 from __future__ import annotations
 
-REWARDS = ("correct", "math_verify", "format", "overlong")  # posttrain.rewards.REWARDS
+REWARDS = ("correct", "math_verify", "format", "overlong", "code_tests")  # posttrain.rewards.REWARDS
+TASKS = ("arith", "code", "math")  # posttrain.tasks.TASKS
+GENERATED_TASKS = ("arith", "code")  # tasks with a generator (a synthetic source; the default eval split)
+FORMATS = ("gsm8k", "math", "generic", "humaneval")  # posttrain.sources.ADAPTERS: row formats of files and hub sets
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "grpo_batch_std", "psr", "nsr", "w_reinforce",
               "prior_fused")  # posttrain.algos.ADVANTAGES
 POLICY_LOSSES = ("ppo_clip", "vanilla_pg")  # posttrain.algos.POLICY_LOSSES

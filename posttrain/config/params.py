@@ -67,9 +67,9 @@ class Params(Section):
     def _cross(self) -> Params:
         """Rules across sections (each section's own rules are in its ``_rules``)."""
         synthetic = any(isinstance(s, SyntheticSource) for s in self.curate.sources)
-        if (synthetic or self.curate.eval.source is None) and self.task.kind != "arith":
+        if (synthetic or self.curate.eval.source is None) and self.task.kind not in names.GENERATED_TASKS:
             raise Refusal("curate", "the synthetic generator (a synthetic source, or eval.source unset) needs "
-                          "task.kind == 'arith'")
+                          f"task.kind in {list(names.GENERATED_TASKS)}")
         if self.distill.grpo_steps and (self.rl.kl_coef > 0 or self.rl.kl_reward_coef > 0):
             raise Refusal("distill.grpo_steps", "> 0 with rl.kl_coef or rl.kl_reward_coef > 0: phase C has no KL "
                           "reference yet; set both to 0 or distill.grpo_steps: 0")
@@ -102,14 +102,15 @@ class Params(Section):
 
     def _context(self) -> None:
         """Prompt + completion within the model's context, where both are known before any work: the built
-        tiny model (and student) on the arithmetic task, whose prompts are at most ``BOS a*b= \n`` tokens of
-        its character tokenizer; a local model folder's ``config.json`` (the prompt's length unknown: the
-        completion alone must fit)."""
+        tiny model (and student) on a generated task (arithmetic, code), whose prompts are at most
+        ``BOS <prompt> \n`` tokens of its character tokenizer; a local model folder's ``config.json`` (the
+        prompt's length unknown: the completion alone must fit)."""
         sampled = {"rollout.sampling.max_new_tokens": self.rollout.sampling.max_new_tokens,
                    "rl.sampling.max_new_tokens": self.rl.sampling.max_new_tokens,
                    "evaluate.sampling.max_new_tokens": self.evaluate.sampling.max_new_tokens,
                    "distill.max_new_tokens": self.distill.max_new_tokens}
-        prompt = self.task.max_digits + 5 if self.task.kind == "arith" and self.model.base == "tiny" else 1
+        bound = getattr(self.task, "max_prompt_chars", None)  # BOS + prompt + newline, one token a character
+        prompt = bound() + 2 if bound is not None and self.model.base == "tiny" else 1
         contexts: dict[str, tuple[int, list[str]]] = {}  # model -> (context, the max_new_tokens it samples with)
         if self.model.base == "tiny":
             contexts["model.tiny"] = (self.model.tiny.max_position_embeddings, list(sampled))
@@ -136,7 +137,7 @@ def stage_metrics(metrics_dir: str | Path, stage: str) -> Path:
     return Path(metrics_dir) / f"{stage.replace('@', '/')}.json"
 
 
-_UNION_TAGS = {"synthetic", "file", "hub", "arith", "math"}
+_UNION_TAGS = {"synthetic", "file", "hub", "arith", "code", "math"}
 
 
 def _loc(loc: tuple[Any, ...]) -> str:

@@ -25,10 +25,24 @@ class OverlongKwargs(Section):
                         "punishment ramps from 0 to -1")
 
 
+class CodeTestsKwargs(Section):
+    """``code_tests``: run the completion against the problem's tests in the sandbox."""
+
+    model_config = ConfigDict(strict=True)
+    mode: str = Field("all", description="all: 1.0 when every test passes, else 0.0; fraction: the share passed")
+
+    @field_validator("mode")
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        if v not in ("all", "fraction"):
+            raise ValueError(f"{v!r} is not one of 'all', 'fraction'")
+        return v
+
+
 # Each reward's keyword arguments, as the function declares them (tests/test_config.py compares them with the
 # signatures in posttrain.rewards): a misspelt or mistyped kwarg is refused at load, not after generation.
 REWARD_KWARGS: dict[str, type[Section]] = {"correct": NoKwargs, "math_verify": NoKwargs, "format": NoKwargs,
-                                           "overlong": OverlongKwargs}
+                                           "overlong": OverlongKwargs, "code_tests": CodeTestsKwargs}
 
 
 class RewardSpec(Section):

@@ -1,7 +1,12 @@
 """``sandbox:``: the limits under which model-written code runs (:mod:`posttrain.sandbox`) and how many programs
-run at once. No stage reads it yet (the code task's reward and the tool-use rollouts will)."""
+run at once: the code task's verifier and ``code_tests`` reward (``posttrain.tasks.codeexec``).
+
+The stage runner exports the section to the environment (``ENV``), so that every process of a stage, reward
+workers included, runs code under the same limits (:func:`from_env`)."""
 
 from __future__ import annotations
+
+import os
 
 from pydantic import Field
 
@@ -38,3 +43,12 @@ class SandboxCfg(Section):
     bwrap: str = Field("bwrap", min_length=1, description="the bubblewrap executable (a name on PATH or a "
                        "path); where it is missing or cannot create namespaces, code is refused, never run "
                        "unsandboxed")
+
+
+ENV = "POSTTRAIN_SANDBOX"  # the stage's sandbox section as JSON (set by posttrain.runner.setup)
+
+
+def from_env() -> SandboxCfg:
+    """The sandbox settings of the running stage (``ENV``), or the defaults outside a stage."""
+    raw = os.environ.get(ENV)
+    return SandboxCfg.model_validate_json(raw) if raw else SandboxCfg()

@@ -30,6 +30,37 @@ class ArithTask(Section):
             raise Refusal("min_multiplier", "must be <= max_multiplier")
         return self
 
+    def max_prompt_chars(self) -> int:
+        """The longest prompt the generator writes (``a*b=``): the context check."""
+        return self.max_digits + 3
+
+
+class CodeTask(Section):
+    """Write a Python function; the reward runs its tests in the sandbox (``posttrain.tasks.code``).
+
+    The synthetic generator's problems are list pipelines: ``def f(a): # odd, add 3, sum``, a few filter/map
+    steps then a reduction, checked by ``num_tests`` asserts. HumanEval (a ``format: humaneval`` benchmark) is
+    scored the same way."""
+
+    kind: Literal["code"] = Field("code", description="Python functions checked by running their tests")
+    min_steps: int = Field(1, ge=0, le=6, description="fewest filter/map steps before the reduction")
+    max_steps: int = Field(2, ge=0, le=6, description="most steps (difficulty knob)")
+    max_const: int = Field(9, ge=2, le=99, description="largest constant of a step (add K, over K, ...)")
+    num_tests: int = Field(4, ge=1, le=50, description="asserts per problem, on seeded random lists")
+    max_list: int = Field(5, ge=1, le=50, description="longest input list of a test (1 to max_list elements "
+                          "in -9..9)")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> CodeTask:
+        if self.min_steps > self.max_steps:
+            raise Refusal("min_steps", "must be <= max_steps")
+        return self
+
+    def max_prompt_chars(self) -> int:
+        """The longest prompt the generator writes (``def f(a): # `` + steps + reduction): the context check."""
+        k = len(str(self.max_const))
+        return len("def f(a): # ") + self.max_steps * (len("times ") + k + 2) + len("count")
+
 
 class MathTask(Section):
     """Math word problems (GSM8K / MATH / AIME formats), scored with ``math-verify``."""
@@ -37,4 +68,4 @@ class MathTask(Section):
     kind: Literal["math"] = Field("math", description="math word problems, verified with math-verify")
 
 
-TaskSpec = Annotated[ArithTask | MathTask, Field(discriminator="kind")]
+TaskSpec = Annotated[ArithTask | CodeTask | MathTask, Field(discriminator="kind")]

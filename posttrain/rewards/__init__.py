@@ -1,7 +1,7 @@
 """Rewards: the ``REWARDS`` registry and plug-ins, scoring (in-process or in a pool with a timeout), pass rates.
 
 - ``builtin``: ``Sample`` and the built-in reward functions (``REWARDS``: ``correct``, ``math_verify``,
-  ``format``, ``overlong``).
+  ``format``, ``overlong``, ``code_tests``).
 - ``scoring``: ``combine`` (the one call site of a reward function), ``score_rows`` (the one scoring path of
   the reward stage and every RL step), ``is_correct``, ``pass_rates``.
 - ``pool``: ``RewardPool``, worker processes with a per-sample timeout (``reward.workers``, ``reward.timeout_s``).
@@ -11,10 +11,20 @@ A reward is ``fn(sample: Sample, **kwargs) -> float | None``, a module-level fun
 ``posttrain.config.plugins``). ``None`` means unscorable: counted, kept out of the update, never a free reward.
 """
 
-from posttrain.rewards.builtin import REWARDS, Sample, correct, format_reward, math_verify, overlong
+from posttrain.rewards.builtin import (
+    REWARDS,
+    Sample,
+    Scored,
+    code_tests,
+    correct,
+    format_reward,
+    math_verify,
+    overlong,
+)
 from posttrain.rewards.pool import RewardPool
 from posttrain.rewards.scoring import (
     ERROR_KEY,
+    WHY_KEY,
     Spec,
     combine,
     is_correct,
@@ -25,5 +35,6 @@ from posttrain.rewards.scoring import (
     specs_of,
 )
 
-__all__ = ["ERROR_KEY", "REWARDS", "RewardPool", "Sample", "Spec", "combine", "correct", "format_reward",
-           "is_correct", "math_verify", "overlong", "pass_rates", "resolve", "sample_of", "score_rows", "specs_of"]
+__all__ = ["ERROR_KEY", "REWARDS", "WHY_KEY", "RewardPool", "Sample", "Scored", "Spec", "code_tests", "combine",
+           "correct", "format_reward", "is_correct", "math_verify", "overlong", "pass_rates", "resolve", "sample_of",
+           "score_rows", "specs_of"]

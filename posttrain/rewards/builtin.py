@@ -1,6 +1,7 @@
 """The built-in rewards (the ``REWARDS`` registry), picked by name in ``params.yaml``, and ``Sample``.
 
-One signature: ``fn(s: Sample, **kwargs) -> float | None``. ``None`` means *unscorable* (e.g. the gold
+One signature: ``fn(s: Sample, **kwargs) -> float | None`` (or :class:`Scored`: the value and why it is not
+full marks). ``None`` means *unscorable* (e.g. the gold
 answer cannot be parsed): such a sample is counted and kept out of the update, never given a free reward.
 Functions are module-level (picklable, so a process pool can run them; math-verify must not run in a
 non-main thread).
@@ -15,8 +16,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from posttrain.tasks import get_task, mathfmt
+from posttrain.tasks import code, codeexec, get_task, mathfmt
 
 
 @dataclass(frozen=True)
@@ -29,12 +31,33 @@ class Sample:
     num_tokens: int
     max_new_tokens: int
     finish_reason: str = "stop"
+    prompt: str = ""  # (the code task runs prompt + completion)
+
+
+class Scored(NamedTuple):
+    """A reward's value with why it is not full marks (``combine`` keeps it under ``"why"``; the audit counts
+    it): a reward may return this instead of a bare number."""
+
+    value: float | None
+    why: str | None
 
 
 def correct(s: Sample) -> float | None:
-    """1.0 / 0.0 by the task's own verifier (exact integer for ``arith``; math-verify for ``math``)."""
-    ok = get_task(s.task).verify(s.answer, s.completion)
+    """1.0 / 0.0 by the task's own verifier (exact integer for ``arith``; math-verify for ``math``; every test
+    passing in the sandbox for ``code``)."""
+    ok = get_task(s.task).verify([(s.prompt, s.answer, s.completion)])[0]
     return None if ok is None else float(ok)
+
+
+def code_tests(s: Sample, mode: str = "all") -> Scored:
+    """Run the completion against the gold tests in the sandbox (``posttrain.tasks.codeexec``): ``all`` 1.0 when
+    every test passes, else 0.0; ``fraction``: the share of tests passed. A completion that does not parse,
+    raises, times out or breaks a limit passes nothing; why is kept (``parse: SyntaxError``, ``timeout``, ...).
+    None when the gold holds no test. Execution-verified rewards as in CodeRL / PRLCoder / DeepSeek-R1's code."""
+    if not code.gold_ok(s.answer):
+        return Scored(None, "gold has no test")
+    v = codeexec.run_tests(s.prompt, s.completion, s.answer)
+    return Scored(float(v.all_passed) if mode == "all" else v.fraction, v.why)
 
 
 def math_verify(s: Sample) -> float | None:
@@ -76,4 +99,5 @@ REWARDS: dict[str, Callable[..., float | None]] = {
     "math_verify": math_verify,
     "format": format_reward,
     "overlong": overlong,
+    "code_tests": code_tests,
 }

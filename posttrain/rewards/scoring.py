@@ -3,8 +3,10 @@
 ``combine`` is the one place a reward function is called (built-in by name, or a plug-in by
 ``package.module:function``). What a function cannot score is ``None`` and never a free reward: a function
 that raises, or returns something that is not a finite number, scores ``None`` for that component, and the
-reason is kept in the components' JSON under ``"error"`` (the reward audit counts them). A pool that times
-out or loses a worker (``posttrain.rewards.pool``) records the same way.
+reason is kept in the components' JSON under ``"error"`` (the reward audit counts them). A function that
+raises ``StageError`` (``SandboxUnavailable``: code cannot be run safely here) stops the stage instead. A
+function may return :class:`~posttrain.rewards.builtin.Scored` (value, why): the why is kept under
+``"why"``. A pool that times out or loses a worker (``posttrain.rewards.pool``) records the same way.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from posttrain.config.plugins import is_plugin, load_reward
-from posttrain.rewards.builtin import REWARDS, Sample
+from posttrain.errors import StageError
+from posttrain.rewards.builtin import REWARDS, Sample, Scored
 
 ERROR_KEY = "error"  # in the components' JSON: why a sample (or one of its components) could not be scored
+WHY_KEY = "why"  # in the components' JSON: {component: why it is not full marks}, for rewards that say (Scored)
 
 
 class Spec(NamedTuple):
@@ -58,9 +62,17 @@ def combine(s: Sample, specs: Sequence[Any]) -> tuple[float | None, dict[str, An
     parts: dict[str, Any] = {}
     total: float | None = 0.0
     error = None
+    notes: dict[str, str] = {}
     for spec in specs:
         try:
-            v, why = _checked(spec.name, resolve(spec.name)(s, **spec.kwargs))
+            got = resolve(spec.name)(s, **spec.kwargs)
+            if isinstance(got, Scored):
+                got, note = got
+                if note is not None:
+                    notes[spec.name] = note
+            v, why = _checked(spec.name, got)
+        except StageError:  # a refusal (no sandbox here: SandboxUnavailable): the stage stops with one line
+            raise
         except Exception as e:  # a reward's bug must not end a run; it is counted and shown in the audit
             v, why = None, f"{spec.name} raised {type(e).__name__}"
         parts[spec.name] = v
@@ -69,6 +81,8 @@ def combine(s: Sample, specs: Sequence[Any]) -> tuple[float | None, dict[str, An
             total = None if v is None or total is None else total + spec.weight * v
     if error is not None:
         parts[ERROR_KEY] = error
+    if notes:
+        parts[WHY_KEY] = notes
     return total, parts
 
 
@@ -80,7 +94,8 @@ def failed(specs: Sequence[Any], why: str) -> tuple[None, dict[str, Any]]:
 def sample_of(r: dict[str, Any]) -> Sample:
     """What a reward sees of a rollout row (``num_tokens``, when given, spares reading ``token_ids``)."""
     n = r["num_tokens"] if "num_tokens" in r else len(r["token_ids"])
-    return Sample(r["completion"], r["answer"], r["task"], n, r["max_new_tokens"], r["finish_reason"])
+    return Sample(r["completion"], r["answer"], r["task"], n, r["max_new_tokens"], r["finish_reason"],
+                  r.get("prompt", ""))
 
 
 def score_rows(rows: Sequence[dict[str, Any]], specs: Sequence[Any], pool: Any = None) -> list[dict[str, Any]]:
@@ -96,9 +111,10 @@ def score_rows(rows: Sequence[dict[str, Any]], specs: Sequence[Any], pool: Any =
 
 
 def is_correct(rewards_json: str) -> bool | None:
-    """Whether a scored sample is correct: its ``correct`` (else ``math_verify``) component is 1.0."""
+    """Whether a scored sample is correct: its ``correct`` (else ``math_verify``, else ``code_tests``) component
+    is 1.0."""
     parts = json.loads(rewards_json)
-    for key in ("correct", "math_verify"):
+    for key in ("correct", "math_verify", "code_tests"):
         if key in parts:
             return None if parts[key] is None else parts[key] == 1.0
     return None
