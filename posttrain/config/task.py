@@ -45,10 +45,10 @@ class CodeTask(Section):
     kind: Literal["code"] = Field("code", description="Python functions checked by running their tests")
     min_steps: int = Field(1, ge=0, le=6, description="fewest filter/map steps before the reduction")
     max_steps: int = Field(2, ge=0, le=6, description="most steps (difficulty knob)")
-    max_const: int = Field(9, ge=2, le=99, description="largest constant of a step (add K, over K, ...)")
+    max_const: int = Field(19, ge=2, le=99, description="largest constant of a step (add K, over K, ...); test "
+                           "lists hold integers in [-max_const-1, max_const+1]")
     num_tests: int = Field(4, ge=1, le=50, description="asserts per problem, on seeded random lists")
-    max_list: int = Field(5, ge=1, le=50, description="longest input list of a test (1 to max_list elements "
-                          "in -9..9)")
+    max_list: int = Field(5, ge=1, le=50, description="longest input list of a test (1 to max_list elements)")
 
     @model_validator(mode="after")
     def _ranges(self) -> CodeTask:

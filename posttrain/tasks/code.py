@@ -17,10 +17,10 @@ named in the prompt's comment, a few filter / map steps then one reduction::
 That is the ``cot`` demonstration (one line per step); ``direct`` is one expression
 (`` return sum([x+3 for x in [x for x in a if x%2]])``). Both are correct, as is any other program that passes
 the tests: the reward is execution, never a string match. Difficulty: ``task.min_steps..max_steps`` steps
-before the reduction, constants up to ``task.max_const``. Tests: ``task.num_tests`` distinct asserts on seeded
-random non-empty lists, comparing through ``_eq`` (type and value, so an object whose ``__eq__`` always says yes
-does not pass; the harness defines it). Everything fits the tiny model's character context
-(``CodeTask.max_prompt_chars``).
+before the reduction, each drawn uniformly from every filter and map with every constant up to
+``task.max_const``. Tests: ``task.num_tests`` distinct asserts on seeded random non-empty lists, comparing
+through ``_eq`` (type and value, so an object whose ``__eq__`` always says yes does not pass; the harness
+defines it). Everything fits the tiny model's character context (``CodeTask.max_prompt_chars``).
 
 **HumanEval** (``format: humaneval`` of a benchmark or source): ``prompt`` as shipped, ``answer`` = its
 ``test`` plus ``check(<entry_point>)``, ``solution`` = the canonical body.
@@ -29,6 +29,7 @@ does not pass; the harness defines it). Everything fits the tiny model's charact
 from __future__ import annotations
 
 import ast
+import functools
 import random
 import re
 from typing import Any
@@ -41,24 +42,28 @@ REDUCTIONS = {"sum": "sum(E)", "max": "max(E,default=0)", "min": "min(E,default=
 _FENCE = re.compile(r"```(?:python|py)?[^\n]*\n(.*?)```", re.S)
 
 
-def _step(rng: random.Random, max_const: int) -> tuple[str, str, str]:
-    """(name, 'filter' | 'map', code of the element expression/condition) of one random step."""
-    kind = rng.choice(("filter", "map"))
-    table = FILTERS if kind == "filter" else MAPS
-    name = rng.choice(list(table))
-    k = str(rng.randint(2 if name == "times K" else 0, max_const))
-    return name.replace("K", k), kind, table[name].replace("K", k)
+@functools.cache
+def steps_of(max_const: int) -> tuple[tuple[str, str, str], ...]:
+    """Every step as (name, 'filter' | 'map', code of the condition / element expression), constants 0..max_const
+    (2.. for ``times``): a problem's steps are drawn uniformly from these."""
+    out = []
+    for kind, table in (("filter", FILTERS), ("map", MAPS)):
+        for name, c in table.items():
+            ks = [str(k) for k in range(2 if name == "times K" else 0, max_const + 1)] if "K" in name else [""]
+            out += [(name.replace("K", k), kind, c.replace("K", k)) for k in ks]
+    return tuple(out)
 
 
 def generate(rng: random.Random, cfg: Any) -> tuple[str, str, str]:
     """One problem ``(prompt, tests, cot solution)`` of the synthetic task under ``cfg`` (``config.CodeTask``)."""
-    steps = [_step(rng, cfg.max_const) for _ in range(rng.randint(cfg.min_steps, cfg.max_steps))]
+    steps = [rng.choice(steps_of(cfg.max_const)) for _ in range(rng.randint(cfg.min_steps, cfg.max_steps))]
     red = rng.choice(list(REDUCTIONS))
+    lim = cfg.max_const + 1  # list elements in [-lim, lim]: every step's constant can split them
     prompt = f"def f(a): # {', '.join([s[0] for s in steps] + [red])}"
     fn = _function(steps, red)
     tests: list[str] = []
     for _ in range(100 * cfg.num_tests):  # distinct tests on non-empty lists (an empty list rewards `return 0`)
-        xs = [rng.randint(-9, 9) for _ in range(rng.randint(1, cfg.max_list))]
+        xs = [rng.randint(-lim, lim) for _ in range(rng.randint(1, cfg.max_list))]
         t = f"assert _eq(f({_lst(xs)}),{_lst(fn(xs)) if red == 'list' else fn(xs)})"
         if t not in tests:
             tests.append(t)
