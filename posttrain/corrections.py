@@ -25,6 +25,10 @@ at padding) say which tokens a cap truncated and which a band dropped: the updat
   the band; IcePop, Ling Team 2025, "Every Step Evolves: Scaling Reinforcement Learning for Trillion-Scale
   Thinking Model" (Ring-1T), alpha = low = 0.5, beta = high = 5).
 
+``decoupled_ppo_loss`` (AReaL's objective, not a registry entry and not wired into the loop: it needs a proximal
+policy distinct from the behaviour policy, which exists only once generation runs ahead of training) is here as a
+pure, tested function for that loop.
+
 Written by hand: each is a few tensor operations on the trainer's own tensors (verl's and TRL's versions live
 inside their trainers). Log-ratios are clamped before the exp as everywhere in ``posttrain.algos``; the band's
 bounds (config: 1e-6 <= low <= 1 <= high <= 1e6) lie inside the clamp's exp(+-20), so the clamp never flips a
@@ -38,7 +42,7 @@ from typing import NamedTuple
 
 import torch
 
-from posttrain.algos import LOG_RATIO_CLAMP
+from posttrain.algos import LOG_RATIO_CLAMP, LossCfg, ppo_clip
 
 
 class Correction(NamedTuple):
@@ -127,3 +131,27 @@ CORRECTIONS: dict[str, Callable[..., Correction]] = {
     "tis_token": tis_token, "tis_sequence": tis_sequence, "mis_token": mis_token, "mis_sequence": mis_sequence,
     "icepop": icepop,
 }
+
+
+def decoupled_ppo_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor, adv: torch.Tensor,
+                       mask: torch.Tensor, cfg: LossCfg, cap: float | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoupled PPO (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning System for
+    Language Reasoning", eq. 5): the clip is taken against the proximal policy, the importance weight against
+    the behaviour policy that sampled::
+
+        loss_t = w_t * max(-A u_t, -A clip(u_t, 1 - eps_low, 1 + eps_high)),
+        u_t = pi_theta(y_t) / pi_prox(y_t),   w_t = pi_prox(y_t) / pi_behav(y_t)  (detached)
+
+    ``logp`` [B, T] (with gradient), ``prox_logp`` (the proximal policy: the trainer's weights before this
+    update), ``behav_logp`` (the policy that generated, possibly several versions older), ``adv`` [B] (one
+    per sequence), ``mask`` [B, T]; ``cfg``: the clip (and dual clip) of ``algos.ppo_clip``. With ``cap`` a
+    token whose w_t exceeds it is dropped (w_t = 0; AReaL's ``behav_imp_weight_cap``). With prox = behav (the
+    synchronous loop) this is ``ppo_clip``. Returns (loss [B, T], 0 at padding; clipped [B, T] bool). Not
+    wired into the loop (see the module docstring)."""
+    loss, clipped = ppo_clip(logp, prox_logp, adv, cfg)
+    w = torch.exp(_log_ratio(prox_logp, behav_logp))
+    if cap is not None:
+        w = torch.where(w <= cap, w, torch.zeros_like(w))
+    w = w * mask
+    return loss * w, clipped & (mask > 0)

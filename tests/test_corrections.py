@@ -150,3 +150,34 @@ def test_bad_corrections_are_refused_at_load_naming_the_key(rl, expected):
     with pytest.raises(ConfigError, match="^params: " + expected.replace("[", r"\[").replace("]", r"\]")
                        .replace("(", r"\(").replace(")", r"\)")):
         _parse(rl)
+
+
+def test_decoupled_ppo_clips_against_the_proximal_policy_and_weights_by_the_behaviour_policy():
+    """AReaL's decoupled PPO, eps 0.2 both sides, u = pi / pi_prox, w = pi_prox / pi_behav:
+    row 0 (A = +1):  u = [1, 1.5, 0.5 | pad],  w = [1, 2, 0.5 | pad]
+      t0: max(-1, -clip(1) = -1) = -1, x w 1 = -1
+      t1: max(-1.5, -1.2) = -1.2 (clipped), x 2 = -2.4
+      t2: max(-0.5, -0.8) = -0.5 (not clipped: the clip only binds where it lowers the objective), x 0.5 = -0.25
+    row 1 (A = -1):  u = [0.5, 1.5 | pad, pad],  w = [4, 1]
+      t0: max(0.5, 0.8) = 0.8 (clipped), x 4 = 3.2;  with cap 3: w = 4 > 3 is dropped -> 0
+      t1: max(1.5, 1.2) = 1.5, x 1 = 1.5
+    d loss / d logp at row 0 t2 (unclipped): -A w u = -1 * 0.5 * 0.5 = -0.25; at the clipped row 0 t1: 0."""
+    from posttrain.algos import LossCfg, ppo_clip
+
+    ln = math.log
+    behav = torch.tensor([[-1.0, -1.0, -1.0, 5.0], [-2.0, -2.0, 5.0, 5.0]], requires_grad=True)
+    prox = behav.detach() + torch.tensor([[0.0, ln(2), -ln(2), 3.0], [ln(4), 0.0, 3.0, 3.0]])
+    logp = (prox + torch.tensor([[0.0, ln(1.5), ln(0.5), 3.0], [ln(0.5), ln(1.5), 3.0, 3.0]])).requires_grad_(True)
+    adv, mask, cfg = torch.tensor([1.0, -1.0]), MASK[:, :4].clone(), LossCfg(0.2, 0.2)
+    mask[0] = torch.tensor([1.0, 1.0, 1.0, 0.0])
+    loss, clipped = corrections.decoupled_ppo_loss(logp, prox, behav, adv, mask, cfg)
+    torch.testing.assert_close(loss, torch.tensor([[-1.0, -2.4, -0.25, 0.0], [3.2, 1.5, 0.0, 0.0]]))
+    assert clipped.tolist() == [[F, T, F, F], [T, F, F, F]]
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad[0, 1:3], torch.tensor([0.0, -0.25]))
+    assert behav.grad is None  # the importance weight is detached
+    capped, _ = corrections.decoupled_ppo_loss(logp, prox, behav, adv, mask, cfg, cap=3.0)
+    torch.testing.assert_close(capped[1], torch.tensor([0.0, 1.5, 0.0, 0.0]))
+    # prox = behav (the synchronous loop): plain ppo_clip, masked
+    same, _ = corrections.decoupled_ppo_loss(logp, prox, prox, adv, mask, cfg)
+    torch.testing.assert_close(same, ppo_clip(logp, prox, adv, cfg)[0] * mask)
