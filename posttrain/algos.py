@@ -1,5 +1,5 @@
-"""ADVANTAGES, POLICY_LOSSES, TOKEN_SELECTIONS and KL_ESTIMATORS registries, and loss aggregation (TIS:
-``posttrain.corrections``).
+"""ADVANTAGES, POLICY_LOSSES, TOKEN_SELECTIONS and KL_ESTIMATORS registries, and loss aggregation (off-policy
+corrections: ``posttrain.corrections``).
 
 Names follow the papers: ``logp`` (current policy), ``old_logp`` (behaviour policy), ``ref_logp`` (frozen
 reference), ``ratio = exp(logp - old_logp)``, ``adv``, ``mask`` (1 on completion tokens). Shapes in

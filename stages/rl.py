@@ -53,8 +53,8 @@ from posttrain.trainlog import TrainLog
 
 log = logging.getLogger("rl")
 LOG_FIELDS = ["step", "updated", "reward_mean", "pass_rate", "zero_var_frac", "groups_used", "refill_rounds", "loss",
-              "clipfrac", "kl", "entropy", "ratio_max", "grad_norm", "logprob_gap", "tis_capped", "pg_tokens",
-              "response_len", "samples",
+              "clipfrac", "kl", "entropy", "ratio_max", "grad_norm", "logprob_gap", "tis_capped", "is_masked",
+              "pg_tokens", "response_len", "samples",
               "samples_per_s", "gen_s", "reward_s", "update_s"]
 
 
@@ -158,7 +158,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
             "zero_var_frac": round(sb.zero_var_frac, 4), "groups_used": len(sb.used), "refill_rounds": sb.rounds,
             **{k: float(f"{metrics.get(k, 0.0):.4g}") for k in ("loss", "clipfrac", "kl", "entropy", "ratio_max",
                                                                  "grad_norm", "logprob_gap", "tis_capped",
-                                                                 "pg_tokens")},
+                                                                 "is_masked", "pg_tokens")},
             "response_len": round(float(np.mean(first[:, collect.LENGTH])), 2),
             "samples": n_samples, "samples_per_s": round(n_samples / step_s, 1), "gen_s": round(sb.gen_s, 3),
             "reward_s": round(sb.reward_s, 3), "update_s": round(update_s, 3)})

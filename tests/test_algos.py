@@ -231,7 +231,10 @@ def test_no_baseline_estimators_refuse_dynamic_sampling(adv):
 
 
 def test_truncated_importance_sampling_weights_by_hand():
-    from posttrain.corrections import TIS
+    from posttrain.corrections import CORRECTIONS
+
+    def tis(level, *args):
+        return CORRECTIONS[f"tis_{level}"](*args[:3], cap=args[3]).weights
 
     ln = torch.log
     # trainer probs 0.5, 0.2, 0.9 (third token padding); sampler probs 0.25, 0.4, 0.3
@@ -239,14 +242,14 @@ def test_truncated_importance_sampling_weights_by_hand():
     sampler = ln(torch.tensor([[0.25, 0.4, 0.3], [0.1, 0.3, 0.1]]))
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     # per token: 0.5/0.25 = 2 -> min(2, 2) = 2; 0.2/0.4 = 0.5; padding 0 | 0.6/0.1 = 6 -> 2; 0.9/0.3 = 3 -> 2; 1
-    torch.testing.assert_close(TIS["token"](old, sampler, mask, 2.0),
+    torch.testing.assert_close(tis("token", old, sampler, mask, 2.0),
                                torch.tensor([[2.0, 0.5, 0.0], [2.0, 2.0, 1.0]]))
     # per sequence: 2 * 0.5 = 1 (padding excluded) -> 1 | 6 * 3 * 1 = 18 -> capped at 2
-    torch.testing.assert_close(TIS["sequence"](old, sampler, mask, 2.0),
+    torch.testing.assert_close(tis("sequence", old, sampler, mask, 2.0),
                                torch.tensor([[1.0, 1.0, 0.0], [2.0, 2.0, 2.0]]))
     # cap 1.5: tokens 2 -> 1.5, 0.5 stays; sequence 1 stays
-    torch.testing.assert_close(TIS["token"](old[:1], sampler[:1], mask[:1], 1.5), torch.tensor([[1.5, 0.5, 0.0]]))
-    assert not TIS["token"](old.requires_grad_(), sampler, mask, 2.0).requires_grad  # a weight, not a path
+    torch.testing.assert_close(tis("token", old[:1], sampler[:1], mask[:1], 1.5), torch.tensor([[1.5, 0.5, 0.0]]))
+    assert not tis("token", old.requires_grad_(), sampler, mask, 2.0).requires_grad  # a weight, not a path
 
 
 def test_entropy_token_selection_by_hand():

@@ -162,6 +162,9 @@ REFUSALS = {
     "`reward.rewards[].name` a plug-in (`package.module:function`) that does not import, or is not a module-level "
     "function": ({"reward": {"rewards": [{"name": "no_such_module_xyz:score"}]}}, "reward.rewards[0].name"),
     "`rl.save_steps` outside 1..`rl.steps`": ({"rl": {"save_steps": [41]}}, "rl.save_steps"),
+    "`rl.correction.kwargs` a correction does not take, or out of its bounds":
+        ({"rl": {"correction": {"name": "mis_token", "kwargs": {"low": 2.0}}}}, "rl.correction.kwargs.low"),
+    "`rl.tis` together with `rl.correction`": ({"rl": {"tis": {"cap": 2}, "correction": {"name": "icepop"}}}, "rl.tis"),
     "`curate.sft_size` ≥ the rows synthetic sources generate": ({"curate": {"sft_size": 20000}}, "curate.sft_size"),
     "a `max_new_tokens` that, with the longest prompt, exceeds the model's context":
         ({"rollout": {"sampling": {"max_new_tokens": 1000}}}, "rollout.sampling.max_new_tokens"),
@@ -200,7 +203,7 @@ def test_config_names_are_the_registries_names():
     assert names.TOKEN_SELECTIONS == tuple(algos.TOKEN_SELECTIONS)
     assert names.PROMPT_SELECTIONS == tuple(select.PROMPT_SELECTIONS)
     assert names.KL_ESTIMATORS == tuple(algos.KL_ESTIMATORS)
-    assert names.TIS == tuple(corrections.TIS)
+    assert names.CORRECTIONS == tuple(corrections.CORRECTIONS)
     assert sorted(names.DIVERGENCES) == sorted(divergences.DIVERGENCES)
     assert names.AGGREGATIONS == algos.AGGREGATIONS
     assert names.BACKENDS == tuple(rollout.BACKENDS)

@@ -254,41 +254,102 @@ def test_kl_in_the_reward_separates_a_group_of_equal_rewards():
     assert m["kl_seq"] == pytest.approx(sum(k1) / 2, abs=1e-4)
 
 
-def _grads(model, seqs, cfg, tok):
+class _GradCapture(torch.optim.Optimizer):
+    """An optimizer that records the gradient it is asked to step with and moves nothing (``training.accumulate``
+    clears ``.grad`` after its step, so the gradient must be read inside it)."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+        self.grads = []
+
+    def step(self, closure=None):
+        self.grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                      for g in self.param_groups for p in g["params"]]
+
+
+def _grads(model, seqs, cfg, tok, ref_model=None):
+    """The update's gradient (one optimizer step: epochs = minibatches = 1) and its metrics."""
     import copy
 
     m = copy.deepcopy(model).train()
-    opt = torch.optim.SGD(m.parameters(), lr=0.0)  # gradients only
-    metrics = update.policy_update(m, opt, seqs, cfg, tok.pad_token_id)
-    return [p.grad.clone() for p in m.parameters() if p.grad is not None], metrics
+    opt = _GradCapture(m.parameters())
+    metrics = update.policy_update(m, opt, seqs, cfg, tok.pad_token_id, ref_model=ref_model)
+    assert opt.grads and any(float(g.abs().max()) > 0 for g in opt.grads)
+    return opt.grads, metrics
 
 
-def test_truncated_importance_sampling_reweights_the_policy_gradient():
-    from posttrain.config import Tis
+def _tis(cap):
+    from posttrain.config import CorrectionSpec
 
-    tok, model, seqs, cfg = _setup(max_grad_norm=1e6)  # no clipping at these gradient norms
-    plain, _ = _grads(model, seqs, cfg, tok)
-    # a sampler that agrees with the trainer: every weight is exp(0) = 1, the same gradient
+    return {"correction": CorrectionSpec(name="tis_token", kwargs={"cap": cap})}
+
+
+def _sampler_agrees(model, seqs):
+    """Give each sequence the trainer's own log-probs as its sampler's (every ratio exactly 1)."""
     with torch.no_grad():
         for s in seqs:
             t = logprobs.batch_tensors([s], 0, torch.device("cpu"))
             lp, _ = logprobs.token_logp_entropy(model, t)
             p = len(s.prompt_ids)
             s.logprobs = lp[0, p - 1 : p - 1 + len(s.completion_ids)].clone()
-    same, m = _grads(model, seqs, cfg.model_copy(update={"tis": Tis(mode="token", cap=3.0)}), tok)
+
+
+def test_truncated_importance_sampling_reweights_the_policy_gradient():
+    tok, model, seqs, cfg = _setup(max_grad_norm=1e6)  # no clipping at these gradient norms
+    plain, _ = _grads(model, seqs, cfg, tok)
+    # a sampler that agrees with the trainer: every weight is exp(0) = 1, the same gradient
+    _sampler_agrees(model, seqs)
+    same, m = _grads(model, seqs, cfg.model_copy(update=_tis(3.0)), tok)
     for a, b in zip(plain, same, strict=True):
         torch.testing.assert_close(a, b)
-    assert m["tis_capped"] == 0.0
+    assert m["tis_capped"] == 0.0 and m["is_masked"] == 0.0
     # a sampler that gave every token half the trainer's probability: weight 2 per token (under the cap of 3), so
     # the policy-gradient loss and its gradient double; with a cap of 1.5 they are x1.5 and every token is capped
     for s in seqs:
         s.logprobs = s.logprobs - math.log(2)
     for cap, factor in ((3.0, 2.0), (1.5, 1.5)):
-        got, m = _grads(model, seqs, cfg.model_copy(update={"tis": Tis(mode="token", cap=cap)}), tok)
+        got, m = _grads(model, seqs, cfg.model_copy(update=_tis(cap)), tok)
         for a, b in zip(plain, got, strict=True):
             torch.testing.assert_close(b, factor * a, rtol=1e-4, atol=1e-7)
         assert m["tis_capped"] == (1.0 if cap < 2 else 0.0)
         assert m["logprob_gap"] == pytest.approx(math.log(2), abs=1e-5)
+
+
+@pytest.mark.parametrize("name,kwargs,factor,masked", [
+    ("mis_token", {"low": 0.5, "high": 1.5}, 0.0, 1.0),  # ratio 2 > 1.5: every token masked, no policy gradient
+    ("mis_sequence", {"low": 0.5, "high": 1.5}, 0.0, 1.0),  # geometric mean 2 > 1.5: every sequence masked
+    ("icepop", {"low": 0.5, "high": 1.5}, 0.0, 1.0),
+    ("mis_token", {"low": 0.5, "high": 2.5}, 1.0, 0.0),  # ratio 2 inside: kept, unweighted
+    ("mis_sequence", {"low": 0.5, "high": 2.5}, 1.0, 0.0),
+    ("icepop", {"low": 0.5, "high": 2.5}, 2.0, 0.0),  # ratio 2 inside: kept, weighted by the ratio
+])
+def test_a_configured_correction_reaches_the_policy_gradient_and_not_the_kl(name, kwargs, factor, masked):
+    """Every sampled token had half the trainer's probability (ratio pi_trainer / pi_sampler = 2). The update's
+    gradient is g_pg * factor + g_kl: a band that masks every token leaves exactly the KL term's gradient (the KL
+    to the reference still acts), a band that keeps them the policy gradient x1 (masked IS) or x2 (IcePop).
+    (Fails if the update ignores rl.correction, or applies the weights to the KL term too.)"""
+    from posttrain.config import CorrectionSpec
+
+    tok, model, seqs, cfg = _setup(max_grad_norm=1e6, kl_coef=0.5)
+    ref = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 1)
+    _sampler_agrees(model, seqs)
+    for s in seqs:
+        s.logprobs = s.logprobs - math.log(2)
+
+    def grads(cfg, advs):
+        for s, a in zip(seqs, advs, strict=True):
+            s.adv = a
+        return _grads(model, seqs, cfg, tok, ref_model=ref)
+
+    g_all, _ = grads(cfg, [1.0, -1.0])  # no correction: policy gradient + KL
+    g_kl, _ = grads(cfg, [0.0, 0.0])  # advantages 0: the KL term's gradient alone
+    assert max(float(g.abs().max()) for g in g_kl) > 1e-4  # the KL acts
+    assert max(float((a - b).abs().max()) for a, b in zip(g_all, g_kl, strict=True)) > 1e-4  # and so does the PG
+    got, m = grads(cfg.model_copy(update={"correction": CorrectionSpec(name=name, kwargs=kwargs)}), [1.0, -1.0])
+    for a, k, b in zip(g_all, g_kl, got, strict=True):
+        torch.testing.assert_close(b, k + factor * (a - k), rtol=1e-4, atol=1e-7)
+    assert m["is_masked"] == masked and m["tis_capped"] == 0.0
+    assert m["logprob_gap"] == pytest.approx(math.log(2), abs=1e-5)
 
 
 def test_entropy_token_selection_restricts_the_policy_gradient_to_the_chosen_tokens():

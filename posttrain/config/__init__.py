@@ -6,6 +6,7 @@ registry names a section validates against live in ``names.py``.
 """
 
 from posttrain.config.base import EXIT_CONFIG_ERROR, NOT_RESULT, ConfigError, Refusal, Section
+from posttrain.config.correction import CORRECTION_KWARGS, CorrectionSpec, Tis
 from posttrain.config.curate import (
     BenchmarkSpec,
     Curate,
@@ -26,7 +27,7 @@ from posttrain.config.params import Params, load_params, parse_params, read_yaml
 from posttrain.config.paths import Paths
 from posttrain.config.prefect import PrefectCfg
 from posttrain.config.reward import Reward, RewardSpec
-from posttrain.config.rl import BATCH_BASELINE, KL_IN_REWARD, RefReset, Rl, RlSampling, RlSelect, Tis
+from posttrain.config.rl import BATCH_BASELINE, KL_IN_REWARD, RefReset, Rl, RlSampling, RlSelect
 from posttrain.config.rollout import Rollout, Sampling, VLLMOptions
 from posttrain.config.runtime import Distributed, Runtime
 from posttrain.config.sandbox import SandboxCfg
@@ -35,11 +36,11 @@ from posttrain.config.task import ArithTask, CodeTask, MathTask, TaskSpec
 from posttrain.config.tracking import TrackingCfg
 
 __all__ = [
-    "ArithTask", "BATCH_BASELINE", "BenchmarkSpec", "CodeTask", "ConfigError", "Curate", "CurateEval", "Decontam",
-    "Dedup", "Distill", "DistillOnPolicy", "DistillPhase", "DistillWarmup", "Distributed", "EXIT_CONFIG_ERROR", "Edit",
-    "Evaluate", "FileSource", "HubSource", "KL_IN_REWARD", "LoraCfg", "MathTask", "ModelCfg", "NOT_RESULT", "Params",
-    "Paths", "PrefectCfg", "PromptCfg", "RefReset", "Refusal", "Report", "Reward", "RewardSpec", "Rl", "RlSampling",
-    "RlSelect", "Rollout", "Runtime", "Sampling", "SandboxCfg", "Section", "Sft", "SftPhase", "SourceSpec",
-    "SyntheticSource", "TaskSpec", "Tis", "TinyModel", "TrackingCfg", "VLLMOptions", "Validation", "load_params",
-    "parse_overrides", "parse_params", "read_yaml", "render_overrides", "stage_metrics",
+    "ArithTask", "BATCH_BASELINE", "BenchmarkSpec", "CORRECTION_KWARGS", "CodeTask", "ConfigError", "CorrectionSpec",
+    "Curate", "CurateEval", "Decontam", "Dedup", "Distill", "DistillOnPolicy", "DistillPhase", "DistillWarmup",
+    "Distributed", "EXIT_CONFIG_ERROR", "Edit", "Evaluate", "FileSource", "HubSource", "KL_IN_REWARD", "LoraCfg",
+    "MathTask", "ModelCfg", "NOT_RESULT", "Params", "Paths", "PrefectCfg", "PromptCfg", "RefReset", "Refusal", "Report",
+    "Reward", "RewardSpec", "Rl", "RlSampling", "RlSelect", "Rollout", "Runtime", "Sampling", "SandboxCfg", "Section",
+    "Sft", "SftPhase", "SourceSpec", "SyntheticSource", "TaskSpec", "Tis", "TinyModel", "TrackingCfg", "VLLMOptions",
+    "Validation", "load_params", "parse_overrides", "parse_params", "read_yaml", "render_overrides", "stage_metrics",
 ]

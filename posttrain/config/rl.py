@@ -4,7 +4,7 @@ batching and checkpoints. Cross-field rules live in ``Rl._rules`` (one ``model_v
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -22,6 +22,7 @@ from posttrain.config.base import (
     Section,
     registered,
 )
+from posttrain.config.correction import CorrectionSpec, legacy_tis
 from posttrain.config.rollout import Sampling
 
 
@@ -78,14 +79,6 @@ class RefReset(Section):
     optimizer: bool = Field(False, description="also clear the optimizer's state (Adam moments) at each reset")
 
 
-class Tis(Section):
-    """Truncated importance sampling of the sampler/trainer mismatch (posttrain.corrections.TIS)."""
-
-    mode: Literal[names.TIS] = Field("token", description="a key of posttrain.corrections.TIS: one weight "
-                                               "per token, or one per sequence (the product of its ratios)")
-    cap: float = Field(2.0, ge=1, le=1e6, description="weights min(pi_trainer / pi_sampler, cap)")
-
-
 class Rl(Section):
     """The rl stage (and distill's phase C, which trains the student with this section's algorithm)."""
 
@@ -133,9 +126,12 @@ class Rl(Section):
     token_rho: float = Field(0.2, gt=0, le=1, description="the share top_entropy keeps (0.2 in the paper)")
     ref_reset: RefReset | None = Field(None, description="ProRL: reset the KL reference to the current policy "
                                        "every N steps (needs kl_coef or kl_reward_coef > 0); null = never")
-    tis: Tis | None = Field(None, description="truncated importance sampling of the policy-gradient term by "
-                            "pi_trainer / pi_sampler (for a sampler whose log-probs differ from the trainer's, e.g. "
-                            "vLLM); null = off. The mean |trainer - sampler| log-prob gap is logged every step")
+    correction: CorrectionSpec | None = Field(
+        None, description="an off-policy correction of the policy-gradient term by pi_trainer / pi_sampler (for a "
+        "sampler whose log-probs differ from the trainer's, e.g. vLLM): {name, kwargs}, name a key of "
+        "posttrain.corrections.CORRECTIONS; null = off. rl.tis: {mode, cap} is read as {name: tis_<mode>, kwargs: "
+        "{cap}}. The mean |trainer - sampler| log-prob gap and the capped and masked token shares are logged every "
+        "step")
     epochs: int = Field(1, ge=1, le=1000, description="passes over each rollout batch")
     minibatches: int = Field(1, ge=1, le=MAX_BATCH,
                              description="optimizer steps per pass (old log-probs are recomputed "
@@ -161,6 +157,12 @@ class Rl(Section):
     save_steps: list[int] = Field(default_factory=list, description="also save HF checkpoints of these steps "
                                   "(under paths.rl_dir/checkpoints/step_N) for evaluation",
                                   json_schema_extra=NOT_RESULT)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_tis(cls, data: Any) -> Any:
+        """``rl.tis: {mode, cap}``, the older spelling, becomes ``rl.correction`` before validation."""
+        return legacy_tis(data)
 
     @field_validator("advantage")
     @classmethod

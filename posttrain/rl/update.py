@@ -5,8 +5,9 @@
 - ``policy_update``: epochs x minibatches of optimizer steps, each one ``training.accumulate`` over the
   minibatch's sequences (exact gradient accumulation via ``algos.aggregate``); PPO-style ratios against old
   log-probs (recomputed by the trainer when the update is not exactly on-policy), optional token selection,
-  truncated importance sampling, KL to a frozen reference and entropy bonus. Returns the step's metrics (clip
-  fraction, KL, entropy, sampler-vs-trainer log-prob gap, ...).
+  an off-policy correction of the policy-gradient term (``corrections.CORRECTIONS``: one call site), KL to a
+  frozen reference and entropy bonus. Returns the step's metrics (clip fraction, KL, entropy, sampler-vs-trainer
+  log-prob gap, capped and masked token shares, ...).
 - ``reset_reference``: ProRL's reference resets.
 
 Under torchrun the minibatches are global; each rank runs its share of every minibatch, normalised by the
@@ -90,7 +91,7 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     loss_fn = algos.POLICY_LOSSES[cfg.policy_loss]
     loss_cfg = algos.LossCfg(cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip)
     kl_fn = algos.KL_ESTIMATORS[cfg.kl_estimator]
-    tis_fn = corrections.TIS[cfg.tis.mode] if cfg.tis is not None else None
+    correct = corrections.CORRECTIONS[cfg.correction.name] if cfg.correction is not None else None
     use_kl = ref_model is not None and cfg.kl_coef > 0
     norm_len = cfg.sampling.max_new_tokens
     on_policy = cfg.epochs * cfg.minibatches == 1  # then old log-probs come from the update's own forward
@@ -107,7 +108,8 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
             fill(ref_model, seqs, "ref_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp)
     filler = [Seq([pad_id], [pad_id], [0.0], 0.0)]  # a zero-weight forward for a rank without a sequence
 
-    sums = {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "gap": 0.0, "tis_capped": 0.0}
+    sums = {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "gap": 0.0, "tis_capped": 0.0,
+            "is_masked": 0.0}
     ratio_max, tokens, gap_tokens, n_opt = 0.0, 0.0, 0.0, 0
     gen = torch.Generator().manual_seed(seed)
     for epoch in range(cfg.epochs):
@@ -130,11 +132,12 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
                 old_logp = logp.detach() if on_policy else t["old_logp"]
                 loss_tok, clipped = loss_fn(logp, old_logp, t["adv"], loss_cfg)  # [b, T-1]
                 loss_tok = loss_tok * t["pg_mask"]  # token selection (1 everywhere with token_select: all)
-                if tis_fn is not None:  # the policy-gradient term only, not the KL or entropy terms
-                    w = tis_fn(old_logp, t["logprobs"], m, cfg.tis.cap)
-                    loss_tok = loss_tok * w
+                if correct is not None:  # the policy-gradient term only, not the KL or entropy terms
+                    c = correct(old_logp, t["logprobs"], m, **cfg.correction.kwargs)
+                    loss_tok = loss_tok * c.weights
                     if real:
-                        sums["tis_capped"] += float(((w >= cfg.tis.cap) & (m > 0)).sum())
+                        sums["tis_capped"] += float(c.capped.sum())
+                        sums["is_masked"] += float(c.masked.sum())
                 if use_kl:
                     kl = kl_fn(logp, t["ref_logp"])
                     loss_tok = loss_tok + cfg.kl_coef * kl
@@ -158,7 +161,7 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
             sums["grad_norm"] += training.accumulate(model, opt, mb_seqs, cfg.micro_batch_size, loss_of,
                                                      cfg.max_grad_norm, local=True)
             n_opt += 1
-    keys = ("loss", "clipfrac", "kl", "entropy", "gap", "tis_capped")  # every rank's share -> the batch's totals
+    keys = ("loss", "clipfrac", "kl", "entropy", "gap", "tis_capped", "is_masked")  # every rank's share -> totals
     *totals, tokens, gap_tokens = d.sum(*(sums[k] for k in keys), tokens, gap_tokens)
     sums |= dict(zip(keys, totals, strict=True))
     ratio_max = d.max(ratio_max)
@@ -166,7 +169,7 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     return {"loss": sums["loss"] / n, "clipfrac": sums["clipfrac"] / tokens, "kl": sums["kl"] / tokens,
             "entropy": sums["entropy"] / tokens, "ratio_max": ratio_max, "grad_norm": sums["grad_norm"] / n,
             "logprob_gap": sums["gap"] / max(gap_tokens, 1.0), "tis_capped": sums["tis_capped"] / tokens,
-            "pg_tokens": pg_tokens, "optimizer_steps": n_opt}
+            "is_masked": sums["is_masked"] / tokens, "pg_tokens": pg_tokens, "optimizer_steps": n_opt}
 
 
 def update_from_groups(model: torch.nn.Module, opt: torch.optim.Optimizer, sb: StepBatch, cfg: Rl,
