@@ -33,6 +33,7 @@ from posttrain.config.runtime import Distributed, Runtime
 from posttrain.config.sandbox import SandboxCfg
 from posttrain.config.sft import Sft, SftPhase
 from posttrain.config.task import ArithTask, CodeTask, MathTask, TaskSpec
+from posttrain.config.tools import ToolsCfg
 from posttrain.config.tracking import TrackingCfg
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "Distributed", "EXIT_CONFIG_ERROR", "Edit", "Evaluate", "FileSource", "HubSource", "KL_IN_REWARD", "LoraCfg",
     "MathTask", "ModelCfg", "NOT_RESULT", "Params", "Paths", "PrefectCfg", "PromptCfg", "RefReset", "Refusal", "Report",
     "Reward", "RewardSpec", "Rl", "RlSampling", "RlSelect", "Rollout", "Runtime", "Sampling", "SandboxCfg", "Section",
-    "Sft", "SftPhase", "SourceSpec", "SyntheticSource", "TaskSpec", "Tis", "TinyModel", "TrackingCfg", "VLLMOptions",
-    "Validation", "load_params", "parse_overrides", "parse_params", "read_yaml", "render_overrides", "stage_metrics",
+    "Sft", "SftPhase", "SourceSpec", "SyntheticSource", "TaskSpec", "Tis", "TinyModel", "ToolsCfg", "TrackingCfg",
+    "VLLMOptions", "Validation", "load_params", "parse_overrides", "parse_params", "read_yaml", "render_overrides",
+    "stage_metrics",
 ]

@@ -23,6 +23,8 @@ TIS = ("token", "sequence")  # rl.tis.mode, the older spelling of rl.correction:
 DIVERGENCES = ("reverse_kl", "forward_kl", "jsd")  # posttrain.divergences.DIVERGENCES
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # posttrain.algos.AGGREGATIONS
 BACKENDS = ("hf", "vllm")  # posttrain.rollout.BACKENDS
+TOOLS = ("python", "calc")  # posttrain.tools.TOOLS
+TOOL_FORMATS = ("tag", "qwen")  # posttrain.tools.formats.FORMATS
 DEDUP_METHODS = ("ngram", "minhash")  # posttrain.dedup.METHODS (params may also say "auto")
 
 # DAG order, as in dvc.yaml; evaluate runs once per model (evaluate@<name>, a foreach stage)

@@ -29,6 +29,7 @@ from posttrain.config.runtime import Runtime
 from posttrain.config.sandbox import SandboxCfg
 from posttrain.config.sft import Sft
 from posttrain.config.task import ArithTask, TaskSpec
+from posttrain.config.tools import ToolsCfg
 from posttrain.config.tracking import TrackingCfg
 
 
@@ -51,6 +52,7 @@ class Params(Section):
     prefect: PrefectCfg = Field(default_factory=PrefectCfg)
     tracking: TrackingCfg = Field(default_factory=TrackingCfg)
     sandbox: SandboxCfg = Field(default_factory=SandboxCfg)
+    tools: ToolsCfg = Field(default_factory=ToolsCfg)
 
     def vllm_options(self) -> VLLMOptions:
         """``rollout.vllm`` with the defaults that follow other sections filled in (``dtype``: ``model.dtype``,
@@ -81,6 +83,7 @@ class Params(Section):
                           "frozen base (adapter off), which a reset would have to overwrite with the merge")
         self._context()
         self._champion()
+        self._tools()
         d = self.runtime.distributed
         if d.world_size > 1:
             if d.strategy == "fsdp2" and self.model.lora is not None:
@@ -88,6 +91,22 @@ class Params(Section):
                               "(LoRA's frozen base needs no sharding of gradients or optimizer state)")
         return self
 
+
+    def _tools(self) -> None:
+        """Tool rollouts run through the hf backend's turn loop (rollout, rl, evaluate): a stage that would sample
+        without it while ``tools.enabled`` says otherwise is refused, naming the key that asks for it."""
+        if not self.tools.enabled:
+            return
+        for key, backend in (("rollout.backend", self.rollout.backend), ("evaluate.backend", self.evaluate.backend)):
+            if backend != "hf":
+                raise Refusal(key, f"{backend!r} with tools.enabled: multi-turn tool rollouts run on the hf backend "
+                              "only; set it to hf or tools.enabled: false")
+        for key, steps in (("distill.warmup.steps", self.distill.warmup.steps),
+                           ("distill.on_policy.steps", self.distill.on_policy.steps),
+                           ("distill.grpo_steps", self.distill.grpo_steps)):
+            if steps:
+                raise Refusal(key, f"{steps} with tools.enabled: the distill stage samples single-turn only; set "
+                              "it to 0 or tools.enabled: false")
 
     def _champion(self) -> None:
         """``tracking.champion`` names a number evaluate writes: a metric it never writes kept the champion alias

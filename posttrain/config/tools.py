@@ -1,0 +1,41 @@
+"""``tools:``: multi-turn tool-use rollouts (:mod:`posttrain.tools`): a completion may call a tool, the tool's
+output comes back as an observation, and generation continues, up to ``max_turns`` calls. Off by default: the
+default pipeline samples single-turn completions, and its outputs are those of a pipeline without this section.
+
+Where tools run: the rollout, rl and evaluate stages, with the hf backend. The vllm backend and the distill stage do
+not run tool rollouts yet: enabling tools with them is refused at load (``Params._tools``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from posttrain.config.names import TOOL_FORMATS, TOOLS
+from posttrain.config.base import Section, registered
+
+
+class ToolsCfg(Section):
+    """Which tools a completion may call, in which call format, and how many times."""
+
+    enabled: bool = Field(False, description="multi-turn tool-use rollouts in rollout, rl and evaluate (hf backend)")
+    names: list[str] = Field(["python", "calc"], min_length=1, max_length=len(TOOLS),
+                             description=f"the tools a completion may call (of {list(TOOLS)}); a call to any "
+                             "other name gets an error observation")
+    format: Literal[TOOL_FORMATS] = Field(
+        "tag", description="tag: <tool=NAME>ARG</tool> answered by <obs>OUT</obs> (models without a tool-calling "
+        "chat template; short, for the tiny model's context); qwen: <tool_call>{json}</tool_call> answered by a "
+        "<tool_response> user turn (Qwen2.5/Qwen3 chat templates)")
+    max_turns: int = Field(2, ge=1, le=64, description="tool calls per completion at most; after the last one "
+                           "the model generates once more without the call tags as stop strings")
+    max_obs_chars: int = Field(32, ge=1, le=100_000, description="characters of a tool's output kept in the "
+                               "observation (cut at the end)")
+
+    @field_validator("names")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        for n in v:
+            registered("tool", n, TOOLS)
+        if len(set(v)) != len(v):
+            raise ValueError(f"a tool is named twice: {v}")
+        return v
