@@ -74,3 +74,8 @@ def request(seed: int, i: int) -> int:
     import numpy as np
 
     return int(np.random.SeedSequence([seed, i]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+def tool_turn(sampling_seed: int, k: int) -> int:
+    """Turn ``k`` >= 1 of a multi-turn tool rollout (turn 0 is the call's own ``sampling_seed``)."""
+    return sampling_seed + 31 * k + 11

@@ -106,7 +106,7 @@ def sample_chunks(backend: RolloutBackend, tokenizer: PreTrainedTokenizerBase,
     t0, made = time.time(), 0
     for c, chunk in chunks:
         sp = SamplingParams(sampling.temperature, sampling.top_p, sampling.max_new_tokens,
-                            seeds.chunk(sampling.seed, c))
+                            seeds.chunk(sampling.seed, c), sampling.stop)
         groups = backend.generate(chat_prompt_ids(tokenizer, [p["prompt"] for p in chunk]), n, sp)
         rows = []
         for p, group in zip(chunk, groups, strict=True):
@@ -116,6 +116,8 @@ def sample_chunks(backend: RolloutBackend, tokenizer: PreTrainedTokenizerBase,
                              "logprobs": comp.logprobs, "finish_reason": comp.finish_reason, "policy": policy,
                              "temperature": sp.temperature, "top_p": sp.top_p, "max_new_tokens": sp.max_new_tokens,
                              "seed": sp.seed})
+                if comp.loss_mask is not None:  # a multi-turn tool rollout (schema.with_tool_fields)
+                    rows[-1] |= {"loss_mask": comp.loss_mask, "tool_calls": comp.tool_calls}
         made += len(rows)
         if bar is not None:
             bar.update(len(rows))

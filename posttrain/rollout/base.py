@@ -16,6 +16,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 96
     seed: int = 0
+    stop: tuple[str, ...] = ()  # stop strings of this call, besides the model's own (the tool loop's call tags)
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,11 @@ class Completion:
     text: str
     token_ids: list[int]  # generated tokens, EOS included when finish_reason == "stop"
     logprobs: list[float]  # sampler log-prob of each generated token, same length as token_ids
-    finish_reason: str  # "stop" (EOS) | "length" (max_new_tokens)
+    finish_reason: str  # "stop" (EOS or a stop string) | "length" (max_new_tokens)
+    # multi-turn tool rollouts only (posttrain.tools.loop; None for a single-turn completion): 1 where token_ids
+    # holds a model token, 0 an observation token (its logprobs entry is 0), and the number of tool calls
+    loss_mask: list[int] | None = None
+    tool_calls: int | None = None
 
 
 class RolloutBackend(Protocol):

@@ -6,10 +6,11 @@ repeated n times). Then one token per step for every live row. A row that emits 
 once (its KV-cache rows are dropped with ``Cache.batch_select_indices``), so late steps only pay for the
 sequences still running. A row stops at any of the model's stop token ids (every EOS id of its
 generation_config, e.g. Qwen's <|im_end|> and <|endoftext|>) or when its decoded tail contains one of
-generation_config.stop_strings (the text is cut before it). Sampling applies temperature, then top-p, and records the
-log-prob of each sampled token under that processed distribution (the sampler's log-prob). Each chunk is
-seeded from ``sampling.seed`` and its index with its own ``torch.Generator``: the same call gives the same
-completions. Works on CPU and GPU (the model's device).
+generation_config.stop_strings or of the call's ``sampling.stop`` (the tool loop's closing call tags; the text
+is cut before the model's own, the token ids keep everything sampled); the rest of the batch keeps decoding.
+Sampling applies temperature, then top-p, and records the log-prob of each sampled token under that processed
+distribution (the sampler's log-prob). Each chunk is seeded from ``sampling.seed`` and its index with its own
+``torch.Generator``: the same call gives the same completions. Works on CPU and GPU (the model's device).
 
 Why not ``model.generate``: on the tiny default model generate's per-token machinery (logits processors,
 stopping criteria, score bookkeeping, finished rows kept in the batch) cost more than the model itself;
@@ -56,7 +57,6 @@ class HFBackend:
         self.pad_id = tokenizer.pad_token_id
         self.stop_ids = stop_ids(model.generation_config, tokenizer)  # its EOS ids + the tokenizer's
         self.stop_strings = list(model.generation_config.stop_strings or [])
-        self.stop_window = 4 * max((len(x) for x in self.stop_strings), default=0) + 1  # tokens: >= 1 byte each
 
     def load_weights(self, model: PreTrainedModel, version: str) -> None:
         """Nothing to copy: this backend samples with the trainer's model object itself."""
@@ -98,14 +98,15 @@ class HFBackend:
         lengths = torch.full((b,), s.max_new_tokens, dtype=torch.long, device=device)
         stopped = torch.zeros(b, dtype=torch.bool, device=device)
         stop = torch.tensor(self.stop_ids, device=device)
+        strings = self.stop_strings + [x for x in s.stop if x not in self.stop_strings]  # the model's + this call's
+        window = 4 * max((len(x) for x in strings), default=0) + 1  # tokens: >= 1 byte each
         for t in range(s.max_new_tokens):
             tok, lp = sample_next(logits, s, gen)
             tokens[live, t], logps[live, t] = tok, lp
             done = torch.isin(tok, stop)
-            if self.stop_strings:  # decode each live row's tail: a stop string just completed?
-                tails = tokens[live, max(0, t + 1 - self.stop_window) : t + 1].tolist()
-                done |= torch.tensor([any(x in self.tok.decode(r) for x in self.stop_strings) for r in tails],
-                                     device=device)
+            if strings:  # decode each live row's tail: a stop string just completed?
+                tails = tokens[live, max(0, t + 1 - window) : t + 1].tolist()
+                done |= torch.tensor([any(x in self.tok.decode(r) for x in strings) for r in tails], device=device)
             if done.any():
                 lengths[live[done]], stopped[live[done]] = t + 1, True
                 keep = (~done).nonzero().squeeze(1)

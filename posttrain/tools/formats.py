@@ -1,0 +1,80 @@
+"""How a tool call looks in a completion and how its observation is rendered: the FORMATS registry.
+
+A :class:`Format` has one closing tag (``stop``: the stop string that ends a turn at a call), ``parse(text)`` (the
+turn's text -> the :class:`Call` in it) and ``render(output)`` (the observation text appended after the call).
+
+- ``tag``: ``<tool=NAME>ARG</tool>`` answered by ``<obs>OUTPUT</obs>``; for models without a tool-calling chat
+  template (the tiny default: 28 characters of tags per call and observation in its 128-character context).
+- ``qwen``: Qwen2.5/Qwen3's ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, answered as their chat
+  templates render a tool message: the assistant turn closed, a user turn with ``<tool_response>``, a new
+  assistant turn opened. The arguments' one value is the tool's argument (``{"code": "print(1)"}``)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Call:
+    """A parsed call: the tool's name (None: the call could not be read) and its argument; ``error`` says why
+    a call could not be read."""
+
+    name: str | None
+    arg: str
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Format:
+    stop: str  # the closing tag: generation stops right after it
+    parse: Callable[[str], Call | None]  # None: the text holds no complete call
+    render: Callable[[str], str]  # tool output -> observation text
+
+
+TAG_RE = re.compile(r"<tool=([^>\s]*)>([\s\S]*?)</tool>")
+
+
+def _parse_tag(text: str) -> Call | None:
+    if "</tool>" not in text:
+        return None
+    m = next(reversed(list(TAG_RE.finditer(text))), None)  # the last call (a turn stops at its first close)
+    return Call(m.group(1), m.group(2)) if m else Call(None, "", "no <tool=NAME> before </tool>")
+
+
+QWEN_RE = re.compile(r"<tool_call>([\s\S]*?)</tool_call>")
+
+
+def _parse_qwen(text: str) -> Call | None:
+    if "</tool_call>" not in text:
+        return None
+    m = next(reversed(list(QWEN_RE.finditer(text))), None)
+    if m is None:
+        return Call(None, "", "no <tool_call> before </tool_call>")
+    try:
+        obj = json.loads(m.group(1))
+    except ValueError:
+        return Call(None, "", "the call is not JSON")
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return Call(None, "", 'the call has no "name"')
+    args = obj.get("arguments", "")
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args) if args.strip().startswith("{") else args
+        except ValueError:
+            pass
+    if isinstance(args, dict):
+        if len(args) != 1 or not isinstance(next(iter(args.values())), str):
+            return Call(obj["name"], "", "arguments must hold one string")
+        args = next(iter(args.values()))
+    return Call(obj["name"], str(args))
+
+
+FORMATS: dict[str, Format] = {
+    "tag": Format("</tool>", _parse_tag, lambda out: f"<obs>{out}</obs>"),
+    "qwen": Format("</tool_call>", _parse_qwen,
+                   lambda out: ("<|im_end|>\n<|im_start|>user\n<tool_response>\n" + out
+                                + "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")),
+}
