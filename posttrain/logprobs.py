@@ -126,14 +126,26 @@ class Seq:
     ref_logp: torch.Tensor | None = None
     entropy: torch.Tensor | None = None  # per token, under the policy that sampled (token selection)
     pg_mask: torch.Tensor | None = None  # 1 where the token carries the policy gradient (None: every token)
+    # multi-turn tool rollouts: 1 on a model token, 0 on an observation token, which no loss, KL, entropy or
+    # count sees (batch_tensors' mask is 0 there); None: every token is the model's
+    loss_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = torch.as_tensor(self.prompt_ids, dtype=torch.long)
         self.completion_ids = torch.as_tensor(self.completion_ids, dtype=torch.long)
-        for k in ("logprobs", "old_logp", "ref_logp", "entropy", "pg_mask"):
+        for k in ("logprobs", "old_logp", "ref_logp", "entropy", "pg_mask", "loss_mask"):
             v = getattr(self, k)
             if v is not None:
                 setattr(self, k, torch.as_tensor(v, dtype=torch.float32))
+
+    def model_tokens(self) -> torch.Tensor:
+        """Indices of the model's tokens in ``completion_ids`` (every index without a ``loss_mask``)."""
+        n = len(self.completion_ids)
+        return torch.arange(n) if self.loss_mask is None else self.loss_mask.nonzero().squeeze(1)
+
+    def n_model_tokens(self) -> int:
+        """The tokens the loss sees: ``loss_mask.sum()``, or every completion token."""
+        return len(self.completion_ids) if self.loss_mask is None else int(self.loss_mask.sum())
 
 
 def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
@@ -170,7 +182,7 @@ def batch_tensors(seqs: Sequence[Seq], pad_id: int, device: torch.device, pack: 
     for i, s in enumerate(seqs):
         p, c = len(s.prompt_ids), len(s.completion_ids)
         span = slice(p - 1, p - 1 + c)  # target t+1 is a completion token
-        aligned["mask"][i, span] = 1
+        aligned["mask"][i, span] = 1 if s.loss_mask is None else s.loss_mask
         aligned["pg_mask"][i, span] = 1 if s.pg_mask is None else s.pg_mask
         for k in ("logprobs", "old_logp", "ref_logp"):
             v = getattr(s, k)

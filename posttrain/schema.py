@@ -92,6 +92,18 @@ REWARD_SCHEMA = pa.schema([("prompt_id", pa.string()), ("sample", pa.int32()),
 SHARD_SCHEMA = (SCORED_SCHEMA.append(pa.field("step", pa.int32())).append(pa.field("advantage", pa.float32()))
                 .append(pa.field("used", pa.bool_())))  # used = entered the update (not skipped/unscorable)
 
+TOOL_FIELDS = [pa.field("loss_mask", pa.list_(pa.int8())),  # 1: a model token of token_ids, 0: an observation's
+               pa.field("tool_calls", pa.int32())]  # tool calls the completion made
+
+
+def with_tool_fields(schema: pa.Schema, tools: bool) -> pa.Schema:
+    """``schema`` with the multi-turn columns (``TOOL_FIELDS``) appended when ``tools`` (``tools.enabled``); without
+    them (single-turn: every token the model's) the files are those written before tools existed."""
+    for f in TOOL_FIELDS if tools else []:
+        schema = schema.append(f)
+    return schema
+
+
 PASS_RATE_SCHEMA = pa.schema(
     [("prompt_id", pa.string()), ("n", pa.int32()), ("scorable", pa.int32()), ("n_correct", pa.int32()),
      ("pass_rate", pa.float32()), ("mean_reward", pa.float32())]

@@ -47,6 +47,7 @@ from posttrain.runner import model_arg, stage_main
 from posttrain.schema import BATCH_ROWS, GENERATION_SCHEMA, Problem, parquet_sink, read_problems, write_json
 from posttrain.sources import check_usable, problems_from
 from posttrain.tasks import get_task, verify_all
+from posttrain.tools import with_tools
 
 log = logging.getLogger("evaluate")
 
@@ -124,7 +125,8 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
     per_problem: dict[str, dict[str, dict[str, Any]]] = {s: {} for s in splits}  # split -> problem id -> metrics
     tok = modeling.load_tokenizer(str(inputs["model"]))
     model = ModelFolder(str(inputs["model"]), params.model.dtype, device)  # each backend loads it its own way
-    backend = BACKENDS[cfg.backend](model, tok, cfg.generate_batch_size, params.vllm_options())
+    backend = with_tools(BACKENDS[cfg.backend](model, tok, cfg.generate_batch_size, params.vllm_options()), tok,
+                         params.tools, params.sandbox)  # multi-turn when tools.enabled
     with parquet_sink(out["dir"] / "generations.parquet", GENERATION_SCHEMA) as write:
         for split, probs in tqdm(splits.items(), desc=f"evaluate {name}", disable=not params.runtime.progress):
             t0 = time.time()

@@ -48,7 +48,16 @@ from posttrain.rewards import RewardPool
 from posttrain.rl import collect, select, shards, update
 from posttrain.rollout import BACKENDS, chat_prompt_ids, generator
 from posttrain.runner import stage_main
-from posttrain.schema import PROBLEM_SCHEMA, read_parquet, read_problems, write_json, write_parquet
+from posttrain.schema import (
+    PROBLEM_SCHEMA,
+    SHARD_SCHEMA,
+    read_parquet,
+    read_problems,
+    with_tool_fields,
+    write_json,
+    write_parquet,
+)
+from posttrain.tools import with_tools
 from posttrain.trainlog import TrainLog
 
 log = logging.getLogger("rl")
@@ -84,7 +93,9 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
             lambda: modeling.empty_model(str(inputs["policy"]), dtype=params.model.dtype), device)
     model = d.wrap(model)  # the training handle (the model itself in one process)
     opt = training.adamw(model, cfg.lr, cfg.weight_decay, training.ONLINE_BETAS)
-    backend = BACKENDS[params.rollout.backend](d.plain(model), tok, cfg.generate_batch_size, params.vllm_options())
+    backend = with_tools(BACKENDS[params.rollout.backend](d.plain(model), tok, cfg.generate_batch_size,
+                                                         params.vllm_options()), tok, params.tools, params.sandbox)
+    tools = params.tools.enabled  # multi-turn tool rollouts: loss masks in the shards, tool calls in the log
     policy0 = modeling.checkpoint_digest(inputs["policy"])
     prompt_ids = dict(zip([p["id"] for p in prompts], chat_prompt_ids(tok, [p["prompt"] for p in prompts]),
                           strict=True))
@@ -92,14 +103,15 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     ckpt_dir, shard_tmp = out["checkpoints"], out["checkpoints"] / "shards"
     m = params.model  # what changes the result: not rl.steps, save_steps, max_idle_steps (config.NOT_RESULT)
     fp = checkpoint.fingerprint(cfg, params.reward, params.sampler_id(), m.lora, m.dtype, m.attn_implementation,
-                                params.seed, policy0, sorted(prompt_ids))
+                                params.seed, policy0, sorted(prompt_ids), *([params.tools] if tools else []))
     rl_seed = params.seed + cfg.seed  # rl.seed: seeds of an RL arm on the same upstream (curate, sft)
     cursor = select.PromptCursor(len(prompts), rl_seed)
     moving_ref = ref if cfg.ref_reset is not None else None  # a reference that resets is checkpointed too
     prior = select.PriorState.from_rates(rates)  # per-prompt priors (rl.advantage prior_fused), checkpointed
     saved: dict[str, Any] = {}
     start, restored, cursor.pos = checkpoint.restore_loop_state(ckpt_dir, fp, model, opt, moving_ref, saved)
-    train_log = TrainLog(out["report_dir"] / "train_log.csv" if d.main else None, LOG_FIELDS)  # live: CSV + MLflow
+    train_log = TrainLog(out["report_dir"] / "train_log.csv" if d.main else None,
+                         LOG_FIELDS + ["tool_calls"] * tools)  # live: CSV + MLflow
     train_log.resume(restored)
     log_rows = train_log.rows
     if "prior" in saved:
@@ -146,7 +158,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
                                  "Check the reward audit and rl.select, or set rl.dynamic_sampling: refill "
                                  "(rl.max_idle_steps)")
 
-        shards.write_shard(shard_tmp / f"step_{step + 1:05d}.parquet", sb, adv, step + 1)  # rank 0 writes
+        shards.write_shard(shard_tmp / f"step_{step + 1:05d}.parquet", sb, adv, step + 1,
+                           with_tool_fields(SHARD_SCHEMA, tools))  # rank 0 writes
         first = sb.first_round().numpy()  # [B * G, 3]: the step's on-policy sample of the prompt set
         reward, scorable = first[:, collect.REWARD], ~np.isnan(first[:, collect.REWARD])
         n_samples = sb.stats.shape[0] * g  # every completion sampled this step: refills and prior extras too
@@ -161,7 +174,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
                                                                  "is_masked", "pg_tokens")},
             "response_len": round(float(np.mean(first[:, collect.LENGTH])), 2),
             "samples": n_samples, "samples_per_s": round(n_samples / step_s, 1), "gen_s": round(sb.gen_s, 3),
-            "reward_s": round(sb.reward_s, 3), "update_s": round(update_s, 3)})
+            "reward_s": round(sb.reward_s, 3), "update_s": round(update_s, 3),
+            **({"tool_calls": round(float(np.mean(first[:, collect.TOOL_CALLS])), 4)} if tools else {})})
         bar.set_postfix(reward=log_rows[-1]["reward_mean"], zero_var=sb.zero_var_frac)
         done = step + 1
         if done in cfg.save_steps:

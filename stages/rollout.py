@@ -42,8 +42,9 @@ from posttrain.config import Params
 from posttrain.outputs import as_one_set
 from posttrain.rollout import BACKENDS, ModelFolder, SamplingParams, generator, sample_chunks
 from posttrain.runner import stage_main
-from posttrain.schema import ROLLOUT_SCHEMA, read_columns, write_json
+from posttrain.schema import ROLLOUT_SCHEMA, read_columns, with_tool_fields, write_json
 from posttrain.streaming import PartialParquet
+from posttrain.tools import with_tools
 
 log = logging.getLogger("rollout")
 
@@ -67,7 +68,9 @@ def run_key(params: Params, inputs: dict[str, Path], policy: str) -> dict[str, s
     for f in sorted(pol.iterdir()) if pol.is_dir() else []:
         if f.is_file() and f.suffix not in (".safetensors", ".bin"):
             side.update(f.name.encode() + b"\0" + f.read_bytes())
-    return {"params": checkpoint.fingerprint(params.rollout, params.seed, params.model.dtype, params.sampler_id()),
+    tools = [params.tools] if params.tools.enabled else []  # (a run without tools keeps its key)
+    return {"params": checkpoint.fingerprint(params.rollout, params.seed, params.model.dtype, params.sampler_id(),
+                                             *tools),
             "train": checkpoint.file_digest(inputs["train"]), "policy": policy,
             "policy_files": side.hexdigest()[:16]}
 
@@ -83,7 +86,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     per = max(1, cfg.generate_batch_size // g)  # prompts per chunk
     total = math.ceil(len(order) / per)
     policy = modeling.checkpoint_digest(inputs["policy"])
-    partial = PartialParquet(out["checkpoints"], run_key(params, inputs, policy), total, ROLLOUT_SCHEMA,
+    partial = PartialParquet(out["checkpoints"], run_key(params, inputs, policy), total,
+                             with_tool_fields(ROLLOUT_SCHEMA, params.tools.enabled),
                              flush_seconds=cfg.checkpoint_every_s)
     start = partial.done()
     where = f"resuming at prompt {start * per} of {len(order)}"
@@ -94,7 +98,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
         device = modeling.resolve_device(params.runtime.device)
         tok = modeling.load_tokenizer(str(inputs["policy"]))
         folder = ModelFolder(str(inputs["policy"]), params.model.dtype, device)  # each backend loads its own way
-        backend = BACKENDS[cfg.backend](folder, tok, cfg.generate_batch_size, params.vllm_options())
+        backend = with_tools(BACKENDS[cfg.backend](folder, tok, cfg.generate_batch_size, params.vllm_options()), tok,
+                            params.tools, params.sandbox)  # multi-turn when tools.enabled
         sp = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.max_new_tokens, params.seed)
         chunks = ((c, train.take(order[c * per : (c + 1) * per]).to_pylist()) for c in range(start, total))
         bar = tqdm(total=len(order) * g, initial=start * per * g, desc=f"rollout ({where})" if start else "rollout",
@@ -117,6 +122,9 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
                "samples_per_s": round(made / seconds, 1), "tokens_per_s": round(made_tokens / seconds, 1),
                "mean_len": round(tokens / max(samples, 1), 2), "truncated_frac": round(truncated / max(samples, 1), 4),
                "generator": generator(cfg.backend), "resumed_at_prompt": start * per}
+    if params.tools.enabled:  # mean tool calls per completion
+        calls = sum(pc.sum(b.column("tool_calls")).as_py() or 0 for b in partial.batches(columns=["tool_calls"]))
+        metrics["tool_calls"] = round(calls / max(samples, 1), 4)
     write_json(out["metrics"], metrics)
     log.info("%d samples (%d sampled in this run) in %.1fs (%.0f samples/s)", samples, made, seconds,
              metrics["samples_per_s"])

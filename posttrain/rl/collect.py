@@ -27,7 +27,8 @@ from posttrain.rl.select import PriorState, PromptCursor
 from posttrain.rollout import RolloutBackend, SamplingParams, sample_rows
 
 Row = dict[str, Any]
-REWARD, CORRECT, LENGTH = 0, 1, 2  # the columns of StepBatch.stats
+REWARD, CORRECT, LENGTH, TOOL_CALLS = 0, 1, 2, 3  # the columns of StepBatch.stats
+NSTATS = 4
 
 
 @dataclass
@@ -35,7 +36,8 @@ class StepBatch:
     """What one step sampled. Groups are numbered in sampling order over the whole job (rounds, then the prior
     budget's extra groups); every rank holds every group's scalars, and the rows of its own groups only.
 
-    ``stats`` [S, G, 3] float64: reward (NaN: unscorable), correct (1 / 0, NaN: unknown), completion tokens.
+    ``stats`` [S, G, 4] float64: reward (NaN: unscorable), correct (1 / 0, NaN: unknown), completion tokens,
+    tool calls (0 for a single-turn completion).
     ``rows``: this rank's rows by group number. ``segments``: the groups of each sampling call, [start, end)
     (rank r holds a contiguous block of each, in rank order). ``used``: the groups that enter the update, in
     order. ``first``: the number of groups of the first round (the step's on-policy sample of the prompt set).
@@ -43,7 +45,7 @@ class StepBatch:
 
     g: int
     prompt_ids: list[str] = field(default_factory=list)  # [S]
-    stats: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 1, 3, dtype=torch.float64))
+    stats: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 1, NSTATS, dtype=torch.float64))
     rows: dict[int, list[Row]] = field(default_factory=dict)
     segments: list[tuple[int, int]] = field(default_factory=list)
     used: list[int] = field(default_factory=list)
@@ -60,14 +62,15 @@ class StepBatch:
         d, g = distributed.current(), self.g
         local = [_compact(r, shift) for r in local_rows]
         mine = torch.tensor([[math.nan if r["reward"] is None else float(r["reward"]), _correct(r),
-                              float(len(r["token_ids"]))] for r in local], dtype=torch.float64).view(-1, 3)
-        stats = d.gather_tensor(mine).view(-1, g, 3)
+                              float(len(r["token_ids"])), float(r.get("tool_calls") or 0)] for r in local],
+                            dtype=torch.float64).view(-1, NSTATS)
+        stats = d.gather_tensor(mine).view(-1, g, NSTATS)
         if stats.shape[0] != len(prompt_ids):
             raise RuntimeError(f"{stats.shape[0]} groups gathered for {len(prompt_ids)} prompts")
         start = len(self.prompt_ids)
         lo = start + d.rank * len(prompt_ids) // d.world  # this rank's first group (Dist.shard's block)
         self.prompt_ids += list(prompt_ids)
-        self.stats = torch.cat([self.stats.view(-1, g, 3), stats])
+        self.stats = torch.cat([self.stats.view(-1, g, NSTATS), stats])
         for j in range(len(local) // g):
             self.rows[lo + j] = local[j * g : (j + 1) * g]
         self.segments.append((start, len(self.prompt_ids)))
@@ -83,8 +86,8 @@ class StepBatch:
         return self.stats[list(groups), :, LENGTH].long()
 
     def first_round(self) -> torch.Tensor:
-        """[first * G, 3] scalars of the first round's samples, in order."""
-        return self.stats[: self.first].reshape(-1, 3)
+        """[first * G, NSTATS] scalars of the first round's samples, in order."""
+        return self.stats[: self.first].reshape(-1, NSTATS)
 
     @classmethod
     def from_rows(cls, rows: Sequence[Row], g: int) -> StepBatch:
@@ -100,8 +103,11 @@ class StepBatch:
 
 def _compact(row: Row, shift: int) -> Row:
     """The row with its per-token fields as numpy arrays (and ``sample`` shifted)."""
-    return {**row, "token_ids": np.asarray(row["token_ids"], dtype=np.int32),
-            "logprobs": np.asarray(row["logprobs"], dtype=np.float32), "sample": row["sample"] + shift}
+    out = {**row, "token_ids": np.asarray(row["token_ids"], dtype=np.int32),
+           "logprobs": np.asarray(row["logprobs"], dtype=np.float32), "sample": row["sample"] + shift}
+    if row.get("loss_mask") is not None:  # a multi-turn tool rollout: 0 on observation tokens
+        out["loss_mask"] = np.asarray(row["loss_mask"], dtype=np.int8)
+    return out
 
 
 def _correct(row: Row) -> float:

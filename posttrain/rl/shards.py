@@ -29,9 +29,10 @@ def _ipc(table: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def write_shard(path: Path, sb: StepBatch, adv: torch.Tensor, step: int) -> None:
+def write_shard(path: Path, sb: StepBatch, adv: torch.Tensor, step: int, schema: pa.Schema = SHARD_SCHEMA) -> None:
     """Write the step's rows to ``path`` (rank 0; every rank must call it). ``adv``: the advantages
-    [len(sb.used), G] of ``update.update_from_groups``; rows of groups not used get none."""
+    [len(sb.used), G] of ``update.update_from_groups``; rows of groups not used get none. ``schema``: with
+    ``schema.with_tool_fields`` the rows' loss masks and tool-call counts too (multi-turn tool rollouts)."""
     d = distributed.current()
     pos = {i: k for k, i in enumerate(sb.used)}
     tables = []
@@ -39,7 +40,7 @@ def write_shard(path: Path, sb: StepBatch, adv: torch.Tensor, step: int) -> None
         rows = [{**row, "step": step, "advantage": float(adv[pos[i], j]) if i in pos else None,
                  "used": i in pos and row["reward"] is not None}
                 for i in range(lo, hi) for j, row in enumerate(sb.rows.get(i, []))]
-        for payload in d.stream_to_main(_ipc(pa.Table.from_pylist(rows, schema=SHARD_SCHEMA))):
+        for payload in d.stream_to_main(_ipc(pa.Table.from_pylist(rows, schema=schema))):
             tables.append(pa.ipc.open_stream(payload).read_all())
     if d.main:
         with atomic_path(path) as tmp:

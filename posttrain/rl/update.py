@@ -48,11 +48,13 @@ def select_tokens(seqs: Sequence[Seq], name: str, rho: float, start: int = 0) ->
     whole batch's tokens: every rank's entropies are all-gathered as one float32 tensor (4 bytes a token, only
     when ``rl.token_select`` is not ``all``) and ``start`` is this rank's first token in it."""
     d = distributed.current()
-    local = torch.cat([s.entropy for s in seqs]) if seqs else torch.zeros(0)
+    local = torch.cat([s.entropy[s.model_tokens()] for s in seqs]) if seqs else torch.zeros(0)
     keep = algos.TOKEN_SELECTIONS[name](d.gather_tensor(local), rho).float()  # [n] over the whole batch
     at = start
-    for s in seqs:
-        s.pg_mask, at = keep[at : at + len(s.completion_ids)], at + len(s.completion_ids)
+    for s in seqs:  # observation tokens (multi-turn tool rollouts) are never ranked, never kept
+        where, n = s.model_tokens(), s.n_model_tokens()
+        s.pg_mask = torch.zeros(len(s.completion_ids)).index_put((where,), keep[at : at + n]) if n else keep[at:at]
+        at += n
     return float(keep.sum()) / max(keep.numel(), 1)
 
 
@@ -97,9 +99,10 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     on_policy = cfg.epochs * cfg.minibatches == 1  # then old log-probs come from the update's own forward
     selecting = cfg.token_select != "all"  # token selection needs the sampling policy's entropies first
     # the batch is every rank's seqs in rank order; each rank needs only their lengths (one int per sequence)
-    lens_local = torch.tensor([[d.rank, len(s.completion_ids)] for s in seqs], dtype=torch.int64).view(-1, 2)
+    # (the tokens of a sequence the loss sees: its model tokens; observation tokens of tool rollouts are out)
+    lens_local = torch.tensor([[d.rank, s.n_model_tokens()] for s in seqs], dtype=torch.int64).view(-1, 2)
     glob = d.gather_tensor(lens_local)
-    lens, offset = glob[:, 1], int((glob[:, 0] < d.rank).sum())  # [n] completion tokens; my first sequence
+    lens, offset = glob[:, 1], int((glob[:, 0] < d.rank).sum())  # [n] loss tokens; my first sequence
     if not on_policy or selecting:  # each rank scores exactly the sequences it updates
         fill(d.plain(model), seqs, "old_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp, with_entropy=selecting)
     pg_tokens = select_tokens(seqs, cfg.token_select, cfg.token_rho, int(lens[:offset].sum())) if selecting else 1.0
@@ -191,7 +194,8 @@ def update_from_groups(model: torch.nn.Module, opt: torch.optim.Optimizer, sb: S
     r, valid = sb.reward_matrix(sb.used)  # [N, G]
     mine = [(k, j, row) for k, i in enumerate(sb.used) for j, row in enumerate(sb.rows.get(i, []))
             if row["reward"] is not None]  # this rank's scorable samples: (group position, sample, row)
-    seqs = [Seq(prompt_ids[row["prompt_id"]], row["token_ids"], row["logprobs"], 0.0) for _, _, row in mine]
+    seqs = [Seq(prompt_ids[row["prompt_id"]], row["token_ids"], row["logprobs"], 0.0, loss_mask=row.get("loss_mask"))
+            for _, _, row in mine]
     kl_reward = None
     if cfg.kl_reward_coef > 0 and bool(valid.any()):
         if ref_model is None:
