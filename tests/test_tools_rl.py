@@ -4,13 +4,14 @@ counts and token selection (``loss_mask``), and a multi-turn step replays from i
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from posttrain import logprobs
-from posttrain.config import Rl, TinyModel, ToolsCfg
+from posttrain.config import Rl, TinyModel, ToolsCfg, parse_params
 from posttrain.logprobs import Seq
 from posttrain.modeling import build_char_tokenizer, build_tiny_model
 from posttrain.rl import collect, select, shards, update
@@ -59,15 +60,15 @@ def _masked_pair():
     ids = chat_prompt_ids(tok, ["12*3="])[0]
     a = Seq(ids, tok("ab<o>c", add_special_tokens=False)["input_ids"], [-1.0] * 6, 1.0,
             loss_mask=[1, 1, 0, 0, 0, 1])  # 3 model tokens, an observation of 3
-    b = Seq(ids, tok("x<o>y", add_special_tokens=False)["input_ids"], [-1.0] * 5, -1.0,
-            loss_mask=[1, 0, 0, 0, 1])  # 2 model tokens
+    b = Seq(ids, tok("x<oo>y", add_special_tokens=False)["input_ids"], [-1.0] * 6, -1.0,
+            loss_mask=[1, 0, 0, 0, 0, 1])  # 2 model tokens, an observation of 4
     return tok, model, [a, b]
 
 
 def test_the_loss_counts_model_tokens_only():
     """Exactly on-policy, ratio 1: the ppo_clip token loss is -adv on each token it sees. token-mean over the model
-    tokens: -(3 * 1 + 2 * (-1)) / (3 + 2) = -0.2 (counting the observations too: -(6 - 5) / 11, or with their
-    tokens in the sum and not the count, -(6 - 5) / 5)."""
+    tokens: -(3 * 1 + 2 * (-1)) / (3 + 2) = -0.2 (counting the observations too: -(6 - 6) / 12 = 0, or with their
+    tokens in the sum and not the count, -(6 - 6) / 5 = 0)."""
     tok, model, seqs = _masked_pair()
     _, m = _grads(model, seqs, Rl(loss_agg="token-mean", micro_batch_size=4), tok.pad_token_id)
     assert m["loss"] == pytest.approx(-0.2, abs=1e-6)
@@ -153,3 +154,31 @@ def test_a_multi_turn_step_replays_from_its_shard(tmp_path, char_format):
     assert torch.equal(adv, adv_replay)
     assert all(torch.allclose(x, y, atol=1e-7) for x, y in zip(g_live, g_replay, strict=True))
     assert m_replay["loss"] == pytest.approx(m_live["loss"], abs=1e-7)
+
+
+def test_rollout_rl_and_evaluate_stages_run_tool_rollouts(tiny, char_format):
+    """tools.enabled through the stages: rollouts.parquet and every rl shard carry each completion's loss mask and
+    tool calls, the rl log has a tool_calls column, evaluate generates through the same loop."""
+    from stages import curate, evaluate, reward, rl, rollout, sft
+
+    tiny["tools"].update(enabled=True, names=["calc"])
+    for phase in ("warmup", "on_policy"):
+        tiny["distill"][phase]["steps"] = 0
+    tiny["distill"]["grpo_steps"] = 0
+    tiny["rl"]["steps"] = 2
+    p = parse_params(tiny)
+    curate.run(p, *curate.paths(p))
+    sft.run(p, *sft.paths(p))
+    rollout.run(p, *rollout.paths(p))
+    rows = read_parquet(rollout.paths(p)[1]["rollouts"])
+    assert all(len(r["loss_mask"]) == len(r["token_ids"]) for r in rows)
+    assert sum(r["tool_calls"] for r in rows) > 0 and any(0 in r["loss_mask"] for r in rows)
+    reward.run(p, *reward.paths(p))
+    m = rl.run(p, *rl.paths(p))
+    shard = read_parquet(sorted((Path(p.paths.rl_dir) / "shards").glob("step_*.parquet"))[0])
+    assert all(len(r["loss_mask"]) == len(r["token_ids"]) and r["tool_calls"] is not None for r in shard)
+    log = (Path(p.paths.rl_report_dir) / "train_log.csv").read_text().splitlines()
+    assert log[0].endswith(",tool_calls") and float(log[1].split(",")[-1]) > 0
+    assert m["steps"] == 2
+    res = evaluate.run(p, *evaluate.paths(p, "sft"))
+    assert res["eval"]["n"] > 0
