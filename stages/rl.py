@@ -217,6 +217,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
         "update_s": round(sum(r["update_s"] for r in log_rows), 1), "world_size": d.world,
         "generator": generator(params.rollout.backend),
     }
+    if tools:  # mean tool calls per completion over the steps
+        result["tool_calls"] = round(float(np.mean([r["tool_calls"] for r in log_rows])), 4)
     write_json(out["metrics"], result)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     log.info("reward %.3f -> %.3f in %d steps (%.1fs)", result["first_reward"] or 0, result["final_reward"] or 0,

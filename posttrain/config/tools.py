@@ -11,8 +11,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from posttrain.config.names import TOOL_FORMATS, TOOLS
 from posttrain.config.base import Section, registered
+from posttrain.config.names import TOOL_FORMATS, TOOLS
 
 
 class ToolsCfg(Section):
