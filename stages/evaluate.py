@@ -11,6 +11,8 @@ Outputs: ``paths.eval_report_dir/models/<name>/``: ``summary.json`` (``{split: {
 ``per_problem.json`` (``{split: {problem id: metrics}}``, what the report's paired differences resample) and
 ``generations.parquet`` (every completion with its extracted answer and verdict, for audit);
 ``metrics/evaluate/<name>.json`` (the summary, for ``dvc metrics show``/``diff``).
+With ``tools.enabled`` completions are generated through the multi-turn tool loop (``posttrain.tools``: the
+completion is the whole transcript, observations included; docs/tools.md).
 
 Per split: greedy accuracy (Wilson interval); ``samples_per_prompt`` samples per prompt at ``evaluate.sampling``
 give sampled pass@1 (mean over samples), unbiased pass@k, maj@k (mean majority-vote correctness over the

@@ -4,7 +4,8 @@ Inputs: ``paths.curated_dir/train.parquet``; ``paths.reward_dir/pass_rates.parqu
 pass rates, from the rollout and reward stages); the starting policy ``paths.sft_model``.
 Outputs: ``paths.rl_model`` (HF checkpoint); ``paths.rl_dir``: ``selected_prompts.parquet`` (prompts in the
 ``rl.select`` pass-rate band), ``shards/step_NNNNN.parquet`` (every step's rollouts, sampler log-probs,
-rewards, advantages and whether each sample entered the update, so any update can be replayed from disk),
+rewards, advantages and whether each sample entered the update, so any update can be replayed from disk; with
+``tools.enabled`` every turn of a multi-turn completion, its ``loss_mask`` and ``tool_calls``),
 ``checkpoints/step_N`` for ``rl.save_steps``; ``paths.rl_report_dir/train_log.csv`` (per-step metrics for
 ``dvc plots``); ``metrics/rl.json``.
 

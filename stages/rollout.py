@@ -3,7 +3,8 @@
 Inputs: ``paths.curated_dir/train.parquet``; the policy ``paths.sft_model``.
 Outputs: ``paths.rollout_dir/rollouts.parquet`` (``schema.ROLLOUT_SCHEMA``: prompt id, sample index,
 completion, token ids, per-token sampler log-probs, finish reason, the policy's weight digest, sampling
-params and seed), ``metrics/rollout.json`` (lengths over every sample; samples/s and tokens/s of the samples
+params and seed; with ``tools.enabled`` each completion's ``loss_mask`` and ``tool_calls``: docs/tools.md),
+``metrics/rollout.json`` (lengths over every sample; samples/s and tokens/s of the samples
 this run drew, ``resumed_at_prompt``).
 The prompts are the first ``rollout.num_prompts`` of a seeded shuffle of the training split (null: all of it).
 These pass rates are what ``rl.select`` picks RL's prompts by, so RL's pool is the scored prompts. The same
