@@ -23,6 +23,7 @@ from posttrain.config.model import ModelCfg, TinyModel
 from posttrain.config.paths import Paths
 from posttrain.config.prefect import PrefectCfg
 from posttrain.config.reward import Reward
+from posttrain.config.reward_model import RewardModel
 from posttrain.config.rl import Rl
 from posttrain.config.rollout import Rollout, VLLMOptions
 from posttrain.config.runtime import Runtime
@@ -44,6 +45,7 @@ class Params(Section):
     sft: Sft
     rollout: Rollout
     reward: Reward
+    reward_model: RewardModel = Field(default_factory=RewardModel)
     rl: Rl
     distill: Distill
     evaluate: Evaluate
@@ -81,6 +83,7 @@ class Params(Section):
                           "frozen base (adapter off), which a reset would have to overwrite with the merge")
         self._context()
         self._champion()
+        self._reward_models()
         d = self.runtime.distributed
         if d.world_size > 1:
             if d.strategy == "fsdp2" and self.model.lora is not None:
@@ -88,6 +91,19 @@ class Params(Section):
                               "(LoRA's frozen base needs no sharding of gradients or optimizer state)")
         return self
 
+
+    def _reward_models(self) -> None:
+        """Each ``reward_model.models`` source is the reward stage's folder (pairs from scored rollouts: the verifier
+        must be one of ``reward.rewards``, else no completion is labelled) or a preference JSONL file."""
+        verifiers = {s.name for s in self.reward.rewards}
+        for name, source in self.reward_model.models.items():
+            if Path(source) == Path(self.paths.reward_dir):
+                if self.reward_model.verifier not in verifiers:
+                    raise Refusal("reward_model.verifier", f"{self.reward_model.verifier!r} is not one of "
+                                  f"reward.rewards {sorted(verifiers)}: the rollouts of models.{name} carry no label")
+            elif not source.endswith(".jsonl"):
+                raise Refusal(f"reward_model.models.{name}", f"{shown(source)} is neither paths.reward_dir "
+                              f"({self.paths.reward_dir!r}: pairs from scored rollouts) nor a .jsonl preference file")
 
     def _champion(self) -> None:
         """``tracking.champion`` names a number evaluate writes: a metric it never writes kept the champion alias
