@@ -90,9 +90,10 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
     rows, counts = build_pairs(params, inputs, out)
     tok = modeling.load_tokenizer(sft)
     pad = pad_id(tok)
-    limit = cfg.max_len or json.loads((Path(sft) / "config.json").read_text()).get("max_position_embeddings")
+    context = json.loads((Path(sft) / "config.json").read_text()).get("max_position_embeddings")
+    limit = min(x for x in (cfg.max_len, context, 2**62) if isinstance(x, int))  # the tighter of the two
     enc = [(encode(tok, r["prompt"], r["chosen"]), encode(tok, r["prompt"], r["rejected"])) for r in rows]
-    fits = [limit is None or max(len(c), len(j)) <= limit for c, j in enc]
+    fits = [max(len(c), len(j)) <= limit for c, j in enc]
     counts["over_max_len"] = fits.count(False)
     enc = [e for e, ok in zip(enc, fits, strict=True) if ok]
     rows = [r for r, ok in zip(rows, fits, strict=True) if ok]
@@ -131,7 +132,7 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
     shutil.rmtree(out["checkpoints"], ignore_errors=True)  # finished: the artifact holds every member now
     e = stats["ensemble_mean"]
     log.info("held-out pairwise accuracy %.3f [%.3f, %.3f] on %d pairs (%d members)", e["accuracy"],
-             *e["accuracy_ci95"], e["pairs"], cfg.members)
+             *e["accuracy_ci"], e["pairs"], cfg.members)
     return metrics
 
 
@@ -177,7 +178,7 @@ def report_markdown(name: str, counts: dict[str, Any], stats: dict[str, Any]) ->
              "Held-out pairwise accuracy (r(chosen) > r(rejected); a tie counts as wrong), Wilson 95% interval:", "",
              "| scorer | pairs | accuracy | 95% interval | ties | mean margin |", "|---|---:|---:|---|---:|---:|"]
     for who, s in stats.items():
-        lo, hi = s["accuracy_ci95"]
+        lo, hi = s["accuracy_ci"]
         lines.append(f"| {who} | {s['pairs']} | {s['accuracy']:.4f} | [{lo:.4f}, {hi:.4f}] | {s['ties']} | "
                      f"{s['margin']:.4f} |")
     return "\n".join(lines) + "\n"

@@ -94,11 +94,11 @@ def train_member(model: torch.nn.Module, pairs: Sequence[EncodedPair], cfg: Rewa
 
 def pairwise(r_chosen: np.ndarray, r_rejected: np.ndarray) -> dict[str, Any]:
     """Pairwise statistics of one scorer on N pairs: accuracy (the share with r_c > r_r; a tie counts as wrong)
-    with its Wilson 95% interval, ties, and the mean margin r_c - r_r."""
+    with its Wilson 95% interval (``accuracy_ci``), ties, and the mean margin r_c - r_r."""
     n = len(r_chosen)
     wins = int((r_chosen > r_rejected).sum())
-    lo, hi = metrics.wilson_ci(wins, n)
-    return {"pairs": n, "accuracy": wins / n if n else float("nan"), "accuracy_ci95": [lo, hi],
+    return {"pairs": n, "accuracy": wins / n if n else float("nan"),
+            "accuracy_ci": [round(x, 4) for x in metrics.wilson_ci(wins, n)],  # as evaluate's <metric>_ci
             "ties": int((r_chosen == r_rejected).sum()),
             "margin": float(np.mean(r_chosen - r_rejected)) if n else float("nan")}
 
