@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from posttrain import checkpoint, modeling
 from posttrain.config import ConfigError, Params
 from posttrain.errors import StageError
@@ -153,8 +155,6 @@ def _member(params: Params, inputs: dict[str, Any], out: dict[str, Path], k: int
         tlog.close()
         return info
     idx = bootstrap_indices(len(train), seed, cfg.bootstrap and cfg.members > 1)
-    import torch
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # the fresh head's init (and LoRA's A matrices)
         model = load_scorer(sft, params.model.dtype, device, trainable=params.model.lora is None,

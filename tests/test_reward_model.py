@@ -302,3 +302,46 @@ def test_run_with_lora_resumes_a_killed_member(tiny, tmp_path, monkeypatch):
     for who, s in straight["heldout"].items():  # the same weights as an uninterrupted run (up to float order)
         assert resumed["heldout"][who]["accuracy"] == s["accuracy"]
         assert resumed["heldout"][who]["margin"] == pytest.approx(s["margin"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_dvc_repro_runs_the_stage_only_when_named_and_tracks_it(tmp_path):
+    """In a copy of the repo: the default DAG has no reward_model stage; named in reward_model.models,
+    `dvc repro reward_model@prefs` runs it (and its upstream), dvc.lock records it, MLflow has its run with the
+    members' curves, and a second repro is a no-op."""
+    import os
+    import subprocess
+
+    import yaml
+    from conftest import copy_repo, tiny_raw
+
+    raw = tiny_raw(None)
+    repo = tmp_path / "repo"
+    copy_repo(repo, raw)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(repo),
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+
+    def dvc(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return r.stdout
+
+    assert "reward_model" not in dvc("stage", "list")
+    _arith_prefs(repo / "prefs.jsonl", 60, seed=3)
+    raw["reward_model"].update({"models": {"prefs": "prefs.jsonl"}, "members": 2, "steps": 10, "batch_size": 8,
+                                "micro_batch_size": 8, "lr": 3e-3, "heldout_frac": 0.25})
+    raw["tracking"]["enabled"] = True
+    (repo / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    dvc("repro", "reward_model@prefs")
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    assert "reward_model@prefs" in lock and "rl" not in lock  # its upstream ran, nothing downstream of reward
+    m = json.loads((repo / "metrics" / "reward_model" / "prefs.json").read_text())
+    assert m["members"] == 2 and m["pairs"]["heldout"] > 0
+    assert "reward_model@prefs" not in dvc("status")  # up to date: a second repro is a no-op
+    from posttrain.tracking import store
+
+    client = store.mlflow_client(f"sqlite:///{repo / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name(raw["tracking"]["experiment"]).experiment_id],
+                              "attributes.run_name = 'reward_model@prefs'")
+    assert len(runs) == 1 and "heldout.ensemble_mean.accuracy" in runs[0].data.metrics
+    assert "member_1/loss" in runs[0].data.metrics and runs[0].data.tags["dvc.stage"] == "reward_model@prefs"
