@@ -138,6 +138,15 @@ def test_preference_file_rows_and_quarantine(tmp_path):
     assert [b["id"] for b in bad][:2] == ["p.jsonl:3", "p.jsonl:4"]
 
 
+def test_pad_id_falls_back_to_the_end_token():
+    from posttrain.reward_model.scorer import pad_id
+
+    tok = modeling.build_char_tokenizer()
+    assert pad_id(tok) == tok.pad_token_id
+    tok.pad_token = None  # a real tokenizer may have none: the end token pads, the head reads the text's last
+    assert pad_id(tok) == tok.eos_token_id
+
+
 # ------------------------------------------------------------------------------------------ config
 def _argv_exit(monkeypatch, argv: list[str]) -> int:
     monkeypatch.setattr(sys, "argv", ["stages.reward_model", *argv])
@@ -228,6 +237,8 @@ def test_run_learns_a_separable_preference_and_saves_one_ensemble(tiny, tmp_path
     s = scorer(["20*3=", "20*3="], ["answer: 60", "answer: 61"])
     assert s.shape == (2, 2) and (s[0] > s[1]).all()
     assert json.loads((out["model"] / "manifest.json").read_text())["members"] == ["member_0", "member_1"]
+    long = scorer(["20*3="], ["9" * 300])  # past the 128-token context: its last 128 tokens are scored
+    assert scorer.truncated == 1 and np.isfinite(long).all()
     rows = read_parquet(out["data"] / "pairs.parquet")
     assert len(rows) == m["pairs"]["train"] + m["pairs"]["heldout"] and {r["split"] for r in rows} == {"train",
                                                                                                        "heldout"}
