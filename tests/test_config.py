@@ -166,6 +166,12 @@ REFUSALS = {
         ({"rl": {"correction": {"name": "mis_token", "kwargs": {"low": 2.0}}}}, "rl.correction.kwargs.low"),
     "`rl.tis` together with `rl.correction`": ({"rl": {"tis": {"cap": 2}, "correction": {"name": "icepop"}}}, "rl.tis"),
     "`curate.sft_size` ≥ the rows synthetic sources generate": ({"curate": {"sft_size": 20000}}, "curate.sft_size"),
+    "`reward_model.micro_batch_size` > `reward_model.batch_size`":
+        ({"reward_model": {"micro_batch_size": 64}}, "reward_model.micro_batch_size"),
+    "a `reward_model.models` source neither `paths.reward_dir` nor a `.jsonl` file":
+        ({"reward_model": {"models": {"x": "data/rollout"}}}, "reward_model.models.x"),
+    "`reward_model.verifier` not among `reward.rewards`, with a source `paths.reward_dir`":
+        ({"reward_model": {"models": {"x": "data/reward"}, "verifier": "math_verify"}}, "reward_model.verifier"),
     "a `max_new_tokens` that, with the longest prompt, exceeds the model's context":
         ({"rollout": {"sampling": {"max_new_tokens": 1000}}}, "rollout.sampling.max_new_tokens"),
     "`tools.enabled` with `rollout.backend` or `evaluate.backend` not `hf`":

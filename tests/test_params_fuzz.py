@@ -54,6 +54,10 @@ ACCEPTED = {
     "model.prompt.instruction": {"empty"},  # no instruction (the default)
     "tracking.model_prefix": {"empty"},  # registered names "sft", "rl", ...
     **{f"reward.rewards[{i}].weight": {"zero", "negative"} for i in range(3)},  # logged only, a penalty
+    # reward_model (no stage by default): seed offset 0, no decay/warmup, one member trains on all pairs, no
+    # malformed row allowed; null: all pairs, the model's context
+    **{f"reward_model.{k}": OFF for k in ("seed", "weight_decay", "warmup_steps", "bootstrap", "max_quarantined_frac")},
+    **{f"reward_model.{k}": {"null"} for k in ("max_pairs", "max_len")},
 }
 
 

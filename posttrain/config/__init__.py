@@ -27,6 +27,7 @@ from posttrain.config.params import Params, load_params, parse_params, read_yaml
 from posttrain.config.paths import Paths
 from posttrain.config.prefect import PrefectCfg
 from posttrain.config.reward import Reward, RewardSpec
+from posttrain.config.reward_model import RewardModel
 from posttrain.config.rl import BATCH_BASELINE, KL_IN_REWARD, RefReset, Rl, RlSampling, RlSelect
 from posttrain.config.rollout import Rollout, Sampling, VLLMOptions
 from posttrain.config.runtime import Distributed, Runtime
@@ -41,8 +42,8 @@ __all__ = [
     "Curate", "CurateEval", "Decontam", "Dedup", "Distill", "DistillOnPolicy", "DistillPhase", "DistillWarmup",
     "Distributed", "EXIT_CONFIG_ERROR", "Edit", "Evaluate", "FileSource", "HubSource", "KL_IN_REWARD", "LoraCfg",
     "MathTask", "ModelCfg", "NOT_RESULT", "Params", "Paths", "PrefectCfg", "PromptCfg", "RefReset", "Refusal", "Report",
-    "Reward", "RewardSpec", "Rl", "RlSampling", "RlSelect", "Rollout", "Runtime", "Sampling", "SandboxCfg", "Section",
-    "Sft", "SftPhase", "SourceSpec", "SyntheticSource", "TaskSpec", "Tis", "TinyModel", "ToolsCfg", "TrackingCfg",
-    "VLLMOptions", "Validation", "load_params", "parse_overrides", "parse_params", "read_yaml", "render_overrides",
-    "stage_metrics",
+    "Reward", "RewardModel", "RewardSpec", "Rl", "RlSampling", "RlSelect", "Rollout", "Runtime", "Sampling",
+    "SandboxCfg", "Section", "Sft", "SftPhase", "SourceSpec", "SyntheticSource", "TaskSpec", "Tis", "TinyModel",
+    "ToolsCfg", "TrackingCfg", "VLLMOptions", "Validation", "load_params", "parse_overrides", "parse_params",
+    "read_yaml", "render_overrides", "stage_metrics",
 ]

@@ -23,6 +23,7 @@ from posttrain.config.model import ModelCfg, TinyModel
 from posttrain.config.paths import Paths
 from posttrain.config.prefect import PrefectCfg
 from posttrain.config.reward import Reward
+from posttrain.config.reward_model import RewardModel
 from posttrain.config.rl import Rl
 from posttrain.config.rollout import Rollout, VLLMOptions
 from posttrain.config.runtime import Runtime
@@ -45,6 +46,7 @@ class Params(Section):
     sft: Sft
     rollout: Rollout
     reward: Reward
+    reward_model: RewardModel = Field(default_factory=RewardModel)
     rl: Rl
     distill: Distill
     evaluate: Evaluate
@@ -84,13 +86,13 @@ class Params(Section):
         self._context()
         self._champion()
         self._tools()
+        self._reward_models()
         d = self.runtime.distributed
         if d.world_size > 1:
             if d.strategy == "fsdp2" and self.model.lora is not None:
                 raise Refusal("runtime.distributed.strategy", "fsdp2 with model.lora is not supported; use ddp "
                               "(LoRA's frozen base needs no sharding of gradients or optimizer state)")
         return self
-
 
     def _tools(self) -> None:
         """Tool rollouts run through the hf backend's turn loop (rollout, rl, evaluate): a stage that would sample
@@ -107,6 +109,19 @@ class Params(Section):
             if steps:
                 raise Refusal(key, f"{steps} with tools.enabled: the distill stage samples single-turn only; set "
                               "it to 0 or tools.enabled: false")
+
+    def _reward_models(self) -> None:
+        """Each ``reward_model.models`` source is the reward stage's folder (pairs from scored rollouts: the verifier
+        must be one of ``reward.rewards``, else no completion is labelled) or a preference JSONL file."""
+        verifiers = {s.name for s in self.reward.rewards}
+        for name, source in self.reward_model.models.items():
+            if Path(source) == Path(self.paths.reward_dir):
+                if self.reward_model.verifier not in verifiers:
+                    raise Refusal("reward_model.verifier", f"{self.reward_model.verifier!r} is not one of "
+                                  f"reward.rewards {sorted(verifiers)}: the rollouts of models.{name} carry no label")
+            elif not source.endswith(".jsonl"):
+                raise Refusal(f"reward_model.models.{name}", f"{shown(source)} is neither paths.reward_dir "
+                              f"({self.paths.reward_dir!r}: pairs from scored rollouts) nor a .jsonl preference file")
 
     def _champion(self) -> None:
         """``tracking.champion`` names a number evaluate writes: a metric it never writes kept the champion alias

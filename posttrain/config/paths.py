@@ -26,6 +26,13 @@ class Paths(Section):
     reward_dir: PathStr = Field(description="reward stage: rewards.parquet (reward columns by prompt_id, sample), "
                           "pass_rates.parquet")
     reward_report_dir: PathStr = Field(description="reward audit (JSON + Markdown)")
+    reward_model_dir: PathStr = Field(description="reward_model@<name>: <dir>/<name>/ holds member_0..K-1 (HF "
+                                      "folders) and manifest.json: one artifact (reward_model.load_reward_model)")
+    reward_model_data_dir: PathStr = Field(description="reward_model@<name>: <dir>/<name>/pairs.parquet (the pairs "
+                                           "that trained or were held out, with their split)")
+    reward_model_checkpoints: PathStr = Field(description="resumable reward_model checkpoints; NOT a DVC out")
+    reward_model_report_dir: PathStr = Field(description="reward_model@<name>: <dir>/<name>/: member_<k>/"
+                                             "train_log.csv, report.md, quarantine.jsonl (malformed preference rows)")
     rl_model: PathStr = Field(description="the RL policy (HF folder)")
     rl_dir: PathStr = Field(description="rl stage data: per-step rollout shards, the selected prompts")
     rl_checkpoints: PathStr = Field(description="resumable rl checkpoints + in-flight shards; NOT a DVC out")
