@@ -39,6 +39,22 @@ ONLINE_BETAS = (0.9, 0.99)  # rl, distill
 DISTILL_WEIGHT_DECAY = 0.01  # torch's AdamW default, which distill has always used; rl and sft take theirs from params
 
 
+def start_or_resume(model: torch.nn.Module, lr: float, weight_decay: float, warmup_steps: int, total_steps: int,
+                    ckpt_dir: Path, fp: str, log_to: TrainLog
+                    ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR, int]:
+    """AdamW (SFT's betas) with warmup + cosine over ``total_steps``, restored from ``ckpt_dir``'s last checkpoint
+    when it carries fingerprint ``fp`` (the model, optimizer, scheduler and ``log_to``'s rows): ``(opt, sched,
+    first step to run)``. The supervised loops (sft, reward_model) start here."""
+    opt = adamw(model, lr, weight_decay, SFT_BETAS)
+    sched = get_cosine_schedule_with_warmup(opt, warmup_steps, total_steps)
+    state = checkpoint.restore(ckpt_dir, fp, model, opt)
+    if state is None:
+        return opt, sched, 0
+    sched.load_state_dict(state["scheduler"])
+    log_to.resume(state["log"])
+    return opt, sched, state["step"]
+
+
 def adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]) -> torch.optim.AdamW:
     """AdamW over the parameters of ``model`` that train (LoRA: the adapters only)."""
     return torch.optim.AdamW(modeling.trainable_params(model), lr=lr, weight_decay=weight_decay, betas=betas)
@@ -147,14 +163,9 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
     log_to = log_to if log_to is not None else TrainLog(None, SFT_LOG_FIELDS)
     model.train()
     total = cfg.total_steps
-    opt = adamw(model, cfg.lr, cfg.weight_decay, SFT_BETAS)
-    sched = get_cosine_schedule_with_warmup(opt, cfg.warmup_steps, total)
-    start = 0
-    state = checkpoint.restore(ckpt_dir, fp, model, opt)
-    if state is not None:
-        sched.load_state_dict(state["scheduler"])
-        start = state["step"]
-        log_to.resume(state["log"])
+    opt, sched, start = start_or_resume(model, cfg.lr, cfg.weight_decay, cfg.warmup_steps, total, ckpt_dir, fp,
+                                        log_to)
+    if start:
         log.info("resuming %s from %s step %d", desc, ckpt_dir, start)
     # both renderings of each demo (cot, direct), tokenized once (each rank its shard; a resume finds the files)
     tokenized = sft_data.tokenize(tok, demos, ckpt_dir / "tokenized", progress=progress)

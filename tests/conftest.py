@@ -76,3 +76,20 @@ def copy_repo(dst: Path, raw: dict[str, Any]) -> None:
 @pytest.fixture
 def tiny(tmp_path: Path) -> dict[str, Any]:
     return tiny_raw(tmp_path)
+
+
+def GradCapture(params):  # noqa: N802 (used like the optimizer class it builds)
+    """An optimizer that records the gradient it is asked to step with (``.grads``) and moves nothing
+    (``training.accumulate`` clears ``.grad`` after its step, so the gradient must be read inside it)."""
+    import torch  # (conftest stays torch-free for the tests that are)
+
+    class _Capture(torch.optim.Optimizer):
+        def __init__(self, ps):
+            super().__init__(ps, {})
+            self.grads = []
+
+        def step(self, closure=None):
+            self.grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                          for g in self.param_groups for p in g["params"]]
+
+    return _Capture(params)

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import GradCapture
 
 from posttrain import checkpoint, logprobs
 from posttrain.config import Rl, TinyModel
@@ -254,25 +255,12 @@ def test_kl_in_the_reward_separates_a_group_of_equal_rewards():
     assert m["kl_seq"] == pytest.approx(sum(k1) / 2, abs=1e-4)
 
 
-class _GradCapture(torch.optim.Optimizer):
-    """An optimizer that records the gradient it is asked to step with and moves nothing (``training.accumulate``
-    clears ``.grad`` after its step, so the gradient must be read inside it)."""
-
-    def __init__(self, params):
-        super().__init__(params, {})
-        self.grads = []
-
-    def step(self, closure=None):
-        self.grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone()
-                      for g in self.param_groups for p in g["params"]]
-
-
 def _grads(model, seqs, cfg, tok, ref_model=None):
     """The update's gradient (one optimizer step: epochs = minibatches = 1) and its metrics."""
     import copy
 
     m = copy.deepcopy(model).train()
-    opt = _GradCapture(m.parameters())
+    opt = GradCapture(m.parameters())
     metrics = update.policy_update(m, opt, seqs, cfg, tok.pad_token_id, ref_model=ref_model)
     assert opt.grads and any(float(g.abs().max()) > 0 for g in opt.grads)
     return opt.grads, metrics

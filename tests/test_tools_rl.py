@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import GradCapture
 
 from posttrain import logprobs
 from posttrain.config import Rl, TinyModel, ToolsCfg, parse_params
@@ -21,18 +22,6 @@ from posttrain.tools import FORMATS, Call, Format, ToolBackend, ToolContext
 from posttrain.tools import formats as formats_mod
 
 
-class _GradCapture(torch.optim.Optimizer):
-    """Records the gradient it is asked to step with and moves nothing (as in tests/test_rl.py)."""
-
-    def __init__(self, params):
-        super().__init__(params, {})
-        self.grads = []
-
-    def step(self, closure=None):
-        self.grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone()
-                      for g in self.param_groups for p in g["params"]]
-
-
 def _tiny():
     tok = build_char_tokenizer()
     return tok, build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 0)
@@ -40,7 +29,7 @@ def _tiny():
 
 def _grads(model, seqs, cfg, pad):
     m = copy.deepcopy(model).train()
-    opt = _GradCapture(m.parameters())
+    opt = GradCapture(m.parameters())
     metrics = update.policy_update(m, opt, [copy.deepcopy(s) for s in seqs], cfg, pad)
     return opt.grads, metrics
 
@@ -138,7 +127,7 @@ def test_a_multi_turn_step_replays_from_its_shard(tmp_path, char_format):
 
     def grads(batch):
         m = copy.deepcopy(model).train()
-        opt = _GradCapture(m.parameters())
+        opt = GradCapture(m.parameters())
         metrics, adv = update.update_from_groups(m, opt, batch, cfg, prompt_ids, tok.pad_token_id, seed=5)
         return opt.grads, metrics, adv
 

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import get_cosine_schedule_with_warmup
 
 from posttrain import checkpoint, metrics, training
 from posttrain.config import RewardModel
@@ -52,14 +51,8 @@ def train_member(model: torch.nn.Module, pairs: Sequence[EncodedPair], cfg: Rewa
     ``ckpt_dir`` (checkpoints fingerprinted ``fp``). Returns ``{"log": rows, "start": resumed step, "seconds"}``."""
     log_to = log_to if log_to is not None else TrainLog(None, LOG_FIELDS)
     model.train()
-    opt = training.adamw(model, cfg.lr, cfg.weight_decay, training.SFT_BETAS)
-    sched = get_cosine_schedule_with_warmup(opt, cfg.warmup_steps, cfg.steps)
-    start = 0
-    state = checkpoint.restore(ckpt_dir, fp, model, opt)
-    if state is not None:
-        sched.load_state_dict(state["scheduler"])
-        start = state["step"]
-        log_to.resume(state["log"])
+    opt, sched, start = training.start_or_resume(model, cfg.lr, cfg.weight_decay, cfg.warmup_steps, cfg.steps,
+                                                 ckpt_dir, fp, log_to)
     t0 = time.time()
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=desc, disable=not progress)
     for step in bar:
