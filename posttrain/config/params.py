@@ -95,14 +95,11 @@ class Params(Section):
         return self
 
     def _tools(self) -> None:
-        """Tool rollouts run through the hf backend's turn loop (rollout, rl, evaluate): a stage that would sample
-        without it while ``tools.enabled`` says otherwise is refused, naming the key that asks for it."""
+        """Tool rollouts run through the turn loop around the rollout, rl and evaluate stages' backend (hf or vllm):
+        the distill stage, which samples without it, is refused while ``tools.enabled`` says otherwise, naming the
+        key that asks for it."""
         if not self.tools.enabled:
             return
-        for key, backend in (("rollout.backend", self.rollout.backend), ("evaluate.backend", self.evaluate.backend)):
-            if backend != "hf":
-                raise Refusal(key, f"{backend!r} with tools.enabled: multi-turn tool rollouts run on the hf backend "
-                              "only; set it to hf or tools.enabled: false")
         for key, steps in (("distill.warmup.steps", self.distill.warmup.steps),
                            ("distill.on_policy.steps", self.distill.on_policy.steps),
                            ("distill.grpo_steps", self.distill.grpo_steps)):
