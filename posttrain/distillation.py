@@ -62,7 +62,7 @@ def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: t
         sh, _, _ = logprobs.hidden_at_targets(model, t)  # [N, H_student]
         return logprobs.per_chunk(stats, sh, th)
 
-    n_tok = sum(len(s.completion_ids) for s in seqs)  # global: every rank holds every sequence
+    n_tok = sum(s.n_model_tokens() for s in seqs)  # global: every rank holds every sequence; no observation
     sums = {"loss": 0.0, "forward_kl": 0.0, "reverse_kl": 0.0, "entropy": 0.0}
 
     def loss_of(chunk: list[Seq], real: bool) -> torch.Tensor:
@@ -81,7 +81,7 @@ def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: t
     sums = dict(zip(sums, d.sum(*sums.values()), strict=True))
     tok = max(n_tok, 1)
     return {"loss": sums["loss"], "forward_kl": sums["forward_kl"] / tok, "reverse_kl": sums["reverse_kl"] / tok,
-            "entropy": sums["entropy"] / tok, "grad_norm": grad_norm, "response_len": n_tok / max(len(seqs), 1)}
+            "entropy": sums["entropy"] / tok, "grad_norm": grad_norm, "response_len": _mean_len(seqs)}
 
 
 def nll_update(student: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequence[Seq], pad_id: int,
@@ -90,7 +90,7 @@ def nll_update(student: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Seque
     distribution the student will sample from). Returns loss, entropy, length."""
     d = distributed.current()
     device = next(student.parameters()).device
-    n_tok = sum(len(s.completion_ids) for s in seqs)
+    n_tok = sum(s.n_model_tokens() for s in seqs)  # a tool rollout's observation tokens are not the model's
     loss_sum, ent_sum = 0.0, 0.0
 
     def loss_of(chunk: list[Seq], real: bool) -> torch.Tensor:
@@ -107,4 +107,9 @@ def nll_update(student: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Seque
     grad_norm = training.accumulate(student, opt, seqs, micro_batch_size, loss_of, max_grad_norm)
     loss_sum, ent_sum = d.sum(loss_sum, ent_sum)
     return {"loss": loss_sum, "entropy": ent_sum / max(n_tok, 1), "grad_norm": grad_norm,
-            "response_len": n_tok / max(len(seqs), 1)}
+            "response_len": _mean_len(seqs)}
+
+
+def _mean_len(seqs: Sequence[Seq]) -> float:
+    """Mean completion length in tokens (a tool rollout's observations included: the transcript's length)."""
+    return sum(len(s.completion_ids) for s in seqs) / max(len(seqs), 1)

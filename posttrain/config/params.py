@@ -85,7 +85,6 @@ class Params(Section):
                           "frozen base (adapter off), which a reset would have to overwrite with the merge")
         self._context()
         self._champion()
-        self._tools()
         self._reward_models()
         d = self.runtime.distributed
         if d.world_size > 1:
@@ -93,19 +92,6 @@ class Params(Section):
                 raise Refusal("runtime.distributed.strategy", "fsdp2 with model.lora is not supported; use ddp "
                               "(LoRA's frozen base needs no sharding of gradients or optimizer state)")
         return self
-
-    def _tools(self) -> None:
-        """Tool rollouts run through the turn loop around the rollout, rl and evaluate stages' backend (hf or vllm):
-        the distill stage, which samples without it, is refused while ``tools.enabled`` says otherwise, naming the
-        key that asks for it."""
-        if not self.tools.enabled:
-            return
-        for key, steps in (("distill.warmup.steps", self.distill.warmup.steps),
-                           ("distill.on_policy.steps", self.distill.on_policy.steps),
-                           ("distill.grpo_steps", self.distill.grpo_steps)):
-            if steps:
-                raise Refusal(key, f"{steps} with tools.enabled: the distill stage samples single-turn only; set "
-                              "it to 0 or tools.enabled: false")
 
     def _reward_models(self) -> None:
         """Each ``reward_model.models`` source is the reward stage's folder (pairs from scored rollouts: the verifier
