@@ -62,10 +62,13 @@ def _seqs(rows: list[dict[str, Any]], prompt_ids: dict[str, list[int]]) -> list[
                 loss_mask=r.get("loss_mask")) for r in rows]
 
 
-def _pass_rate(rows: list[dict[str, Any]]) -> float | None:
+def _step_stats(rows: list[dict[str, Any]], d: Any) -> tuple[int, float | None, float | None]:
+    """Over every rank's rows (each rank holds the rows it sampled): how many, the share correct among the
+    scorable, the mean tool calls."""
     v = [is_correct(r["rewards"]) for r in rows]
-    v = [x for x in v if x is not None]
-    return float(np.mean(v)) if v else None
+    n, scorable, correct, calls = d.sum(len(rows), sum(x is not None for x in v), sum(x is True for x in v),
+                                        sum(r.get("tool_calls") or 0 for r in rows))
+    return round(n), (correct / scorable if scorable else None), (calls / n if n else None)
 
 
 def _student(params: Params, tok: Any, teacher: Any, device: torch.device, meta: bool = False) -> Any:
@@ -205,31 +208,30 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
             n_student = 0 if phase == "warmup" else round(cfg.on_policy.student_frac * len(batch))
             rows = []
             t_backend.load_weights(teacher, "teacher")  # an engine that slept at level 2 lost them
-            with amp():  # each rank samples its share of each part; every rank then holds all the rows
+            with amp():  # each rank samples and trains on its share of each part: rows are never gathered
                 for backend, part, who in ((s_backend, batch[:n_student], "student"),
                                            (t_backend, batch[n_student:], "teacher")):
                     if part:
                         mine = sample_rows(backend, tok, d.shard(part), pc.samples_per_prompt, sp, who)[0]
-                        rows += d.gather_shards(score_rows(mine, specs, pool))
+                        rows += score_rows(mine, specs, pool)
             if phase == "warmup" and cfg.warmup.filter_correct:
                 rows = [r for r in rows if is_correct(r["rewards"])]
-            row["sample_pass_rate"] = _pass_rate(rows)
-            row["tool_calls"] = float(np.mean([r.get("tool_calls") or 0 for r in rows])) if rows else None
+            n_rows, row["sample_pass_rate"], row["tool_calls"] = _step_stats(rows, d)
             torch.set_num_threads(rt.train_threads)
             for b in (s_backend, t_backend):
                 b.release()
             student.train()
-            if rows:
+            if n_rows:  # (every rank decides alike: a rank that kept no row runs zero-weight passes)
                 seqs = _seqs(rows, prompt_ids)
                 with amp():
                     if phase == "warmup" and cfg.warmup.targets == "hard":
                         m = distillation.nll_update(student, opt, seqs, tok.pad_token_id, cfg.micro_batch_size,
-                                                    temperature=cfg.temperature)
+                                                    temperature=cfg.temperature, local=True)
                     else:
                         div = "forward_kl" if phase == "warmup" else cfg.on_policy.divergence
                         m = distillation.divergence_update(student, teacher, opt, seqs, div, cfg.on_policy.beta,
                                                            tok.pad_token_id, cfg.micro_batch_size,
-                                                           temperature=cfg.temperature)
+                                                           temperature=cfg.temperature, local=True)
                 row.update(m)
         row["seconds"] = round(time.time() - t0, 3)
         train_log.append({k: (float(f"{row[k]:.5g}") if isinstance(row.get(k), float) else row.get(k))
