@@ -49,7 +49,7 @@ class RewardSpec(Section):
     """One reward of the weighted sum."""
 
     name: str = Field(description="a key of posttrain.rewards.REWARDS, or a plug-in 'package.module:function' "
-                      "(imported and checked at load: fn(sample, **kwargs) -> float | None)")
+                      "(imported and checked at load: fn(samples, **kwargs) -> one float | None per sample)")
     weight: float = Field(1.0, ge=-1e6, le=1e6, description="weight in the summed reward (0 = logged only; "
                           "negative: a penalty)")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the reward function")

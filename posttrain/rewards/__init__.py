@@ -4,9 +4,11 @@
   ``format``, ``overlong``, ``code_tests``).
 - ``scoring``: ``combine`` (the one call site of a reward function), ``score_rows`` (the one scoring path of
   the reward stage and every RL step), ``is_correct``, ``pass_rates``.
-- ``pool``: ``RewardPool``, worker processes with a per-sample timeout (``reward.workers``, ``reward.timeout_s``).
+- ``pool``: ``RewardPool``, worker processes scoring chunks of samples with a per-sample timeout
+  (``reward.workers``, ``reward.timeout_s``).
 
-A reward is ``fn(sample: Sample, **kwargs) -> float | None``, a module-level function (picklable): a key of
+A reward is ``fn(samples: Sequence[Sample], **kwargs) -> Sequence[float | Scored | None]`` (one value per sample;
+``per_sample`` makes one of a one-sample function), a module-level function (picklable): a key of
 ``REWARDS``, or any importable ``package.module:function`` named in ``reward.rewards[].name`` (checked at load,
 ``posttrain.config.plugins``). ``None`` means unscorable: counted, kept out of the update, never a free reward.
 """
@@ -20,6 +22,7 @@ from posttrain.rewards.builtin import (
     format_reward,
     math_verify,
     overlong,
+    per_sample,
 )
 from posttrain.rewards.pool import RewardPool
 from posttrain.rewards.scoring import (
@@ -36,5 +39,5 @@ from posttrain.rewards.scoring import (
 )
 
 __all__ = ["ERROR_KEY", "REWARDS", "WHY_KEY", "RewardPool", "Sample", "Scored", "Spec", "code_tests", "combine",
-           "correct", "format_reward", "is_correct", "math_verify", "overlong", "pass_rates", "resolve", "sample_of",
-           "score_rows", "specs_of"]
+           "correct", "format_reward", "is_correct", "math_verify", "overlong", "pass_rates", "per_sample", "resolve",
+           "sample_of", "score_rows", "specs_of"]
