@@ -31,6 +31,7 @@ class Session:
 
     base_url: str | None = None
     startup_s: float | None = None
+    pid: int | None = None
     stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -64,7 +65,7 @@ def session(cache: Path | None, *, serve_folder: str | None = None, python: str 
             digest = folder_digest(serve_folder)
             served = stack.enter_context(serve(serve_folder, python=python, model=model, args=args,
                                                startup_timeout_s=startup_timeout_s, log=log))
-            s.base_url, s.startup_s = served.base_url, served.startup_s
+            s.base_url, s.startup_s, s.pid = served.base_url, served.startup_s, served.pid
             env |= {ENV_BASE_URL: served.base_url, ENV_MODEL: model, ENV_DIGEST: digest}
         stack.enter_context(_env(env))
         try:

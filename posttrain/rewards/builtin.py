@@ -19,33 +19,12 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from posttrain.errors import StageError
+from posttrain.rewards.judge import llm_judge
+from posttrain.rewards.sample import Sample, Scored
 from posttrain.tasks import code, codeexec, get_task, mathfmt
-
-
-@dataclass(frozen=True)
-class Sample:
-    """What a reward sees of one completion."""
-
-    completion: str
-    answer: str  # gold
-    task: str  # key of posttrain.tasks.TASKS
-    num_tokens: int
-    max_new_tokens: int
-    finish_reason: str = "stop"
-    prompt: str = ""  # (the code task runs prompt + completion)
-
-
-class Scored(NamedTuple):
-    """A reward's value with why it is not full marks (``combine`` keeps it under ``"why"``; the audit counts
-    it): a reward may return this instead of a bare number."""
-
-    value: float | None
-    why: str | None
-
 
 Value = float | Scored | None
 BatchReward = Callable[..., Sequence[Value | Exception]]  # fn(samples, **kwargs) -> one value per sample
@@ -135,4 +114,5 @@ REWARDS: dict[str, BatchReward] = {
     "format": format_reward,
     "overlong": overlong,
     "code_tests": code_tests,
+    "llm_judge": llm_judge,  # a batch reward: posttrain.rewards.judge
 }

@@ -29,7 +29,7 @@ from posttrain.judge import cache as jcache
 from posttrain.judge.client import ask, served_digest
 from posttrain.judge.session import ENV_BASE_URL, ENV_DIGEST, ENV_MODEL
 from posttrain.judge.verdict import DEFAULT_TEMPLATE, VERDICTS, render
-from posttrain.rewards.builtin import Sample, Scored
+from posttrain.rewards.sample import Sample, Scored
 
 MALFORMED = "malformed verdict: "  # the prefix of why a reply was refused (the audit counts them by text)
 
