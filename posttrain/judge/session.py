@@ -73,3 +73,18 @@ def session(cache: Path | None, *, serve_folder: str | None = None, python: str 
         finally:
             if cache is not None:
                 s.stats = jcache.merge(Path(cache))
+
+
+def for_stage(judge: Any, cache: Path) -> Any:
+    """The session a scoring stage opens: ``judge`` is ``params.judge``; the server's log goes beside the cache
+    (``judge-server.log``)."""
+    return session(cache, serve_folder=judge.serve, python=judge.python, model=judge.served_model_name,
+                   args=judge.args, startup_timeout_s=judge.startup_timeout_s,
+                   log=Path(cache).parent / "judge-server.log")
+
+
+def metrics(s: Session) -> dict[str, Any]:
+    """The judge's numbers for a stage's metrics (``judge_`` prefixed): requests, hit and malformed rates, new
+    cache entries, the server's start time."""
+    keys = ("requests", "hits", "malformed", "failed", "hit_rate", "malformed_rate", "new", "entries")
+    return {**{f"judge_{k}": s.stats.get(k) for k in keys}, "judge_server_startup_s": s.startup_s}

@@ -16,13 +16,10 @@ import string
 from collections.abc import Callable
 from typing import NamedTuple
 
-FIELDS = ("prompt", "completion", "answer", "rubric", "format")
+from posttrain.config.judge import DEFAULT_TEMPLATE, FIELDS
 
-DEFAULT_TEMPLATE = (
-    "You are grading a response to a problem against a rubric.\n\n"
-    "Problem:\n{prompt}\n\nReference answer:\n{answer}\n\nResponse:\n{completion}\n\n"
-    "Rubric:\n{rubric}\n\n{format}"
-)
+__all__ = ["DEFAULT_TEMPLATE", "FIELDS", "VERDICTS", "Parsed", "Verdict", "parse_binary", "parse_score", "render",
+           "template_fields"]
 
 
 class Parsed(NamedTuple):

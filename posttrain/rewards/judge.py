@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from posttrain.errors import StageError
@@ -50,7 +50,7 @@ def _judge(base_url: str | None, model: str | None, revision: str | None, timeou
 
 
 def llm_judge(samples: Sequence[Sample], *, base_url: str | None = None, model: str | None = None,
-              rubric: str = "", rubrics: Mapping[str, str] | None = None, template: str = DEFAULT_TEMPLATE,
+              rubric: str = "", rubrics: dict[str, str] | None = None, template: str = DEFAULT_TEMPLATE,
               verdict: str = "score", max_score: int = 10, api: str = "chat", max_tokens: int = 512,
               temperature: float = 0.0, seed: int = 0, timeout_s: float = 60.0, retries: int = 2,
               concurrency: int = 8, revision: str | None = None) -> list[Scored]:
