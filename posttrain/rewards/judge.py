@@ -41,7 +41,8 @@ def _judge(base_url: str | None, model: str | None, revision: str | None, timeou
     base_url = base_url or os.environ.get(ENV_BASE_URL)
     model = model or (os.environ.get(ENV_MODEL) if ours else None)
     if not base_url or not model:
-        raise StageError("llm_judge: no judge server: give kwargs base_url and model, or judge.serve")
+        raise StageError("llm_judge: no judge server in this stage: give kwargs base_url and model (judge.serve is "
+                         "started by the reward stage only; rl and distill score with a server you point at)")
     if revision is not None:
         return base_url, model, f"revision:{model}@{revision}"
     if ours and os.environ.get(ENV_DIGEST):
