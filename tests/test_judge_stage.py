@@ -55,6 +55,7 @@ def test_reward_stage_keeps_the_judge_cache_between_runs_with_a_pool(tiny, tmp_p
     assert audit["component_means"]["llm_judge"] == pytest.approx(0.9)  # the 5 scored replies, each 9/10
     assert audit["why"] == {"llm_judge: malformed verdict: no SCORE: line": 3}
     assert "cache hit rate 1.0" in (Path(p.paths.reward_report_dir) / "audit.md").read_text()
+    assert "llm_judge" in audit["learned"]  # a learned reward: agreement with the verifier, its "hacks"
 
 
 def test_without_a_judge_the_stage_writes_an_empty_cache_and_the_same_metrics(tiny, tmp_path):

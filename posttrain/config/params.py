@@ -136,6 +136,26 @@ class Params(Section):
             elif not source.endswith(".jsonl"):
                 raise Refusal(f"reward_model.models.{name}", f"{shown(source)} is neither paths.reward_dir "
                               f"({self.paths.reward_dir!r}: pairs from scored rollouts) nor a .jsonl preference file")
+        for i, spec in enumerate(self.reward.rewards):
+            if spec.name == "reward_model":
+                self._reward_model_path(f"reward.rewards[{i}].kwargs.path", spec.kwargs["path"])
+
+    def _reward_model_path(self, key: str, path: str) -> None:
+        """A ``reward_model`` reward's folder: an existing reward model, or one this pipeline builds
+        (``paths.reward_model_dir/<name>``, ``<name>`` in ``reward_model.models``) from a preference file; one
+        trained on the reward stage's own scored rollouts cannot score them (a cycle: that stage comes first)."""
+        built = Path(path).parent == Path(self.paths.reward_model_dir)
+        name = Path(path).name
+        if built and name in self.reward_model.models:
+            if Path(self.reward_model.models[name]) == Path(self.paths.reward_dir):
+                raise Refusal(key, f"{shown(path)} is trained on the reward stage's scored rollouts "
+                              f"(reward_model.models.{name}): reward.rewards scores them first (a cycle); "
+                              "train it on a preference file, or point at a reward model trained before")
+            return
+        if not (Path(path) / "manifest.json").is_file():
+            known = sorted(self.reward_model.models)
+            raise Refusal(key, f"{shown(path)} is not a reward model (no manifest.json there) nor one this pipeline "
+                          f"builds (paths.reward_model_dir/<name> with <name> in reward_model.models {known})")
 
     def _champion(self) -> None:
         """``tracking.champion`` names a number evaluate writes: a metric it never writes kept the champion alias

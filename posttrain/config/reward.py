@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from posttrain.config import names, plugins
-from posttrain.config.base import MAX_NEW_TOKENS, MAX_THREADS, NOT_RESULT, Refusal, Section, registered
+from posttrain.config.base import MAX_BATCH, MAX_NEW_TOKENS, MAX_THREADS, NOT_RESULT, Refusal, Section, registered
 from posttrain.config.judge import LlmJudgeKwargs
 
 
@@ -40,11 +40,39 @@ class CodeTestsKwargs(Section):
         return v
 
 
+class RewardModelKwargs(Section):
+    """``reward_model``: a trained reward model (the reward_model stage's artifact) scores each completion."""
+
+    model_config = ConfigDict(strict=True)
+    path: str = Field(min_length=1, description="the reward model's folder (paths.reward_model_dir/<name>: "
+                      "manifest.json and its members); must exist at load unless this pipeline builds it")
+    combine: str = Field("mean", description="the members' scores as one (Coste et al. 2024): mean; wco = the "
+                         "minimum; uwo = mean - lam x variance; uwo_std = mean - lam x std")
+    lam: float = Field(0.5, ge=0, le=1e6, description="uwo / uwo_std: the weight of the members' disagreement")
+    steps: str = Field("off", description="off: score the whole completion; raw / clip / delta: score each "
+                       "prefix ending at a step (step_sep) and sum the step rewards, raw or bounded as in Gao et "
+                       "al. 2024: clip min(s - eta, 0), delta s_t - s_{t+1}")
+    step_sep: str = Field("\n", min_length=1, description="what ends a step (arith's steps end in ';')")
+    eta: float = Field(0.0, ge=-1e6, le=1e6, description="clip: the score a step must reach to cost nothing")
+    batch_size: int = Field(64, ge=1, le=MAX_BATCH, description="texts a forward")
+    device: str = Field("cpu", description="where the reward model runs (cpu, cuda, cuda:1, ...)")
+
+    @field_validator("combine")
+    @classmethod
+    def _combine(cls, v: str) -> str:
+        return registered("combine", v, names.RM_COMBINES)
+
+    @field_validator("steps")
+    @classmethod
+    def _steps(cls, v: str) -> str:
+        return registered("steps", v, names.RM_STEPS)
+
+
 # Each reward's keyword arguments, as the function declares them (tests/test_config.py compares them with the
 # signatures in posttrain.rewards): a misspelt or mistyped kwarg is refused at load, not after generation.
 REWARD_KWARGS: dict[str, type[Section]] = {"correct": NoKwargs, "math_verify": NoKwargs, "format": NoKwargs,
                                            "overlong": OverlongKwargs, "code_tests": CodeTestsKwargs,
-                                           "llm_judge": LlmJudgeKwargs}
+                                           "reward_model": RewardModelKwargs, "llm_judge": LlmJudgeKwargs}
 
 
 class RewardSpec(Section):

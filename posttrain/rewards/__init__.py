@@ -1,7 +1,10 @@
 """Rewards: the ``REWARDS`` registry and plug-ins, scoring (in-process or in a pool with a timeout), pass rates.
 
-- ``builtin``: ``Sample`` and the built-in reward functions (``REWARDS``: ``correct``, ``math_verify``,
-  ``format``, ``overlong``, ``code_tests``).
+- ``builtin``: the built-in reward functions (``REWARDS``: ``correct``, ``math_verify``, ``format``,
+  ``overlong``, ``code_tests``, ``reward_model``) and ``per_sample``; ``sample``: ``Sample`` and ``Scored``.
+- ``learned``: the ``reward_model`` reward (a trained reward model, loaded once per process); ``ensemble``: its
+  math (mean / WCO / UWO over members, Clip / Delta over steps); ``audit_learned``: the reward audit's section on
+  learned rewards (agreement with the verifier, quantiles, hacks).
 - ``scoring``: ``combine`` (the one call site of a reward function), ``score_rows`` (the one scoring path of
   the reward stage and every RL step), ``is_correct``, ``pass_rates``.
 - ``pool``: ``RewardPool``, worker processes scoring chunks of samples with a per-sample timeout
@@ -31,6 +34,7 @@ from posttrain.rewards.scoring import (
     Spec,
     combine,
     is_correct,
+    is_learned,
     pass_rates,
     resolve,
     sample_of,
@@ -39,5 +43,5 @@ from posttrain.rewards.scoring import (
 )
 
 __all__ = ["ERROR_KEY", "REWARDS", "WHY_KEY", "RewardPool", "Sample", "Scored", "Spec", "code_tests", "combine",
-           "correct", "format_reward", "is_correct", "math_verify", "overlong", "pass_rates", "per_sample", "resolve",
-           "sample_of", "score_rows", "specs_of"]
+           "correct", "format_reward", "is_correct", "is_learned", "math_verify", "overlong", "pass_rates",
+           "per_sample", "resolve", "sample_of", "score_rows", "specs_of"]

@@ -23,6 +23,7 @@ from typing import Any
 
 from posttrain.errors import StageError
 from posttrain.rewards.judge import llm_judge
+from posttrain.rewards.learned import reward_model
 from posttrain.rewards.sample import Sample, Scored
 from posttrain.tasks import code, codeexec, get_task, mathfmt
 
@@ -114,5 +115,6 @@ REWARDS: dict[str, BatchReward] = {
     "format": format_reward,
     "overlong": overlong,
     "code_tests": code_tests,
+    "reward_model": reward_model,  # a batch reward: posttrain.rewards.learned
     "llm_judge": llm_judge,  # a batch reward: posttrain.rewards.judge
 }

@@ -20,6 +20,7 @@ import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from posttrain.config.names import LEARNED_REWARDS
 from posttrain.config.plugins import is_plugin, load_reward
 from posttrain.errors import StageError
 from posttrain.rewards.builtin import REWARDS, Sample, Scored
@@ -45,6 +46,12 @@ def specs_of(specs: Sequence[Any]) -> tuple[Spec, ...]:
 def resolve(name: str) -> Callable[..., Any]:
     """The function a spec names: a key of ``REWARDS``, or a plug-in ``package.module:function``."""
     return load_reward(name) if is_plugin(name) else REWARDS[name]
+
+
+def is_learned(name: str) -> bool:
+    """Whether a reward is a model's judgement rather than a verifier's (the audit's learned section): a
+    ``LEARNED_REWARDS`` name, or a plug-in whose function sets ``learned = True``."""
+    return name in LEARNED_REWARDS or bool(getattr(resolve(name), "learned", False))
 
 
 def _checked(name: str, v: Any) -> tuple[float | None, str | None, str | None]:
