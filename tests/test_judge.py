@@ -174,3 +174,24 @@ def test_stop_kills_the_whole_process_tree():
     child = psutil.Process(proc.pid).children()[0]
     stop(proc, grace_s=5)
     assert proc.poll() is not None and not child.is_running()
+
+
+def test_a_server_that_dies_while_starting_is_one_stage_error_with_its_log(tmp_path):
+    from posttrain.errors import StageError
+    from posttrain.judge.server import serve
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(StageError, match="judge.python: .* does not exist"):
+        with serve(folder, python=str(tmp_path / "nope")):
+            pass
+    fake = tmp_path / "python"  # a stand-in interpreter that fails at once, as a broken vLLM would
+    fake.write_text("#!/bin/sh\necho 'no module named vllm' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    with pytest.raises(StageError, match="(?s)exited with code 3 while starting.*no module named vllm"):
+        with serve(folder, python=str(fake), log=tmp_path / "server.log"):
+            pass
+    with pytest.raises(StageError, match="not a model folder"):
+        with serve(tmp_path, python=str(fake)):
+            pass
