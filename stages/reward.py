@@ -8,10 +8,14 @@ rollouts for completions, tokens or log-probs: ``schema.join_rollouts``),
 ``paths.reward_dir/pass_rates.parquet`` (per prompt: samples, scorable, correct,
 pass rate, mean reward: what ``rl`` selects its prompts from), ``paths.reward_report_dir/audit.{json,md}``
 (reward distribution, unscorable share, per-component means, pass-rate histogram, example completions per
-reward bucket; per learned reward (``reward_model``, or a plug-in marked ``learned``): its agreement with the
-verifier, score quantiles, the top completions it scores highest that the verifier rejects, and
-``learned_scores.png``: :mod:`posttrain.rewards.audit_learned`) and ``metrics/reward.json``. Fails (after
-writing everything) when the unscorable share exceeds ``reward.max_unscorable_frac``.
+reward bucket; per learned reward (``reward_model``, ``llm_judge``, or a plug-in marked ``learned``): its agreement
+with the verifier, score quantiles, the top completions it scores highest that the verifier rejects, and
+``learned_scores.png``: :mod:`posttrain.rewards.audit_learned`) and ``metrics/reward.json``; ``paths.judge_cache``,
+the ``llm_judge`` call cache (kept between runs: the judgements already paid for are not asked again; written
+even when no judge is configured, as DVC wants its outs). With ``judge.serve`` the stage serves that folder
+(``posttrain.judge.session``) while it scores; the judge's requests, cache hit rate and malformed-verdict rate go
+to the audit and the metrics (``judge_*``). Fails (after writing everything) when the unscorable share exceeds
+``reward.max_unscorable_frac``.
 
 Streaming: rollouts are read in record batches (``schema.BATCH_ROWS`` rows), each batch scored by one
 ``score_rows`` call and its reward columns written at once (``ParquetWriter``); a prompt's pass rate is written
@@ -38,6 +42,7 @@ import numpy as np
 from posttrain import plots
 from posttrain.config import Params
 from posttrain.errors import StageError
+from posttrain.judge import session as judge
 from posttrain.outputs import as_one_set
 from posttrain.rewards import ERROR_KEY, WHY_KEY, RewardPool, is_learned, pass_rates, score_rows
 from posttrain.rewards.audit_learned import Learned
@@ -175,6 +180,11 @@ def audit_markdown(a: dict[str, Any]) -> str:
     if "why" in a:
         lines += ["", "Why rewards gave less than full marks (where a reward says: `code_tests` runs the tests):", "",
                   "| reward: why | samples |", "|---|---:|"] + [f"| {k} | {v} |" for k, v in a["why"].items()]
+    if "judge" in a:
+        j = a["judge"]
+        lines += ["", f"llm_judge: {j['judge_requests']} requests, cache hit rate {j['judge_hit_rate']}, malformed "
+                  f"verdicts {j['judge_malformed']} (rate {j['judge_malformed_rate']}), failed {j['judge_failed']}, "
+                  f"{j['judge_new']} new cache entries; server start {j['judge_server_startup_s']} s."]
     lines += ["", "| reward | samples |", "|---|---:|"] + [f"| {k} | {v} |" for k, v in a["reward_buckets"].items()]
     lines += ["", "| pass rate | prompts |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in a["pass_rate_histogram"].items()]
@@ -194,7 +204,8 @@ LENGTHS = {"token_ids": "num_tokens"}  # ... and the completions' lengths (never
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Score. ``inputs``: rollouts. ``out``: rewards, pass_rates, report_dir, metrics."""
-    with as_one_set(out, "reward", at_once=("report_dir",)):  # a kill: the old set of outputs or the new one
+    # a kill: the old set of outputs or the new one (the judge cache is merged at once: paid judgements are kept)
+    with as_one_set(out, "reward", at_once=("report_dir", "judge_cache")):
         return _run(params, inputs, out)
 
 
@@ -214,6 +225,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     pending: list[dict[str, Any]] = []  # pass rates not written yet
     with parquet_sink(out["rewards"], REWARD_SCHEMA) as write, \
             parquet_sink(out["pass_rates"], PASS_RATE_SCHEMA) as write_rates, \
+            judge.for_stage(params.judge, out["judge_cache"]) as js, \
             RewardPool(cfg.workers, cfg.timeout_s) as pool:
         for scored in score_batches(inputs["rollouts"], cfg.rewards, BATCH_ROWS, pool):
             write([{k: r[k] for k in REWARD_SCHEMA.names} for r in scored])
@@ -236,6 +248,9 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
         raise StageError(f"{inputs['rollouts']}: a prompt's samples are not contiguous (the rollout stage writes "
                          "each prompt's samples together; was the file written by another tool?)")
     res = a.result()
+    judged = any(s.name == "llm_judge" for s in cfg.rewards)
+    if judged:  # (absent otherwise: the default audit and metrics are unchanged)
+        res["judge"] = judge.metrics(js)
     write_json(out["report_dir"] / "audit.json", res)
     write_text(out["report_dir"] / "audit.md", audit_markdown(res))
     if a.learned:
@@ -243,6 +258,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
                              out["report_dir"] / "learned_scores.png")
     metrics = {k: res[k] for k in ("samples", "unscorable", "unscorable_frac", "reward_mean", "prompts",
                                    "pass_rate_mean", "never_solved", "always_solved")}
+    metrics |= res.get("judge", {})
     write_json(out["metrics"], metrics)
     log.info("mean reward %s, mean pass rate %s, unscorable %d", res["reward_mean"], res["pass_rate_mean"],
              res["unscorable"])
@@ -267,7 +283,8 @@ def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
     P = p.paths
     return {"rollouts": Path(P.rollout_dir) / "rollouts.parquet"}, {
         "rewards": Path(P.reward_dir) / "rewards.parquet", "pass_rates": Path(P.reward_dir) / "pass_rates.parquet",
-        "report_dir": Path(P.reward_report_dir), "metrics": Path(P.metrics_dir) / "reward.json"}
+        "report_dir": Path(P.reward_report_dir), "metrics": Path(P.metrics_dir) / "reward.json",
+        "judge_cache": Path(P.judge_cache)}
 
 
 def main() -> None:

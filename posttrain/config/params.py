@@ -19,6 +19,7 @@ from posttrain.config.base import MAX_SEED, ConfigError, Refusal, Section, shown
 from posttrain.config.curate import Curate, SyntheticSource
 from posttrain.config.distill import Distill
 from posttrain.config.evaluate import Evaluate, Report
+from posttrain.config.judge import Judge
 from posttrain.config.model import ModelCfg, TinyModel
 from posttrain.config.paths import Paths
 from posttrain.config.prefect import PrefectCfg
@@ -47,6 +48,7 @@ class Params(Section):
     rollout: Rollout
     reward: Reward
     reward_model: RewardModel = Field(default_factory=RewardModel)
+    judge: Judge = Field(default_factory=Judge)
     rl: Rl
     distill: Distill
     evaluate: Evaluate
@@ -86,12 +88,24 @@ class Params(Section):
         self._context()
         self._champion()
         self._reward_models()
+        self._judge()
         d = self.runtime.distributed
         if d.world_size > 1:
             if d.strategy == "fsdp2" and self.model.lora is not None:
                 raise Refusal("runtime.distributed.strategy", "fsdp2 with model.lora is not supported; use ddp "
                               "(LoRA's frozen base needs no sharding of gradients or optimizer state)")
         return self
+
+    def _judge(self) -> None:
+        """An ``llm_judge`` reward without ``base_url`` asks the server the stage starts: ``judge.serve`` must name
+        one; a server nobody asks is refused too (it would cost its start for nothing)."""
+        specs = [(i, s) for i, s in enumerate(self.reward.rewards) if s.name == "llm_judge"]
+        for i, s in specs:
+            if s.kwargs.get("base_url") is None and self.judge.serve is None:
+                raise Refusal(f"reward.rewards[{i}].kwargs.base_url", "not set and judge.serve is null: give the "
+                              "judge's URL (and kwargs.model), or a model folder in judge.serve")
+        if self.judge.serve is not None and not any(s.kwargs.get("base_url") is None for _, s in specs):
+            raise Refusal("judge.serve", "set, but no llm_judge reward without base_url asks the server it starts")
 
     def _reward_models(self) -> None:
         """Each ``reward_model.models`` source is the reward stage's folder (pairs from scored rollouts: the verifier

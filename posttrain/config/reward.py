@@ -10,6 +10,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 
 from posttrain.config import names, plugins
 from posttrain.config.base import MAX_BATCH, MAX_NEW_TOKENS, MAX_THREADS, NOT_RESULT, Refusal, Section, registered
+from posttrain.config.judge import LlmJudgeKwargs
 
 
 class NoKwargs(Section):
@@ -71,7 +72,7 @@ class RewardModelKwargs(Section):
 # signatures in posttrain.rewards): a misspelt or mistyped kwarg is refused at load, not after generation.
 REWARD_KWARGS: dict[str, type[Section]] = {"correct": NoKwargs, "math_verify": NoKwargs, "format": NoKwargs,
                                            "overlong": OverlongKwargs, "code_tests": CodeTestsKwargs,
-                                           "reward_model": RewardModelKwargs}
+                                           "reward_model": RewardModelKwargs, "llm_judge": LlmJudgeKwargs}
 
 
 class RewardSpec(Section):
@@ -103,6 +104,8 @@ class RewardSpec(Section):
             REWARD_KWARGS[self.name].model_validate(self.kwargs)
         except ValidationError as e:
             err = e.errors()[0]
+            if isinstance(ref := err.get("ctx", {}).get("error"), Refusal):  # a kwargs class's own cross-field rule
+                raise Refusal(f"kwargs.{ref.key}", str(ref)) from None
             key = ".".join(str(p) for p in err["loc"])
             msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
             takes = sorted(REWARD_KWARGS[self.name].model_fields) or "no kwargs"

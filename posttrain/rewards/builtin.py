@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from posttrain.errors import StageError
+from posttrain.rewards.judge import llm_judge
 from posttrain.rewards.learned import reward_model
 from posttrain.rewards.sample import Sample, Scored
 from posttrain.tasks import code, codeexec, get_task, mathfmt
@@ -115,4 +116,5 @@ REWARDS: dict[str, BatchReward] = {
     "overlong": overlong,
     "code_tests": code_tests,
     "reward_model": reward_model,  # a batch reward: posttrain.rewards.learned
+    "llm_judge": llm_judge,  # a batch reward: posttrain.rewards.judge
 }
