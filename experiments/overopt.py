@@ -73,26 +73,27 @@ def write_params(folder: Path, name: str, overrides: list[str]) -> str:
     return name
 
 
-def base_run(root: Path, n: dict[str, int], common: list[str]) -> dict[str, Any]:
-    """curate, sft, rollout, reward once; then each proxy model (``RMS``) on its N pairs."""
+def base_run(root: Path, n: dict[str, int], rm_steps: int, common: list[str]) -> dict[str, Any]:
+    """curate, sft, rollout, reward once; then each proxy model (``RMS``) on its N pairs. Each stage's seconds are
+    kept in ``base/seconds.json`` as it ends, and a stage that ended is not run again (an interrupted base goes on)."""
     folder = root / "base"
-    done = folder / "done.json"
-    if done.is_file():
-        return json.loads(done.read_text())
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    log = folder / "seconds.json"
+    secs = json.loads(log.read_text()) if log.is_file() else {}
     p = write_params(folder, "params.yaml", common)
-    secs = {s: stage(folder, p, s) for s in ("curate", "sft", "rollout", "reward")}
-    rms = {}
+    jobs = [(s, p, (s,)) for s in ("curate", "sft", "rollout", "reward")]
     for rm, (nkey, members) in RMS.items():
         q = write_params(folder, f"params_{rm}.yaml", [*common, f"reward_model.models={{{rm}: data/reward}}",
                                                        f"reward_model.max_pairs={n[nkey]}",
-                                                       f"reward_model.members={members}"])
-        secs[f"reward_model@{rm}"] = stage(folder, q, "reward_model", "--model", rm)
-        rms[rm] = json.loads((folder / "metrics" / "reward_model" / f"{rm}.json").read_text())
-    rec = {"seconds": {k: round(v, 1) for k, v in secs.items()}, "reward_models": rms, "n": n}
-    done.write_text(json.dumps(rec, indent=1))
-    return rec
+                                                       f"reward_model.members={members}",
+                                                       f"reward_model.steps={rm_steps}"])
+        jobs.append((f"reward_model@{rm}", q, ("reward_model", "--model", rm)))
+    for name, params, args in jobs:
+        if name not in secs:
+            secs[name] = round(stage(folder, params, *args), 1)
+            log.write_text(json.dumps(secs, indent=1))
+    rms = {rm: json.loads((folder / "metrics" / "reward_model" / f"{rm}.json").read_text()) for rm in RMS}
+    return {"seconds": secs, "reward_models": rms, "n": n, "rm_steps": rm_steps}
 
 
 def arm_run(root: Path, arm: str, seed: int, steps: int, every: int, common: list[str]) -> dict[str, Any]:
@@ -230,13 +231,14 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=30)
     ap.add_argument("--n-small", type=int, default=128)
     ap.add_argument("--n-large", type=int, default=1024)
+    ap.add_argument("--rm-steps", type=int, default=100, help="reward_model.steps of each member")
     ap.add_argument("--set", dest="overrides", nargs="*", default=[], help="key=value overrides of every run")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     common = ["runtime.progress=false", "evaluate.samples_per_prompt=4", "evaluate.ks=[1,4]",
               "evaluate.sample_prompts=null", *a.overrides]
     t0 = time.time()
-    base = base_run(a.root, {"small": a.n_small, "large": a.n_large}, common)
+    base = base_run(a.root, {"small": a.n_small, "large": a.n_large}, a.rm_steps, common)
     runs: dict[str, list[dict[str, Any]]] = {}
     for seed in a.seeds:  # arms alternate within each seed
         for arm in a.arms:
