@@ -8,7 +8,7 @@ keys (a registry that gains a function without its name here fails that test, no
 
 from __future__ import annotations
 
-REWARDS = ("correct", "math_verify", "format", "overlong", "code_tests")  # posttrain.rewards.REWARDS
+REWARDS = ("correct", "math_verify", "format", "overlong", "code_tests", "tool_cost")  # posttrain.rewards.REWARDS
 TASKS = ("arith", "code", "math")  # posttrain.tasks.TASKS
 GENERATED_TASKS = ("arith", "code")  # tasks with a generator (a synthetic source; the default eval split)
 FORMATS = ("gsm8k", "math", "generic", "humaneval")  # posttrain.sources.ADAPTERS: row formats of files and hub sets
@@ -25,6 +25,7 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm") 
 BACKENDS = ("hf", "vllm")  # posttrain.rollout.BACKENDS
 TOOLS = ("python", "calc")  # posttrain.tools.TOOLS
 TOOL_FORMATS = ("tag", "qwen")  # posttrain.tools.formats.FORMATS
+TOOL_DEMOS = {"arith": "calc"}  # task -> the tool its SFT tool demos call (posttrain.tasks.TASKS[kind].tool_call)
 DEDUP_METHODS = ("ngram", "minhash")  # posttrain.dedup.METHODS (params may also say "auto")
 
 # DAG order, as in dvc.yaml; evaluate runs once per model (evaluate@<name>, a foreach stage), reward_model once

@@ -96,7 +96,16 @@ class Params(Section):
 
     def _tools(self) -> None:
         """Tool rollouts run through the hf backend's turn loop (rollout, rl, evaluate): a stage that would sample
-        without it while ``tools.enabled`` says otherwise is refused, naming the key that asks for it."""
+        without it while ``tools.enabled`` says otherwise is refused, naming the key that asks for it. Tool-use SFT
+        demos (``sft.phases[*].tool_frac``) need a task that has them and their tool in ``tools.names``."""
+        if self.sft.tool_demos:
+            tool = names.TOOL_DEMOS.get(self.task.kind)
+            if tool is None:
+                raise Refusal("sft.phases.tool_frac", f"> 0 needs a task with tool demos {list(names.TOOL_DEMOS)}, "
+                              f"not {self.task.kind!r}")
+            if tool not in self.tools.names:
+                raise Refusal("tools.names", f"{self.tools.names} lacks {tool!r}, the tool the {self.task.kind} "
+                              "task's SFT tool demos call (sft.phases.tool_frac > 0)")
         if not self.tools.enabled:
             return
         for key, backend in (("rollout.backend", self.rollout.backend), ("evaluate.backend", self.evaluate.backend)):

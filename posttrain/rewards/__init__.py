@@ -1,7 +1,7 @@
 """Rewards: the ``REWARDS`` registry and plug-ins, scoring (in-process or in a pool with a timeout), pass rates.
 
 - ``builtin``: ``Sample`` and the built-in reward functions (``REWARDS``: ``correct``, ``math_verify``,
-  ``format``, ``overlong``, ``code_tests``).
+  ``format``, ``overlong``, ``code_tests``, ``tool_cost``).
 - ``scoring``: ``combine`` (the one call site of a reward function), ``score_rows`` (the one scoring path of
   the reward stage and every RL step), ``is_correct``, ``pass_rates``.
 - ``pool``: ``RewardPool``, worker processes with a per-sample timeout (``reward.workers``, ``reward.timeout_s``).
@@ -20,6 +20,7 @@ from posttrain.rewards.builtin import (
     format_reward,
     math_verify,
     overlong,
+    tool_cost,
 )
 from posttrain.rewards.pool import RewardPool
 from posttrain.rewards.scoring import (
@@ -37,4 +38,4 @@ from posttrain.rewards.scoring import (
 
 __all__ = ["ERROR_KEY", "REWARDS", "WHY_KEY", "RewardPool", "Sample", "Scored", "Spec", "code_tests", "combine",
            "correct", "format_reward", "is_correct", "math_verify", "overlong", "pass_rates", "resolve", "sample_of",
-           "score_rows", "specs_of"]
+           "score_rows", "specs_of", "tool_cost"]
