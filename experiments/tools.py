@@ -112,7 +112,7 @@ def plot(results: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for arm, color in (("tools", "tab:blue"), ("no_tools", "tab:orange")):
-        for i, (seed, r) in enumerate(sorted(results["arms"][arm].items())):
+        for i, (_, r) in enumerate(sorted(results["arms"][arm].items())):
             c = r["curve"]
             for ax, key in zip(axes, ("call_rate", "reward"), strict=True):
                 ax.plot(c["step"], c[key], color=color, alpha=0.8, label=arm if i == 0 else None)
