@@ -157,6 +157,8 @@ def main() -> None:
         one = {k: v for k, v in pooled["no_tools"].items() if k.startswith(f"s{seed}/")}
         two = {k: v for k, v in pooled["tools"].items() if k.startswith(f"s{seed}/")}
         results[f"tools_minus_no_tools/seed{seed}"] = paired(one, two, a.bootstrap, seed)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(results, indent=1) + "\n")  # what is done so far
     results["tools_minus_no_tools/pooled"] = paired(pooled["no_tools"], pooled["tools"], a.bootstrap, 0)
     results["seconds"]["total"] = round(time.time() - t_all, 1)
     a.out.parent.mkdir(parents=True, exist_ok=True)

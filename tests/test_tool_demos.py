@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 
 from posttrain import sft_data, training
-from posttrain.config import ConfigError, ToolsCfg, parse_params
+from posttrain.config import ConfigError, RewardSpec, ToolsCfg, parse_params
 from posttrain.modeling import build_char_tokenizer
 from posttrain.tasks import arith
 from posttrain.tools import FORMATS, ToolBackend, ToolContext
+from posttrain.tools import TOOLS as TOOLS_OF
 from posttrain.tools.demos import demo_turn
 from posttrain.tools.loop import observation_ids
-from tests.conftest import repo_params
+from tests.conftest import REPO, repo_params
 
 IGNORE = sft_data.IGNORE
 TOOLS = ToolsCfg(enabled=True, names=["calc"], max_turns=1)
@@ -99,3 +100,62 @@ def test_bad_tool_demo_config_names_the_key(edit, key):
     edit(raw)
     with pytest.raises(ConfigError, match=re.escape(key)):
         parse_params(raw)
+
+
+def test_tool_cost_is_minus_the_calls_of_a_correct_answer():
+    """Weight 0.05 beside correct (1.0): a correct answer after 2 calls totals 1 - 0.05 * 2 = 0.9; a wrong one after
+    2 calls 0 + 0 = 0 (only_correct) or 0 - 0.1 = -0.1 (every completion); no call costs nothing."""
+    from posttrain.rewards import Sample, combine, specs_of, tool_cost
+
+    right = Sample("<tool=calc>12*3</tool><obs>36</obs>answer: 36", "36", "arith", 40, 64, tool_calls=2)
+    wrong = Sample("<tool=calc>12*3</tool><obs>36</obs>answer: 35", "36", "arith", 40, 64, tool_calls=2)
+    none = Sample("answer: 36", "36", "arith", 10, 64)
+    assert (tool_cost(right), tool_cost(wrong), tool_cost(none)) == (-2.0, 0.0, 0.0)
+    assert tool_cost(wrong, only_correct=False) == -2.0
+    assert tool_cost(Sample("answer: 1", "x", "arith", 9, 64, tool_calls=1)) is None  # gold unscorable
+    specs = specs_of([RewardSpec(name="correct"), RewardSpec(name="tool_cost", weight=0.05)])
+    assert combine(right, specs)[0] == pytest.approx(0.9)
+    assert combine(wrong, specs)[0] == pytest.approx(0.0)
+    off = specs_of([RewardSpec(name="correct"), RewardSpec(name="tool_cost", weight=0.05,
+                                                           kwargs={"only_correct": False})])
+    assert combine(wrong, off)[0] == pytest.approx(-0.1)
+
+
+def test_the_tools_profile_loads():
+    """profiles/tools.yaml: tools on (calc), half the SFT demos tool calls, the distill stage's sampling off."""
+    import yaml
+
+    p = parse_params(yaml.safe_load((REPO / "profiles" / "tools.yaml").read_text()))
+    assert p.tools.enabled and p.tools.names == ["calc"] and p.sft.phases[0].tool_frac == 0.5
+    assert (p.task.min_digits, p.task.max_digits) == (5, 6)
+    assert [s.name for s in p.reward.rewards] == ["correct", "tool_cost"]
+
+
+def test_sft_on_tool_demos_then_rollouts_call_the_calculator(tiny):
+    """curate -> sft (every demo a tool demo) -> rollout with tools on: the model has learnt to call calc, the
+    loop answers with the calculator's value, and the observation's tokens are the masked ones."""
+    from stages import curate, rollout, sft
+
+    tiny["task"].update(min_digits=2, max_digits=2)
+    tiny["tools"].update(enabled=True, names=["calc"], max_turns=1)
+    tiny["sft"].update(phases=[{"steps": 150, "cot_frac": 0.0, "tool_frac": 1.0}], batch_size=16,
+                       micro_batch_size=16, lr=1e-2)
+    tiny["rollout"]["sampling"]["max_new_tokens"] = 48
+    for phase in ("warmup", "on_policy"):
+        tiny["distill"][phase]["steps"] = 0
+    tiny["distill"]["grpo_steps"] = 0
+    p = parse_params(tiny)
+    curate.run(p, *curate.paths(p))
+    sft.run(p, *sft.paths(p))
+    rollout.run(p, *rollout.paths(p))
+    from posttrain.schema import read_parquet
+
+    rows = read_parquet(rollout.paths(p)[1]["rollouts"])
+    called = [r for r in rows if r["tool_calls"]]
+    assert len(called) > len(rows) // 2
+    tok = build_char_tokenizer()
+    for r in called:
+        ids, mask = r["token_ids"], r["loss_mask"]
+        obs = tok.decode([t for t, k in zip(ids, mask, strict=True) if not k])
+        m = re.search(r"<tool=calc>([^<]*)</tool>", r["completion"])
+        assert m and obs == f"<obs>{TOOLS_OF['calc'](m.group(1), ToolContext())}</obs>"
