@@ -1,19 +1,21 @@
 """RL with tools vs RL without, on the tools profile (profiles/tools.yaml: arithmetic at 5-6 digits, a calculator).
 
-Per seed, one SFT model (curate -> sft, on a mix of tool-use and bare-answer demos) is shared by both arms: the
-arms differ only in whether the environment answers a tool call (``tools.enabled``) during rollout, RL and
-evaluation. ``tools``: a call gets the calculator's observation; ``no_tools``: it gets nothing (single-turn: the
-model writes on after ``</tool>`` itself). Each arm runs evaluate@sft -> rollout -> reward -> rl -> evaluate@rl ->
-report in its own copy of the seed's folder (``python -m stages.<name>``, as ``dvc.yaml`` runs them), one after
-another, seeds in order.
+One SFT model (curate -> sft at ``seed: --sft-seed``, on a mix of tool-use and bare-answer demos) is shared by
+both arms and every RL seed (``rl.seed``: "seeds of an RL arm on the same SFT model"): the arms differ only in
+whether the environment answers a tool call (``tools.enabled``) during rollout, RL and evaluation. ``tools``: a
+call gets the calculator's observation; ``no_tools``: it gets nothing (single-turn: the model writes on after
+``</tool>`` itself). Each (RL seed, arm) runs evaluate@sft -> rollout -> reward -> rl -> evaluate@rl -> report in
+its own copy of the SFT folder (``python -m stages.<name>``, as ``dvc.yaml`` runs them), one after another. A
+folder whose SFT model exists is reused (``--root`` kept between invocations).
 
 Printed and written to ``--out`` (JSON) and ``--plot`` (PNG): per arm and seed the held-out greedy, pass@1 and
 tool-call rate (share of sampled completions that call a tool, read from the completions: the no-tools arm's
-calls get no observation but are still written) of SFT and RL; RL(tools) - RL(no tools) pass@1 per seed and
-pooled over seeds (paired bootstrap over (seed, problem), ``stages.report.paired``); each arm's SFT -> RL paired
+calls get no observation but are still written) of SFT and RL; RL(tools) - RL(no tools) pass@1 per RL seed and
+pooled (each problem's metrics averaged over the RL seeds, then a paired bootstrap over problems: the seeds share
+the problems, so they are not resampled as independent; ``stages.report.paired``); each arm's SFT -> RL paired
 difference (the report stage's); and the RL curves: reward and tool-call rate per step (from the rl shards).
 
-Run: ``python experiments/tools.py --seeds 0 1 2 --out experiments/results/tools.json``
+Run: ``python experiments/tools.py --rl-seeds 0 1 2 --out experiments/results/tools.json``
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ def _merge(raw: dict, edit: dict) -> dict:
     return raw
 
 
-def write_params(folder: Path, profile: Path, seed: int, edit: dict) -> None:
+def write_params(folder: Path, profile: Path, seed: int, edit: dict, rl_seed: int = 0) -> None:
     raw = yaml.safe_load(profile.read_text())
-    raw = _merge(raw, {"seed": seed, "tracking": {"enabled": False},  # 1 thread: 3x faster on a shared 2 cores
+    raw = _merge(raw, {"seed": seed, "rl": {"seed": rl_seed}, "tracking": {"enabled": False},
+                       # 1 thread each: 3x faster than 2 on this shared 2-core machine
                        "runtime": {"progress": False, "train_threads": 1, "generate_threads": 1},
                        "report": {"compare": [["sft", "rl"]]}, **edit})
     raw["evaluate"]["models"] = {"sft": raw["paths"]["sft_model"], "rl": raw["paths"]["rl_model"]}
@@ -99,9 +102,15 @@ def collect(folder: Path) -> dict:
     return out
 
 
-def per_problem(folder: Path, seed: int) -> dict[str, dict]:
-    per = json.loads((folder / "reports" / "evaluate" / "models" / "rl" / "per_problem.json").read_text())["eval"]
-    return {f"s{seed}/{k}": v for k, v in per.items()}
+def per_problem(folder: Path) -> dict[str, dict]:
+    return json.loads((folder / "reports" / "evaluate" / "models" / "rl" / "per_problem.json").read_text())["eval"]
+
+
+def seed_mean(pers: list[dict[str, dict]]) -> dict[str, dict]:
+    """Each problem's metrics averaged over the RL seeds (the problems every seed has)."""
+    ids = [i for i in pers[0] if all(i in p for p in pers)]
+    return {i: {k: sum(p[i][k] for p in pers) / len(pers) for k in pers[0][i] if all(k in p[i] for p in pers)}
+            for i in ids}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -130,36 +139,42 @@ def plot(results: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, default=Path("/tmp/tools-exp"))
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--sft-seed", type=int, default=0, help="seed of curate and sft (and evaluate's sampling)")
+    ap.add_argument("--rl-seeds", type=int, nargs="+", default=[0, 1, 2], help="rl.seed of each RL run")
     ap.add_argument("--params", type=Path, default=REPO / "profiles" / "tools.yaml")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--plot", type=Path, default=None, help="default: --out with .png")
     ap.add_argument("--bootstrap", type=int, default=2000)
     a = ap.parse_args()
-    results: dict = {"profile": str(a.params.name), "seconds": {}, "arms": {arm: {} for arm in ARMS}}
-    pooled: dict[str, dict] = {arm: {} for arm in ARMS}
+    results: dict = {"profile": str(a.params.name), "sft_seed": a.sft_seed, "seconds": {},
+                     "arms": {arm: {} for arm in ARMS}}
+    pers: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     t_all = time.time()
-    for seed in a.seeds:
-        base = a.root / f"seed{seed}" / "base"
-        shutil.rmtree(base.parent, ignore_errors=True)
+    base = a.root / f"sft{a.sft_seed}" / "base"
+    if not (base / "models" / "sft" / "model.safetensors").exists():
+        shutil.rmtree(base, ignore_errors=True)
         base.mkdir(parents=True)
-        write_params(base, a.params, seed, {})
-        results["seconds"][f"seed{seed}/curate+sft"] = run_chain(base, BASE_CHAIN)
+        write_params(base, a.params, a.sft_seed, {})
+        results["seconds"]["curate+sft"] = run_chain(base, BASE_CHAIN)
+    else:
+        results["seconds"]["curate+sft"] = json.loads((base / "metrics" / "sft.json").read_text())["seconds"]
+    for seed in a.rl_seeds:
         for arm, edit in ARMS.items():
-            folder = base.parent / arm
-            shutil.copytree(base, folder)
-            write_params(folder, a.params, seed, edit)
-            results["seconds"][f"seed{seed}/{arm}"] = run_chain(folder, ARM_CHAIN)
-            results["arms"][arm][f"seed{seed}"] = collect(folder)
-            pooled[arm] |= per_problem(folder, seed)
-            print(f"seed {seed} {arm}: " + json.dumps({m: results["arms"][arm][f"seed{seed}"][m] for m in
-                                                       ("sft", "rl")}), flush=True)
-        one = {k: v for k, v in pooled["no_tools"].items() if k.startswith(f"s{seed}/")}
-        two = {k: v for k, v in pooled["tools"].items() if k.startswith(f"s{seed}/")}
-        results[f"tools_minus_no_tools/seed{seed}"] = paired(one, two, a.bootstrap, seed)
+            folder = base.parent / f"rl{seed}" / arm
+            shutil.rmtree(folder, ignore_errors=True)
+            shutil.copytree(base, folder, ignore=shutil.ignore_patterns("checkpoints", "log.txt"))
+            write_params(folder, a.params, a.sft_seed, edit, seed)
+            results["seconds"][f"rl{seed}/{arm}"] = run_chain(folder, ARM_CHAIN)
+            results["arms"][arm][f"rl{seed}"] = collect(folder)
+            pers[arm].append(per_problem(folder))
+            print(f"rl seed {seed} {arm}: " + json.dumps({m: results["arms"][arm][f"rl{seed}"][m] for m in
+                                                          ("sft", "rl")}), flush=True)
+        results[f"tools_minus_no_tools/rl{seed}"] = paired(pers["no_tools"][-1], pers["tools"][-1], a.bootstrap,
+                                                           seed)
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(results, indent=1) + "\n")  # what is done so far
-    results["tools_minus_no_tools/pooled"] = paired(pooled["no_tools"], pooled["tools"], a.bootstrap, 0)
+    results["tools_minus_no_tools/seed_mean"] = paired(seed_mean(pers["no_tools"]), seed_mean(pers["tools"]),
+                                                       a.bootstrap, 0)
     results["seconds"]["total"] = round(time.time() - t_all, 1)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(results, indent=1) + "\n")
