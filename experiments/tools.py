@@ -40,9 +40,10 @@ from stages.report import paired  # noqa: E402
 
 # no_tools: without the calculator no prompt has a pass rate in rl.select's default band [0.01, 0.99] (the SFT model's
 # bare answers at 5-6 digits are all wrong), and the rl stage refuses to start; min_pass_rate 0 lets it run on
-# all-wrong prompts, whose groups have no reward variance: nothing to update, as RL without a tool has here
+# all-wrong prompts, whose groups have no reward variance: nothing to update, as RL without a tool has here (and
+# max_idle_steps past rl.steps, so the stage runs its steps rather than stopping with an error after 5 idle ones)
 ARMS = {"tools": {"tools": {"enabled": True}},
-        "no_tools": {"tools": {"enabled": False}, "rl": {"select": {"min_pass_rate": 0.0}}}}
+        "no_tools": {"tools": {"enabled": False}, "rl": {"select": {"min_pass_rate": 0.0}, "max_idle_steps": 1000}}}
 BASE_CHAIN = [["curate"], ["sft"]]
 ARM_CHAIN = [["evaluate", "--model", "sft"], ["rollout"], ["reward"], ["rl"], ["evaluate", "--model", "rl"],
              ["report"]]

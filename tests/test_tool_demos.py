@@ -158,4 +158,11 @@ def test_sft_on_tool_demos_then_rollouts_call_the_calculator(tiny):
         ids, mask = r["token_ids"], r["loss_mask"]
         obs = tok.decode([t for t, k in zip(ids, mask, strict=True) if not k])
         m = re.search(r"<tool=calc>([^<]*)</tool>", r["completion"])
-        assert m and obs == f"<obs>{TOOLS_OF['calc'](m.group(1), ToolContext())}</obs>"
+        full = f"<obs>{TOOLS_OF['calc'](m.group(1), ToolContext())}</obs>" if m else None
+        # the calculator's own answer; cut only where the completion ran out of tokens (max_new_tokens)
+        assert full is not None and (obs == full or (r["finish_reason"] == "length" and full.startswith(obs)))
+    assert sum(obs_ok(r, tok) for r in called) > len(called) // 2  # most observations whole
+
+
+def obs_ok(r: dict, tok) -> bool:
+    return tok.decode([t for t, k in zip(r["token_ids"], r["loss_mask"], strict=True) if not k]).endswith("</obs>")
