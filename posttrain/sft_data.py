@@ -1,10 +1,11 @@
 """SFT data: demonstrations tokenized once, the ``sft.max_seq_len`` policy, and the micro-batch tensors.
 
 - ``tokenize``: every demo's prompt and both renderings of its completion (``cot``: the full solution,
-  ``direct``: the bare answer) through the chat template, once, by a batched ``datasets.Dataset.map`` into an
-  Arrow file (one per rank) named by a digest of the demos, the tokenizer, its chat template and ``ENCODING_VERSION``.
-  Under torchrun each rank tokenizes only its contiguous shard into its own file and, after a barrier,
-  memory-maps every shard's file (the checkpoint folder is on storage every rank sees, as
+  ``direct``: the bare answer; with tool demos a third, ``tool``: a tool call, the observation the tool returns,
+  then the bare answer, with the observation's span) through the chat template, once, by a batched
+  ``datasets.Dataset.map`` into an Arrow file (one per rank) named by a digest of the demos, the tokenizer, its
+  chat template and ``ENCODING_VERSION``. Under torchrun each rank tokenizes only its contiguous shard into its
+  own file and, after a barrier, memory-maps every shard's file (the checkpoint folder is on storage every rank sees, as
   ``checkpoint.load_resumable`` already requires): no rank redoes another's work, none holds Python lists
   of the whole set.
 - ``SftDemos``: the tokens as flat arrays + offsets (zero-copy views of the Arrow buffers) and the
@@ -45,10 +46,13 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from posttrain import distributed, logprobs
+from posttrain.config import ToolsCfg
 from posttrain.tasks import get_task
+from posttrain.tools.demos import demo_turn
 
 IGNORE = -100
 STYLES = ("cot", "direct")
+TOOL = "tool"  # the tool-use rendering (sft.phases[*].tool_frac > 0): call + observation (masked) + bare answer
 ENCODING_VERSION = 1  # bump when the rendering or encoding of a demo changes (it names the cache file)
 log = logging.getLogger("posttrain.sft_data")
 
@@ -88,26 +92,53 @@ def _ids(enc: Any) -> list[list[int]]:
     return [list(x) for x in (enc["input_ids"] if hasattr(enc, "keys") else enc)]
 
 
-def _encode_batch(batch: dict[str, list[Any]], tok: PreTrainedTokenizerBase) -> dict[str, list[Any]]:
+def _encode_batch(batch: dict[str, list[Any]], tok: PreTrainedTokenizerBase, tools: ToolsCfg | None = None
+                  ) -> dict[str, list[Any]]:
     """``datasets.map`` function: a batch of demo rows -> prompt lengths and both renderings' ids. Each
-    prompt is rendered once and each (demo, style) conversation once: three batched template calls."""
+    prompt is rendered once and each (demo, style) conversation once: three batched template calls.
+    With ``tools`` also the ``tool`` rendering (:func:`tool_demo`) and its observation's ``[start, end)``."""
     rows = list(zip(batch["prompt"], batch["answer"], batch["solution"], batch["task"], strict=True))
     heads = _heads(tok, batch["prompt"])
     out: dict[str, list[Any]] = {"prompt_len": [len(h) for h in heads]}
     for style in STYLES:
         comps = [get_task(t).render(p, a, s, style) for p, a, s, t in rows]
         out[style] = _fulls(tok, batch["prompt"], comps, heads)
+    if tools is not None:
+        demos = [tool_demo(tok, tools, row[3], row[0], h, d) for row, h, d in zip(rows, heads, out["direct"],
+                                                                                  strict=True)]
+        out[TOOL], out["tool_obs"] = [d[0] for d in demos], [list(d[1]) for d in demos]
     return out
 
 
-FEATURES = datasets.Features({"prompt_len": datasets.Value("int32"),
-                              **{s: datasets.List(datasets.Value("int32")) for s in STYLES}})
+def tool_demo(tok: PreTrainedTokenizerBase, tools: ToolsCfg, task: str, prompt: str, head: list[int],
+              direct: list[int]) -> tuple[list[int], tuple[int, int]]:
+    """The ``tool`` rendering of a demo and its observation's ``[start, end)``: the prompt's ``head``, the task's
+    tool call (``Task.tool_call``), the observation the tool returns (ids as the rollout loop appends them:
+    ``tools.demos.demo_turn``), then the ``direct`` rendering's completion (bare answer + the template's end),
+    so ``4821*7=`` -> ``<tool=calc>4821*7</tool><obs>33747</obs>answer: 33747``. Built from ids, not re-tokenized
+    text: what the model sees after the call is what a rollout would show it, for any tokenizer."""
+    make = get_task(task).tool_call
+    call = make(prompt) if make is not None else None
+    if call is None:
+        raise ValueError(f"task {task!r} has no tool demo for {prompt!r}")
+    call_ids, obs_ids = demo_turn(tok, tools, *call)
+    start = len(head) + len(call_ids)
+    return head + call_ids + obs_ids + direct[len(head) :], (start, start + len(obs_ids))
 
 
-def digest(tok: PreTrainedTokenizerBase, demos: Sequence[dict[str, Any]]) -> str:
+def features(tool: bool) -> datasets.Features:
+    """The tokenized demos' columns: ``prompt_len``, one id list per style, and (tool demos) ``tool_obs``."""
+    ids = datasets.List(datasets.Value("int32"))
+    return datasets.Features({"prompt_len": datasets.Value("int32"), **{s: ids for s in STYLES},
+                              **({TOOL: ids, "tool_obs": ids} if tool else {})})
+
+
+def digest(tok: PreTrainedTokenizerBase, demos: Sequence[dict[str, Any]], tools: ToolsCfg | None = None) -> str:
     """What the tokenized demos depend on: the demos, the tokenizer (its vocabulary and rules), its chat
-    template and special tokens, and ``ENCODING_VERSION``."""
+    template and special tokens, ``ENCODING_VERSION``, and the tools section when tool demos are made."""
     h = hashlib.sha256(f"v{ENCODING_VERSION}".encode())
+    if tools is not None:
+        h.update(tools.model_dump_json().encode())
     backend = getattr(tok, "backend_tokenizer", None)
     h.update((backend.to_str() if backend is not None else json.dumps(tok.get_vocab(), sort_keys=True)).encode())
     h.update(json.dumps([tok.chat_template, tok.special_tokens_map], sort_keys=True, default=str).encode())
@@ -117,13 +148,14 @@ def digest(tok: PreTrainedTokenizerBase, demos: Sequence[dict[str, Any]]) -> str
 
 
 def tokenize(tok: PreTrainedTokenizerBase, demos: Sequence[dict[str, Any]], cache_dir: Path,
-             batch_size: int = 1000, progress: bool = True) -> datasets.Dataset:
-    """The demos tokenized (columns ``prompt_len``, ``cot``, ``direct``, in the demos' order), from
+             batch_size: int = 1000, progress: bool = True, tools: ToolsCfg | None = None) -> datasets.Dataset:
+    """The demos tokenized (columns ``prompt_len``, ``cot``, ``direct``, in the demos' order; with ``tools``
+    also ``tool`` and ``tool_obs``: the tool-use rendering, in ``tools.format``), from
     ``cache_dir`` when a previous call (an earlier attempt of this run) left the files there. Under torchrun
     each rank tokenizes only its contiguous shard into its own file; after a barrier every rank memory-maps
     all shards' files."""
     d = distributed.current()
-    key = digest(tok, demos)
+    key = digest(tok, demos, tools)
 
     def shard_file(rank: int) -> Path:
         return Path(cache_dir) / f"tokenized-{key}-{rank:05d}-of-{d.world:05d}.arrow"
@@ -137,9 +169,9 @@ def tokenize(tok: PreTrainedTokenizerBase, demos: Sequence[dict[str, Any]], cach
         datasets.disable_progress_bars()
     try:
         src.shard(d.world, d.rank, contiguous=True).map(
-            _encode_batch, batched=True, batch_size=batch_size, fn_kwargs={"tok": tok}, remove_columns=list(cols),
-            features=FEATURES, cache_file_name=str(shard_file(d.rank)), new_fingerprint=f"{key}-{d.rank}-{d.world}",
-            desc="tokenize demos")
+            _encode_batch, batched=True, batch_size=batch_size, fn_kwargs={"tok": tok, "tools": tools},
+            remove_columns=list(cols), features=features(tools is not None), cache_file_name=str(shard_file(d.rank)),
+            new_fingerprint=f"{key}-{d.rank}-{d.world}", desc="tokenize demos")
     finally:
         if quiet:
             datasets.enable_progress_bars()
@@ -172,6 +204,7 @@ class SftDemos:
     keep: np.ndarray  # [n] indices of the demos that train
     max_len: int | None
     counts: dict[str, int] = field(default_factory=dict)
+    obs: np.ndarray | None = None  # [N, 2] each tool rendering's observation span [start, end) (tool demos)
 
     def __len__(self) -> int:
         return len(self.keep)
@@ -180,7 +213,11 @@ class SftDemos:
         j = int(self.keep[i])
         ids = self.tokens[style].row(j)[: self.max_len].tolist()  # truncate: the completion's tail goes
         p = int(self.prompt_len[j])
-        return ids, [IGNORE] * p + ids[p:]
+        labels = [IGNORE] * p + ids[p:]
+        if style == TOOL and self.obs is not None:  # the observation is the tool's, not the model's: no loss
+            a, b = (int(x) for x in self.obs[j])
+            labels[a:b] = [IGNORE] * len(labels[a:b])
+        return ids, labels
 
 
 def select(ds: datasets.Dataset, max_len: int | None, overlong: str) -> SftDemos:
@@ -192,9 +229,11 @@ def select(ds: datasets.Dataset, max_len: int | None, overlong: str) -> SftDemos
     way (``dropped_prompt_overlong``)."""
     table = ds.data.table
     prompt_len = table.column("prompt_len").to_numpy()
-    tokens = {s: _Lists(table.column(s)) for s in STYLES}
+    styles = [s for s in (*STYLES, TOOL) if s in table.column_names]
+    tokens = {s: _Lists(table.column(s)) for s in styles}
+    obs = np.asarray(table.column("tool_obs").to_pylist(), dtype=np.int64) if TOOL in styles else None
     n = len(prompt_len)
-    longest = np.max([tokens[s].lengths for s in STYLES], axis=0) if n else np.zeros(0, int)
+    longest = np.max([tokens[s].lengths for s in styles], axis=0) if n else np.zeros(0, int)
     counts = {"demos_tokenized": n, "dropped_overlong": 0, "dropped_prompt_overlong": 0, "truncated": 0,
               "truncated_tokens": 0}
     if max_len is None:
@@ -209,12 +248,12 @@ def select(ds: datasets.Dataset, max_len: int | None, overlong: str) -> SftDemos
         else:
             counts["truncated"] = int(over.sum())
             counts["truncated_tokens"] = int(sum(np.clip(tokens[s].lengths[~prompt_over] - max_len, 0, None)
-                                                 .sum() for s in STYLES))
+                                                 .sum() for s in styles))
             keep = np.flatnonzero(~prompt_over)
     counts["demos_trained"] = len(keep)
     if len(keep) < n or counts["truncated"]:
         log.warning("sft.max_seq_len %s (%s): %s", max_len, overlong, counts)
-    return SftDemos(prompt_len, tokens, keep, max_len, counts)
+    return SftDemos(prompt_len, tokens, keep, max_len, counts, obs)
 
 
 def group_by_length(examples: Sequence[Example], world: int) -> list[Example]:

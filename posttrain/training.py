@@ -25,7 +25,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
 from posttrain import checkpoint, distributed, logprobs, modeling, seeds, sft_data
-from posttrain.config import ConfigError
+from posttrain.config import ConfigError, ToolsCfg
 from posttrain.sft_data import IGNORE
 from posttrain.trainlog import TrainLog
 
@@ -118,12 +118,13 @@ def sum_token_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tup
     return -logp.sum(), int(batch["mask"].sum())
 
 
-def step_batch(seed: int, step: int, n_examples: int, batch_size: int, cot_frac: float
+def step_batch(seed: int, step: int, n_examples: int, batch_size: int, cot_frac: float, tool_frac: float = 0.0
                ) -> tuple[np.ndarray, np.ndarray]:
-    """Example indices and CoT/direct choices of optimizer step ``step`` (a pure function of its args).
+    """Example indices and rendering styles of optimizer step ``step`` (a pure function of its args).
 
-    Examples are visited in per-epoch permutations of ``seed``; ``use_cot[i]`` is drawn with probability
-    ``cot_frac`` from a generator keyed on (seed, step).
+    Examples are visited in per-epoch permutations of ``seed``; each example's style is drawn from one uniform
+    ``u`` of a generator keyed on (seed, step): ``cot`` when ``u < cot_frac``, ``tool`` when ``u < cot_frac +
+    tool_frac``, else ``direct`` (so with ``tool_frac = 0`` the draws are those of a run without tool demos).
     """
     start = step * batch_size
     idx = []
@@ -131,8 +132,9 @@ def step_batch(seed: int, step: int, n_examples: int, batch_size: int, cot_frac:
         epoch, pos = divmod(start + len(idx), n_examples)
         perm = np.random.default_rng([seed, epoch]).permutation(n_examples)
         idx.extend(perm[pos : pos + batch_size - len(idx)].tolist())
-    use_cot = np.random.default_rng(seeds.sft_format(seed, step)).random(batch_size) < cot_frac
-    return np.asarray(idx), use_cot
+    u = np.random.default_rng(seeds.sft_format(seed, step)).random(batch_size)
+    styles = np.where(u < cot_frac, "cot", np.where(u < cot_frac + tool_frac, sft_data.TOOL, "direct"))
+    return np.asarray(idx), styles
 
 
 SFT_LOG_FIELDS = ["step", "phase", "loss", "lr", "grad_norm", "cot_frac"]
@@ -140,8 +142,10 @@ SFT_LOG_FIELDS = ["step", "phase", "loss", "lr", "grad_norm", "cot_frac"]
 
 def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Sequence[dict[str, Any]], cfg: Any,
               seed: int, ckpt_dir: Path, fp: str, progress: bool = True, desc: str = "sft",
-              log_to: TrainLog | None = None) -> dict[str, Any]:
+              log_to: TrainLog | None = None, tools: ToolsCfg | None = None) -> dict[str, Any]:
     """Supervised fine-tuning on demonstrations with the phases of ``cfg`` (``config.Sft``), resumable.
+    With tool demos (a phase's ``tool_frac`` > 0) ``tools`` (the ``tools:`` section) says how their calls and
+    observations are written; observation tokens carry no loss.
 
     Loss on completion tokens only, token-mean over the whole batch (exact under gradient accumulation);
     AdamW with warmup + cosine over all phases. Each phase shows a ``cot_frac`` share of demos with their
@@ -168,7 +172,8 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
     if start:
         log.info("resuming %s from %s step %d", desc, ckpt_dir, start)
     # both renderings of each demo (cot, direct), tokenized once (each rank its shard; a resume finds the files)
-    tokenized = sft_data.tokenize(tok, demos, ckpt_dir / "tokenized", progress=progress)
+    tokenized = sft_data.tokenize(tok, demos, ckpt_dir / "tokenized", progress=progress,
+                                  tools=(tools or ToolsCfg()) if cfg.tool_demos else None)
     data = sft_data.select(tokenized, cfg.max_seq_len, cfg.overlong)
     if not len(data):
         raise ConfigError(f"sft.max_seq_len: {cfg.max_seq_len} leaves no demonstration to train on ({data.counts})")
@@ -178,8 +183,8 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
     bar = tqdm(range(start, total), initial=start, total=total, desc=desc, disable=not progress)
     for step in bar:
         phase, spec = phase_of[step]
-        idx, use_cot = step_batch(seed, step, len(data), cfg.batch_size, spec.cot_frac)
-        examples = [data.example(i, "cot" if c else "direct") for i, c in zip(idx, use_cot, strict=True)]
+        idx, styles = step_batch(seed, step, len(data), cfg.batch_size, spec.cot_frac, spec.tool_frac)
+        examples = [data.example(i, str(st)) for i, st in zip(idx, styles, strict=True)]
         if cfg.batching == "grouped":  # similar lengths share a micro-batch; exact: the loss is order-free
             examples = sft_data.group_by_length(examples, d.world)
         n_tok = sum(sum(1 for y in ex[1][1:] if y != IGNORE) for ex in examples)  # next-token targets (global)

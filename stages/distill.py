@@ -131,11 +131,12 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     demos = read_problems(inputs["demos"])
     torch.set_num_threads(rt.train_threads)
     fp0 = checkpoint.fingerprint("student-sft", params.sft, cfg.student, cfg.student_revision, params.model.lora,
-                               params.seed, checkpoint.file_digest(inputs["demos"]))
+                               params.seed, checkpoint.file_digest(inputs["demos"]),
+                               *([params.tools] if params.sft.tool_demos else []))
     amp = functools.partial(modeling.autocast, params.model.dtype, device)  # mixed precision (no-op in fp32)
     with amp():
         res = training.sft_train(student, tok, demos, params.sft, params.seed, out["checkpoints"] / "sft", fp0,
-                                 progress=rt.progress, desc="student sft",
+                                 progress=rt.progress, desc="student sft", tools=params.tools,
                                  log_to=TrainLog(None, training.SFT_LOG_FIELDS, name="student_sft"))  # MLflow only
     cold = d.plain(student)
     if d.main:

@@ -12,7 +12,9 @@ Outputs: ``paths.eval_report_dir/models/<name>/``: ``summary.json`` (``{split: {
 ``generations.parquet`` (every completion with its extracted answer and verdict, for audit);
 ``metrics/evaluate/<name>.json`` (the summary, for ``dvc metrics show``/``diff``).
 With ``tools.enabled`` completions are generated through the multi-turn tool loop (``posttrain.tools``: the
-completion is the whole transcript, observations included; docs/tools.md).
+completion is the whole transcript, observations included; docs/tools.md), and each split also reports
+``tool_rate`` (the share of sampled completions with at least one tool call), ``tool_calls`` (calls per sampled
+completion) and ``greedy_tool_calls``.
 
 Per split: greedy accuracy (Wilson interval); ``samples_per_prompt`` samples per prompt at ``evaluate.sampling``
 give sampled pass@1 (mean over samples), unbiased pass@k, maj@k (mean majority-vote correctness over the
@@ -66,8 +68,10 @@ def score_problem(p: Problem, greedy: Completion, samples: list[Completion], ks:
     verdicts = [(task.extract(t), ok) for t, ok in zip(texts, oks, strict=True)]
     if verdicts[0][1] is None:
         return None, verdicts
+    tools = greedy.tool_calls is not None  # a multi-turn tool rollout: how often and how much it called
     if not samples:
-        return {"greedy": float(bool(verdicts[0][1])), "greedy_len": float(len(greedy.token_ids))}, verdicts
+        row = {"greedy": float(bool(verdicts[0][1])), "greedy_len": float(len(greedy.token_ids))}
+        return row | ({"greedy_tool_calls": float(greedy.tool_calls or 0)} if tools else {}), verdicts
     s = verdicts[1:]
     c = sum(bool(v) for _, v in s)
     row = {"greedy": float(bool(verdicts[0][1])), "pass@1": c / len(s)}
@@ -77,6 +81,10 @@ def score_problem(p: Problem, greedy: Completion, samples: list[Completion], ks:
     row["len"] = float(np.mean([len(x.token_ids) for x in samples]))
     row["greedy_len"] = float(len(greedy.token_ids))
     row["truncated"] = float(np.mean([x.finish_reason == "length" for x in samples]))
+    if tools:  # tool_rate: the share of samples with >= 1 call; tool_calls: calls per sample (greedy: its own)
+        row["tool_rate"] = float(np.mean([(x.tool_calls or 0) > 0 for x in samples]))
+        row["tool_calls"] = float(np.mean([x.tool_calls or 0 for x in samples]))
+        row["greedy_tool_calls"] = float(greedy.tool_calls or 0)
     return row, verdicts
 
 

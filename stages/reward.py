@@ -53,6 +53,7 @@ from posttrain.schema import (
     PASS_RATE_SCHEMA,
     REWARD_SCHEMA,
     iter_rows,
+    parquet_file,
     parquet_sink,
     write_json,
     write_text,
@@ -200,6 +201,7 @@ def audit_markdown(a: dict[str, Any]) -> str:
 READ = ("prompt_id", "sample", "prompt", "answer", "task", "completion", "max_new_tokens",
         "finish_reason")  # what scoring and the audit read of rollouts.parquet (not the log-probs) ...
 LENGTHS = {"token_ids": "num_tokens"}  # ... and the completions' lengths (never the token ids themselves)
+# (and ``tool_calls`` where the rollouts have it: tools.enabled, what ``tool_cost`` reads)
 
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
@@ -213,7 +215,8 @@ def score_batches(rollouts: Path, specs: Sequence[Any], batch_rows: int, pool: R
                   ) -> Iterator[list[dict[str, Any]]]:
     """The rollouts' rows (``READ`` columns) with ``reward`` and ``rewards``, a record batch at a time: one
     ``score_rows`` call per batch, scored in ``pool`` (None: in this thread)."""
-    for rows in iter_rows(rollouts, READ, batch_rows, LENGTHS):
+    tools = ("tool_calls",) if "tool_calls" in parquet_file(rollouts).schema_arrow.names else ()  # multi-turn rows
+    for rows in iter_rows(rollouts, READ + tools, batch_rows, LENGTHS):
         yield score_rows(rows, specs, pool)
 
 

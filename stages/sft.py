@@ -12,7 +12,8 @@ micro-batches (padded, grouped by length, or packed).
 Training: chat template, loss on completion tokens only (token-mean over the full batch, exact under
 gradient accumulation), AdamW with linear warmup + cosine decay over all phases. Phases implement the
 mixed-format cold start (``sft.phases[*].cot_frac``: the share of demos shown with their full solution,
-the rest with the bare answer). Batches are a pure function of (seed, step), so the data position is
+``tool_frac``: the share shown calling a tool (observation masked out of the loss, docs/tools.md), the rest
+with the bare answer). Batches are a pure function of (seed, step), so the data position is
 restored by the step alone. Every ``checkpoint_every`` steps a resumable checkpoint goes to
 ``paths.sft_checkpoints`` (not a DVC out, so DVC does not delete it before a re-run): re-running after a
 crash resumes there and ends with the same weights as an uninterrupted run.
@@ -60,11 +61,12 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     model = modeling.make_trainable(model, params.model.lora, params.model.gradient_checkpointing)
     model = d.wrap((model if d.loads_on_meta else model.to(device)).train())  # meta: wrap materialises it
 
-    fp = checkpoint.fingerprint(params.sft, params.model, params.seed, checkpoint.file_digest(inputs["demos"]))
+    tools = [params.tools] if params.sft.tool_demos else []  # how tool demos are written (none: key as before)
+    fp = checkpoint.fingerprint(params.sft, params.model, params.seed, checkpoint.file_digest(inputs["demos"]), *tools)
     with modeling.autocast(params.model.dtype, device):  # fp32 masters; bf16 compute when model.dtype says so
         train_log = TrainLog(out["report_dir"] / "train_log.csv" if d.main else None, training.SFT_LOG_FIELDS)
         res = training.sft_train(model, tok, demos, params.sft, params.seed, out["checkpoints"], fp,
-                                 progress=params.runtime.progress, log_to=train_log)
+                                 progress=params.runtime.progress, log_to=train_log, tools=params.tools)
     log_rows, start, elapsed = res["log"], res["start"], res["seconds"]
     total = params.sft.total_steps
 

@@ -9,7 +9,7 @@ keys (a registry that gains a function without its name here fails that test, no
 from __future__ import annotations
 
 REWARDS = ("correct", "math_verify", "format", "overlong", "code_tests", "reward_model",
-           "llm_judge")  # posttrain.rewards.REWARDS
+           "llm_judge", "tool_cost")  # posttrain.rewards.REWARDS
 LEARNED_REWARDS = ("reward_model", "llm_judge")  # rewards a model gives (not a verifier): the audit's learned section
 RM_COMBINES = ("mean", "wco", "uwo", "uwo_std")  # posttrain.rewards.ensemble.COMBINES
 RM_STEPS = ("off", "raw", "clip", "delta")  # off, or a key of posttrain.rewards.ensemble.STEP_TRANSFORMS
@@ -30,6 +30,7 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm") 
 BACKENDS = ("hf", "vllm")  # posttrain.rollout.BACKENDS
 TOOLS = ("python", "calc")  # posttrain.tools.TOOLS
 TOOL_FORMATS = ("tag", "qwen")  # posttrain.tools.formats.FORMATS
+TOOL_DEMOS = {"arith": "calc"}  # task -> the tool its SFT tool demos call (posttrain.tasks.TASKS[kind].tool_call)
 DEDUP_METHODS = ("ngram", "minhash")  # posttrain.dedup.METHODS (params may also say "auto")
 
 # DAG order, as in dvc.yaml; evaluate runs once per model (evaluate@<name>, a foreach stage), reward_model once

@@ -89,6 +89,7 @@ class Params(Section):
         self._champion()
         self._reward_models()
         self._judge()
+        self._tool_demos()
         d = self.runtime.distributed
         if d.world_size > 1:
             if d.strategy == "fsdp2" and self.model.lora is not None:
@@ -106,6 +107,20 @@ class Params(Section):
                               "judge's URL (and kwargs.model), or a model folder in judge.serve")
         if self.judge.serve is not None and not any(s.kwargs.get("base_url") is None for _, s in specs):
             raise Refusal("judge.serve", "set, but no llm_judge reward without base_url asks the server it starts")
+
+    def _tool_demos(self) -> None:
+        """Tool-use SFT demos (``sft.phases[*].tool_frac``) need a task that has them and their tool in
+        ``tools.names``."""
+        if not self.sft.tool_demos:
+            return
+        tool = names.TOOL_DEMOS.get(self.task.kind)
+        if tool is None:
+            raise Refusal("sft.phases.tool_frac", f"> 0 needs a task with tool demos {list(names.TOOL_DEMOS)}, "
+                          f"not {self.task.kind!r}")
+        if tool not in self.tools.names:
+            raise Refusal("tools.names", f"{self.tools.names} lacks {tool!r}, the tool the {self.task.kind} "
+                          "task's SFT tool demos call (sft.phases.tool_frac > 0)")
+
 
     def _reward_models(self) -> None:
         """Each ``reward_model.models`` source is the reward stage's folder (pairs from scored rollouts: the verifier

@@ -68,11 +68,20 @@ class RewardModelKwargs(Section):
         return registered("steps", v, names.RM_STEPS)
 
 
+class ToolCostKwargs(Section):
+    """``tool_cost``: minus the number of tool calls (the weight is the cost per call; OTC)."""
+
+    model_config = ConfigDict(strict=True)
+    only_correct: bool = Field(True, description="charge the calls of correct answers only (OTC: a model is never "
+                               "pushed to skip a call it needs and fail); false: of every completion")
+
+
 # Each reward's keyword arguments, as the function declares them (tests/test_config.py compares them with the
 # signatures in posttrain.rewards): a misspelt or mistyped kwarg is refused at load, not after generation.
 REWARD_KWARGS: dict[str, type[Section]] = {"correct": NoKwargs, "math_verify": NoKwargs, "format": NoKwargs,
                                            "overlong": OverlongKwargs, "code_tests": CodeTestsKwargs,
-                                           "reward_model": RewardModelKwargs, "llm_judge": LlmJudgeKwargs}
+                                           "reward_model": RewardModelKwargs, "llm_judge": LlmJudgeKwargs,
+                                           "tool_cost": ToolCostKwargs}
 
 
 class RewardSpec(Section):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from posttrain.config.base import MAX_BATCH, MAX_COUNT, MAX_LR, NOT_RESULT, Section
+from posttrain.config.base import MAX_BATCH, MAX_COUNT, MAX_LR, NOT_RESULT, Refusal, Section
 
 MAX_SEQ_LEN = 1_048_576  # tokens of one demo (prompt + completion): beyond today's longest contexts
 
@@ -20,6 +20,16 @@ class SftPhase(Section):
     steps: int = Field(ge=1, le=MAX_COUNT, description="optimizer steps in this phase")
     cot_frac: float = Field(1.0, ge=0, le=1, description="share of demos shown with their full solution; "
                             "the rest show the bare final answer")
+    tool_frac: float = Field(0.0, ge=0, le=1, description="share of demos shown calling a tool, then answering "
+                             "from its observation (the arith task's calc call, in tools.format; the observation "
+                             "is masked out of the loss; docs/tools.md); cot_frac + tool_frac <= 1, the rest "
+                             "bare answers")
+
+    @model_validator(mode="after")
+    def _shares(self) -> SftPhase:
+        if self.cot_frac + self.tool_frac > 1 + 1e-9:
+            raise Refusal("tool_frac", f"cot_frac + tool_frac = {self.cot_frac + self.tool_frac:g} > 1")
+        return self
 
 
 class Sft(Section):
@@ -50,6 +60,11 @@ class Sft(Section):
         "(the step's demos sorted by length first, so a micro-batch pads less), packed (each micro-batch's "
         "demos packed into block-diagonal rows of up to 2x its longest, capped at max_seq_len). The loss is "
         "the same token-mean either way", json_schema_extra=NOT_RESULT)
+
+    @property
+    def tool_demos(self) -> bool:
+        """Whether any phase shows tool-use demos (then the demos are also tokenized in the ``tool`` style)."""
+        return any(p.tool_frac > 0 for p in self.phases)
 
     @property
     def total_steps(self) -> int:

@@ -1,7 +1,8 @@
 """Rewards: the ``REWARDS`` registry and plug-ins, scoring (in-process or in a pool with a timeout), pass rates.
 
 - ``builtin``: the built-in reward functions (``REWARDS``: ``correct``, ``math_verify``, ``format``,
-  ``overlong``, ``code_tests``, ``reward_model``) and ``per_sample``; ``sample``: ``Sample`` and ``Scored``.
+  ``overlong``, ``code_tests``, ``reward_model``, ``llm_judge``, ``tool_cost``) and ``per_sample``; ``sample``:
+  ``Sample`` and ``Scored``.
 - ``learned``: the ``reward_model`` reward (a trained reward model, loaded once per process); ``ensemble``: its
   math (mean / WCO / UWO over members, Clip / Delta over steps); ``audit_learned``: the reward audit's section on
   learned rewards (agreement with the verifier, quantiles, hacks).
@@ -26,6 +27,7 @@ from posttrain.rewards.builtin import (
     math_verify,
     overlong,
     per_sample,
+    tool_cost,
 )
 from posttrain.rewards.pool import RewardPool
 from posttrain.rewards.scoring import (
@@ -44,4 +46,4 @@ from posttrain.rewards.scoring import (
 
 __all__ = ["ERROR_KEY", "REWARDS", "WHY_KEY", "RewardPool", "Sample", "Scored", "Spec", "code_tests", "combine",
            "correct", "format_reward", "is_correct", "is_learned", "math_verify", "overlong", "pass_rates",
-           "per_sample", "resolve", "sample_of", "score_rows", "specs_of"]
+           "per_sample", "resolve", "sample_of", "score_rows", "specs_of", "tool_cost"]

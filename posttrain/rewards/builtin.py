@@ -109,6 +109,22 @@ def overlong(s: Sample, buffer: int = 16) -> float:
     return -1.0
 
 
+def tool_cost(s: Sample, only_correct: bool = True) -> float | None:
+    """Minus the number of tool calls; its weight is the cost per call (``{name: tool_cost, weight: 0.05}``: a
+    correct answer with 2 calls totals 1 - 0.1 = 0.9 beside ``correct``). OTC (Wang et al. 2025, "Acting Less is
+    Reasoning More") charges calls only on correct answers, so a model is never pushed to skip a call it needs and
+    fail: ``only_correct`` (default) does so (0 for an incorrect answer; None when correctness is unscorable)."""
+    if s.tool_calls == 0:
+        return 0.0
+    if only_correct:
+        ok = correct(s)
+        if ok is None:
+            return None
+        if not ok:
+            return 0.0
+    return -float(s.tool_calls)
+
+
 REWARDS: dict[str, BatchReward] = {
     "correct": correct,
     "math_verify": math_verify,
@@ -117,4 +133,5 @@ REWARDS: dict[str, BatchReward] = {
     "code_tests": code_tests,
     "reward_model": reward_model,  # a batch reward: posttrain.rewards.learned
     "llm_judge": llm_judge,  # a batch reward: posttrain.rewards.judge
+    "tool_cost": per_sample(tool_cost),
 }

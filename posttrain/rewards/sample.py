@@ -18,6 +18,7 @@ class Sample:
     max_new_tokens: int
     finish_reason: str = "stop"
     prompt: str = ""  # (the code task runs prompt + completion)
+    tool_calls: int = 0  # tool calls the completion made (multi-turn tool rollouts; 0 single-turn)
 
 
 class Scored(NamedTuple):

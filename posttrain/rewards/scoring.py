@@ -125,7 +125,7 @@ def sample_of(r: dict[str, Any]) -> Sample:
     """What a reward sees of a rollout row (``num_tokens``, when given, spares reading ``token_ids``)."""
     n = r["num_tokens"] if "num_tokens" in r else len(r["token_ids"])
     return Sample(r["completion"], r["answer"], r["task"], n, r["max_new_tokens"], r["finish_reason"],
-                  r.get("prompt", ""))
+                  r.get("prompt", ""), int(r.get("tool_calls") or 0))
 
 
 def score_rows(rows: Sequence[dict[str, Any]], specs: Sequence[Any], pool: Any = None) -> list[dict[str, Any]]:

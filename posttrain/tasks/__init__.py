@@ -30,6 +30,8 @@ class Task:
     guard: Callable[[str], str | None]  # completion -> why it can never earn reward (hedge, several answers...)
     generate: Callable[[random.Random, Any], tuple[str, str, str]] | None = None  # (rng, task cfg) -> problem
     answer_is_tests: bool = False  # the gold is test source (bounded by validation.max_tests_chars)
+    # prompt -> (tool, argument) a tool-use SFT demo calls (then answers directly); None: no tool demo for the task
+    tool_call: Callable[[str], tuple[str, str] | None] | None = None
 
 
 def _each(verify: Callable[[str, str], bool | None], items: Sequence[Check]) -> list[bool | None]:
@@ -44,7 +46,8 @@ def _arith_problem(rng: random.Random, cfg: Any) -> tuple[str, str, str]:
 
 TASKS: dict[str, Task] = {
     "arith": Task(verify=functools.partial(_each, arith.verify), gold_ok=arith.gold_ok, render=arith.render,
-                  extract=arith.extract_answer, guard=arith.guard, generate=_arith_problem),
+                  extract=arith.extract_answer, guard=arith.guard, generate=_arith_problem,
+                  tool_call=arith.tool_call),
     "code": Task(verify=codeexec.verify_many, gold_ok=code.gold_ok, render=code.render, extract=code.extract,
                  guard=code.guard, generate=code.generate, answer_is_tests=True),
     "math": Task(verify=functools.partial(_each, mathfmt.verify), gold_ok=mathfmt.gold_ok, render=mathfmt.render,

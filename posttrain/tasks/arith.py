@@ -98,6 +98,12 @@ def verify(gold: str, completion: str) -> bool | None:
     return pred is not None and pred == _canon(gold.strip())
 
 
+def tool_call(prompt: str) -> tuple[str, str] | None:
+    """The calculator call a tool-use demo makes for ``prompt``: ``'4738*7='`` -> ``('calc', '4738*7')``."""
+    ops = parse_prompt(prompt)
+    return None if ops is None else ("calc", f"{ops[0]}*{ops[1]}")
+
+
 def render(prompt: str, answer: str, solution: str | None, style: str) -> str:
     """The demonstration completion: ``cot`` (full solution) or ``direct`` (bare answer)."""
     if style == "direct":

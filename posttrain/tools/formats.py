@@ -1,7 +1,8 @@
 """How a tool call looks in a completion and how its observation is rendered: the FORMATS registry.
 
 A :class:`Format` has one closing tag (``stop``: the stop string that ends a turn at a call), ``parse(text)`` (the
-turn's text -> the :class:`Call` in it) and ``render(output)`` (the observation text appended after the call).
+turn's text -> the :class:`Call` in it), ``render(output)`` (the observation text appended after the call) and
+``call(name, arg)`` (a call as the model writes it: what a tool-use SFT demo shows, ``posttrain.sft_data``).
 
 - ``tag``: ``<tool=NAME>ARG</tool>`` answered by ``<obs>OUTPUT</obs>``; for models without a tool-calling chat
   template (the tiny default: 28 characters of tags per call and observation in its 128-character context).
@@ -27,11 +28,16 @@ class Call:
     error: str = ""
 
 
+def _tag_call(name: str, arg: str) -> str:
+    return f"<tool={name}>{arg}</tool>"
+
+
 @dataclass(frozen=True)
 class Format:
     stop: str  # the closing tag: generation stops right after it
     parse: Callable[[str], Call | None]  # None: the text holds no complete call
     render: Callable[[str], str]  # tool output -> observation text
+    call: Callable[[str, str], str] = _tag_call  # (tool name, argument) -> the call's text, closing tag included
 
 
 TAG_RE = re.compile(r"<tool=([^>\s]*)>([\s\S]*?)</tool>")
@@ -72,9 +78,16 @@ def _parse_qwen(text: str) -> Call | None:
     return Call(obj["name"], str(args))
 
 
+ARG_KEYS = {"python": "code", "calc": "expression"}  # the JSON key a qwen call's argument is written under
+
+
+def _qwen_call(name: str, arg: str) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": {ARG_KEYS.get(name, "input"): arg}}) + "</tool_call>"
+
+
 FORMATS: dict[str, Format] = {
-    "tag": Format("</tool>", _parse_tag, lambda out: f"<obs>{out}</obs>"),
+    "tag": Format("</tool>", _parse_tag, lambda out: f"<obs>{out}</obs>", _tag_call),
     "qwen": Format("</tool_call>", _parse_qwen,
                    lambda out: ("<|im_end|>\n<|im_start|>user\n<tool_response>\n" + out
-                                + "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")),
+                                + "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"), _qwen_call),
 }

@@ -32,7 +32,7 @@ from posttrain import seeds
 from posttrain.config import ToolsCfg
 from posttrain.rollout.base import Completion, RolloutBackend, SamplingParams
 from posttrain.tools.builtin import TOOLS, ToolContext
-from posttrain.tools.formats import FORMATS, Call
+from posttrain.tools.formats import FORMATS, Call, Format
 
 
 def observe(call: Call, names: list[str], ctx: ToolContext, max_chars: int) -> str:
@@ -47,6 +47,12 @@ def observe(call: Call, names: list[str], ctx: ToolContext, max_chars: int) -> s
     else:
         out = TOOLS[call.name](call.arg, ctx)
     return out.strip()[:max_chars]
+
+
+def observation_ids(tok: Any, fmt: Format, out: str) -> list[int]:
+    """The token ids of the observation of tool output ``out``, exactly as the loop appends them (the format's
+    rendering tokenized once, ``add_special_tokens=False``); a tool-use SFT demo shows these same ids."""
+    return list(tok(fmt.render(out), add_special_tokens=False)["input_ids"])
 
 
 @dataclasses.dataclass
@@ -129,7 +135,7 @@ class ToolBackend:
         with ThreadPoolExecutor(self.workers, thread_name_prefix="tool") as ex:
             outs = list(ex.map(lambda c: observe(c, self.cfg.names, self.ctx, self.cfg.max_obs_chars), calls))
         for r, out in zip(live, outs, strict=True):
-            ids = list(self.tok(self.fmt.render(out), add_special_tokens=False)["input_ids"])  # once; kept as ids
+            ids = observation_ids(self.tok, self.fmt, out)  # tokenized once; kept as ids
             room = cap - len(r.tokens)
             if len(ids) >= room:
                 ids, r.finish = ids[:room], "length"
