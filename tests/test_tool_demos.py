@@ -110,16 +110,15 @@ def test_tool_cost_is_minus_the_calls_of_a_correct_answer():
     right = Sample("<tool=calc>12*3</tool><obs>36</obs>answer: 36", "36", "arith", 40, 64, tool_calls=2)
     wrong = Sample("<tool=calc>12*3</tool><obs>36</obs>answer: 35", "36", "arith", 40, 64, tool_calls=2)
     none = Sample("answer: 36", "36", "arith", 10, 64)
-    assert (tool_cost(right), tool_cost(wrong), tool_cost(none)) == (-2.0, 0.0, 0.0)
-    assert tool_cost(wrong, only_correct=False) == -2.0
-    assert tool_cost(Sample("answer: 1", "x", "arith", 9, 64, tool_calls=1)) is None  # gold unscorable
+    assert tool_cost([right, wrong, none]) == [-2.0, 0.0, 0.0]  # one batch: the verifier sees right and wrong only
+    assert tool_cost([wrong], only_correct=False) == [-2.0]
+    assert tool_cost([Sample("answer: 1", "x", "arith", 9, 64, tool_calls=1)]) == [None]  # gold unscorable
     specs = specs_of([RewardSpec(name="correct"), RewardSpec(name="tool_cost", weight=0.05)])
-    assert combine(right, specs)[0] == pytest.approx(0.9)
-    assert combine(wrong, specs)[0] == pytest.approx(0.0)
+    totals = [t for t, _ in combine([right, wrong], specs)]
+    assert totals == [pytest.approx(0.9), pytest.approx(0.0)]
     off = specs_of([RewardSpec(name="correct"), RewardSpec(name="tool_cost", weight=0.05,
                                                            kwargs={"only_correct": False})])
-    assert combine(wrong, off)[0] == pytest.approx(-0.1)
-
+    assert combine([wrong], off)[0][0] == pytest.approx(-0.1)
 
 def test_the_tools_profile_loads():
     """profiles/tools.yaml: tools on (calc), half the SFT demos tool calls, the distill stage's sampling off."""

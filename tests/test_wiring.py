@@ -3,8 +3,11 @@
 import ast
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import REPO, repo_params
+
+from posttrain.config import parse_params
 
 RAW = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
 DVC = {name: st.get("do", st) for name, st in RAW.items()}  # a foreach stage's body (evaluate: one per model)
@@ -123,3 +126,10 @@ def test_every_dvc_param_is_written_in_every_params_file():
                 for part in key.split("."):
                     assert isinstance(node, dict) and part in node, f"{f.name}: {key} (a dvc param of {name}) missing"
                     node = node[part]
+
+
+@pytest.mark.parametrize("f", sorted((REPO / "profiles").glob("*.yaml")), ids=lambda f: f.name)
+def test_every_profile_loads(f):
+    """A profile is a whole params file users copy over params.yaml: it must load as it is (a section added to
+    params.yaml and not to a profile made profiles/tools.yaml fail at load: paths.judge_cache missing; watched)."""
+    parse_params(yaml.safe_load(f.read_text()))

@@ -109,20 +109,20 @@ def overlong(s: Sample, buffer: int = 16) -> float:
     return -1.0
 
 
-def tool_cost(s: Sample, only_correct: bool = True) -> float | None:
+def tool_cost(samples: Sequence[Sample], only_correct: bool = True) -> list[Value | Exception]:
     """Minus the number of tool calls; its weight is the cost per call (``{name: tool_cost, weight: 0.05}``: a
     correct answer with 2 calls totals 1 - 0.1 = 0.9 beside ``correct``). OTC (Wang et al. 2025, "Acting Less is
     Reasoning More") charges calls only on correct answers, so a model is never pushed to skip a call it needs and
-    fail: ``only_correct`` (default) does so (0 for an incorrect answer; None when correctness is unscorable)."""
-    if s.tool_calls == 0:
-        return 0.0
-    if only_correct:
-        ok = correct(s)
-        if ok is None:
-            return None
-        if not ok:
-            return 0.0
-    return -float(s.tool_calls)
+    fail: ``only_correct`` (default) does so (0 for an incorrect answer; None when correctness is unscorable).
+    A batch reward: the verifier runs once over the samples that called a tool, none other."""
+    callers = [i for i, s in enumerate(samples) if s.tool_calls]
+    verdicts = dict(zip(callers, correct([samples[i] for i in callers]), strict=True)) if only_correct else {}
+    out: list[Value | Exception] = []
+    for i, s in enumerate(samples):
+        ok = verdicts.get(i, True) if s.tool_calls else None
+        out.append(0.0 if not s.tool_calls else ok if isinstance(ok, Exception) else None if ok is None
+                   else 0.0 if not ok else -float(s.tool_calls))
+    return out
 
 
 REWARDS: dict[str, BatchReward] = {
@@ -133,5 +133,5 @@ REWARDS: dict[str, BatchReward] = {
     "code_tests": code_tests,
     "reward_model": reward_model,  # a batch reward: posttrain.rewards.learned
     "llm_judge": llm_judge,  # a batch reward: posttrain.rewards.judge
-    "tool_cost": per_sample(tool_cost),
+    "tool_cost": tool_cost,  # a batch reward (the verifier over the callers at once)
 }
