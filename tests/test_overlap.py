@@ -216,3 +216,37 @@ def test_two_generators_one_version_ahead_with_the_techniques_that_work_under_ov
     assert all(0.2 <= float(r["pg_tokens"]) < 0.3 for r in rows if r["updated"] == "1")
     assert sum("reference reset" in r.message for r in caplog.records) == 3
     assert not multiprocessing.active_children()
+
+
+def test_a_crashed_async_run_resumes_with_no_prompt_skipped_or_repeated(upstream, tmp_path, monkeypatch):
+    """Killed (here: an error) in the update of step 4 with a checkpoint after step 2: the re-run resumes at
+    step 2, the steps after it are sampled again (step s's prompts and seeds are a function of s), and every
+    step's shard holds the same (prompt, sample, seed) rows, once each, as an uninterrupted run's. What may
+    differ under k > 0 is the version each resampled step used (timing), hence the tokens and the weights."""
+    from posttrain.rl import update
+
+    raw = {**upstream, "rl": {**upstream["rl"], "steps": 5, "checkpoint_every": 2,
+                              "overlap": {"max_staleness": 1, "generators": 2}}}
+    straight, out_s = _run_rl(raw, tmp_path / "straight")
+    real, calls = update.update_from_groups, []
+
+    def dies_in_step_4(*a, **kw):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("killed in step 4")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(update, "update_from_groups", dies_in_step_4)
+    with pytest.raises(RuntimeError, match="killed in step 4"):
+        _run_rl(raw, tmp_path / "resumed")
+    monkeypatch.setattr(update, "update_from_groups", real)
+    resumed, out_r = _run_rl(raw, tmp_path / "resumed")
+    assert resumed["resumed_from_step"] == 2 and resumed["shards"] == 5 and resumed["samples"] == straight["samples"]
+
+    def keys(out, step):
+        return [(r["prompt_id"], r["sample"], r["seed"], r["step"])
+                for r in read_parquet(out["rl_dir"] / "shards" / f"step_{step:05d}.parquet")]
+
+    for step in range(1, 6):
+        assert keys(out_r, step) == keys(out_s, step)
+        assert len(set(keys(out_r, step))) == len(keys(out_r, step))

@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from posttrain.rl.select import PromptCursor
 from posttrain.rollout import BACKENDS, RolloutBackend
 
 PUT_TIMEOUT_S = 0.5
+JOIN_S = 10.0  # seconds a stopping generator may take to finish its step
 
 
 @dataclass(frozen=True)
@@ -135,12 +137,19 @@ class Generators:
             return Item(msg[0], msg[1], pickle.loads(msg[2]), msg[3])
 
     def __exit__(self, *exc: object) -> None:
+        """Stop the generators; drain what they queued meanwhile (a process exits only once its queued data is
+        in the pipe), then terminate any still busy after ``JOIN_S`` (inside a long step)."""
         self.stop.set()
+        deadline = time.time() + JOIN_S
+        while any(p.is_alive() for p in self.procs) and time.time() < deadline:
+            try:
+                self.queue.get(timeout=0.05)
+            except queue.Empty:
+                pass
         for proc in self.procs:
-            proc.join(timeout=10)
             if proc.is_alive():
                 proc.terminate()
-                proc.join()
+            proc.join()
         self.queue.cancel_join_thread()
         self.queue.close()
 
