@@ -151,6 +151,7 @@ def _run_rl(raw, root: Path):
     """rl.run on ``raw`` (the upstream fixture's inputs) with its outputs under ``root``."""
     p = parse_params(raw)
     out = {k: root / k for k in ("model", "rl_dir", "checkpoints", "report_dir")} | {"metrics": root / "rl.json"}
+    torch.manual_seed(p.seed)  # as stage_main does: LoRA's adapters are initialised from torch's global RNG
     return rl.run(p, rl.paths(p)[0], out), out
 
 
@@ -170,11 +171,14 @@ def _weights(out) -> dict[str, torch.Tensor]:
 TIMING = {"samples_per_s", "gen_s", "reward_s", "update_s"}
 
 
-def test_max_staleness_0_is_the_synchronous_loop_bit_for_bit(upstream, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_max_staleness_0_is_the_synchronous_loop_bit_for_bit(upstream, tmp_path, lora):
     """k = 0 with a generator process: every step waits for its own weights, so the final weights, the shards
-    (less the version column) and every logged metric but the timings equal the synchronous loop's."""
-    sync, out_s = _run_rl(upstream, tmp_path / "sync")
-    raw = {**upstream, "rl": {**upstream["rl"], "overlap": {"max_staleness": 0}}}
+    (less the version column) and every logged metric but the timings equal the synchronous loop's (also with
+    LoRA: the generator builds the same adapter-wrapped model and loads the trainer's state into it)."""
+    base = {**upstream, "model": {**upstream["model"], "lora": {} if lora else None}}
+    sync, out_s = _run_rl(base, tmp_path / "sync")
+    raw = {**base, "rl": {**base["rl"], "overlap": {"max_staleness": 0}}}
     asy, out_a = _run_rl(raw, tmp_path / "async")
     ws, wa = _weights(out_s), _weights(out_a)
     assert ws.keys() == wa.keys() and all(torch.equal(ws[n], wa[n]) for n in ws)
@@ -250,3 +254,21 @@ def test_a_crashed_async_run_resumes_with_no_prompt_skipped_or_repeated(upstream
     for step in range(1, 6):
         assert keys(out_r, step) == keys(out_s, step)
         assert len(set(keys(out_r, step))) == len(keys(out_r, step))
+
+
+def test_the_loops_correction_call_site_is_decoupled_ppo_under_overlap():
+    """Under rl.overlap the update's old log-probs are the trainer's weights at the step's start (the proximal
+    policy) and the sampler's are the behaviour policy's, k versions older: ppo_clip against the first times a
+    correction's weight exp(prox - behav) is AReaL's decoupled objective. With icepop's band [1e-6, cap] it equals
+    ``corrections.decoupled_ppo_loss`` with ``cap`` (a weight over the cap drops the token). By hand, with
+    logp = prox (ratio 1, nothing clipped), A = 1: prox - behav = 0.5, -2, 2 -> w = e^0.5 = 1.6487,
+    e^-2 = 0.1353, e^2 = 7.389 > 5 -> 0; loss = -A * w = -1.6487, -0.1353, 0."""
+    from posttrain import algos, corrections
+
+    prox = torch.tensor([[-1.0, -2.0, -0.5]])
+    behav = prox - torch.tensor([[0.5, -2.0, 2.0]])
+    mask, adv, cfg = torch.ones(1, 3), torch.tensor([1.0]), algos.LossCfg(0.2, 0.28, None)
+    loss, _ = algos.ppo_clip(prox.clone(), prox, adv, cfg)
+    loop = loss * corrections.CORRECTIONS["icepop"](prox, behav, mask, low=1e-6, high=5.0).weights
+    areal, _ = corrections.decoupled_ppo_loss(prox.clone(), prox, behav, adv, mask, cfg, cap=5.0)
+    assert torch.allclose(loop, areal) and torch.allclose(loop, torch.tensor([[-1.6487, -0.1353, 0.0]]), atol=1e-4)
