@@ -18,6 +18,10 @@ Every ``checkpoint_every`` steps a resumable checkpoint (model, optimizer, RNG, 
 goes to ``paths.rl_checkpoints`` together with the shards so far (not DVC outs, so a re-run after a crash
 finds them and continues without repeating or skipping a step).
 
+Asynchronous (``rl.overlap``, ``posttrain.rl.overlap``): generator processes sample and score whole steps with
+weights published by version after every update, at most ``max_staleness`` versions old; the trainer takes
+them in step order from a bounded queue, and the shards gain each sample's ``version``.
+
 Several processes (``runtime.distributed``): the same command relaunches under torchrun; each rank generates
 and scores its share of every step's prompts (whole groups) and keeps those rows: only per-sample scalars
 (reward, correctness, length) are gathered, so every rank takes the same decisions; each trains on the samples

@@ -107,6 +107,23 @@ def test_a_step_arriving_twice_is_a_bug():
         feed.take(1)
 
 
+def test_weight_store_publishes_versions_whole_and_loads_the_newest_allowed(tmp_path):
+    """Versions 0..3 published (each weight = its version); only the two newest are kept; acquire(need) loads
+    the newest when it is >= need, returns at once when the model already holds it, and waits (here: stops)
+    when none is new enough."""
+    from posttrain.rl.overlap import WeightStore
+
+    store, src, dst = WeightStore(tmp_path), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    for v in range(4):
+        torch.nn.init.constant_(src.weight, float(v))
+        store.publish(src, v)
+    assert store.versions() == [2, 3] and not list(tmp_path.glob(".*"))
+    assert store.acquire(1, dst, None, lambda: False) == 3 and torch.all(dst.weight == 3.0)
+    torch.nn.init.constant_(dst.weight, -1.0)
+    assert store.acquire(3, dst, 3, lambda: False) == 3 and torch.all(dst.weight == -1.0)  # held: not reloaded
+    assert store.acquire(4, dst, 3, lambda: True) is None
+
+
 # ----------------------------------------------------------------------------------------- the refusals
 @pytest.mark.parametrize("edit,key", [
     ({"rl": {"dynamic_sampling": "refill"}}, "rl.dynamic_sampling"),
