@@ -188,7 +188,7 @@ def _weights(out) -> dict[str, torch.Tensor]:
 TIMING = {"samples_per_s", "gen_s", "reward_s", "update_s"}
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_max_staleness_0_is_the_synchronous_loop_bit_for_bit(upstream, tmp_path, lora):
     """k = 0 with a generator process: every step waits for its own weights, so the final weights, the shards
     (less the version column) and every logged metric but the timings equal the synchronous loop's (also with
@@ -239,6 +239,7 @@ def test_two_generators_one_version_ahead_with_the_techniques_that_work_under_ov
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.slow
 def test_a_crashed_async_run_resumes_with_no_prompt_skipped_or_repeated(upstream, tmp_path, monkeypatch):
     """Killed (here: an error) in the update of step 4 with a checkpoint after step 2: the re-run resumes at
     step 2, the steps after it are sampled again (step s's prompts and seeds are a function of s), and every
