@@ -10,7 +10,9 @@ make one optimizer step over them (``training.accumulate``) with full-batch toke
 - ``nll_update``: plain SFT on the sequences (hard targets: the warmup's "SFT on teacher samples").
 
 Under torchrun ``student`` is the training handle (``distributed.Dist.wrap``): each rank runs its share of
-the sequences, normalised by the global token count (``training.accumulate``).
+the sequences, normalised by the global token count (``training.accumulate``). With ``local`` the sequences
+passed are this rank's own (the distill stage keeps sampled rows on the rank that sampled them: nothing is
+gathered), possibly none; the token and sequence totals are summed over ranks.
 
 Papers: Hinton et al. 2015 (KD, forward KL); Agarwal et al. 2024 (GKD: on-policy, generalized JSD);
 "Beyond GRPO and On-Policy Distillation: a sparse-to-dense reward principle" (forward-KL warmup, then
@@ -29,7 +31,7 @@ from posttrain.logprobs import Seq, batch_tensors
 
 def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: torch.optim.Optimizer,
                       seqs: Sequence[Seq], divergence: str, beta: float, pad_id: int, micro_batch_size: int,
-                      max_grad_norm: float = 1.0, temperature: float = 1.0) -> dict[str, float]:
+                      max_grad_norm: float = 1.0, temperature: float = 1.0, local: bool = False) -> dict[str, float]:
     """One step on sum_t D(student_t, teacher_t) / tokens over completion positions, both distributions of
     logits / ``temperature`` (the sampling temperature, as in GKD/TRL). Returns the step's mean divergence,
     forward and reverse KL (diagnostics), student entropy and completion length.
@@ -62,11 +64,11 @@ def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: t
         sh, _, _ = logprobs.hidden_at_targets(model, t)  # [N, H_student]
         return logprobs.per_chunk(stats, sh, th)
 
-    n_tok = sum(len(s.completion_ids) for s in seqs)  # global: every rank holds every sequence
+    n_tok, n_seq, n_len = _totals(seqs, local)
     sums = {"loss": 0.0, "forward_kl": 0.0, "reverse_kl": 0.0, "entropy": 0.0}
 
     def loss_of(chunk: list[Seq], real: bool) -> torch.Tensor:
-        t = batch_tensors(chunk, pad_id, device)
+        t = batch_tensors(chunk or _filler(pad_id), pad_id, device)
         with torch.no_grad():
             th, _, _ = logprobs.hidden_at_targets(teacher, t)  # [N, H_teacher]
         div, fkl, rkl, ent = distributed.forward(student, student_side, t, th)
@@ -77,34 +79,48 @@ def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: t
                 sums[key] += float(v.sum())
         return loss
 
-    grad_norm = training.accumulate(student, opt, seqs, micro_batch_size, loss_of, max_grad_norm)
+    grad_norm = training.accumulate(student, opt, seqs, micro_batch_size, loss_of, max_grad_norm, local)
     sums = dict(zip(sums, d.sum(*sums.values()), strict=True))
     tok = max(n_tok, 1)
     return {"loss": sums["loss"], "forward_kl": sums["forward_kl"] / tok, "reverse_kl": sums["reverse_kl"] / tok,
-            "entropy": sums["entropy"] / tok, "grad_norm": grad_norm, "response_len": n_tok / max(len(seqs), 1)}
+            "entropy": sums["entropy"] / tok, "grad_norm": grad_norm, "response_len": n_len / max(n_seq, 1)}
 
 
 def nll_update(student: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequence[Seq], pad_id: int,
-               micro_batch_size: int, max_grad_norm: float = 1.0, temperature: float = 1.0) -> dict[str, float]:
+               micro_batch_size: int, max_grad_norm: float = 1.0, temperature: float = 1.0, local: bool = False
+               ) -> dict[str, float]:
     """One SFT step on the sequences' completions (token-mean NLL of softmax(logits / ``temperature``), the
     distribution the student will sample from). Returns loss, entropy, length."""
     d = distributed.current()
     device = next(student.parameters()).device
-    n_tok = sum(len(s.completion_ids) for s in seqs)
+    n_tok, n_seq, n_len = _totals(seqs, local)
     loss_sum, ent_sum = 0.0, 0.0
 
     def loss_of(chunk: list[Seq], real: bool) -> torch.Tensor:
         nonlocal loss_sum, ent_sum
-        t = batch_tensors(chunk, pad_id, device)
+        t = batch_tensors(chunk or _filler(pad_id), pad_id, device)
         m = t["mask"]
         logp, ent = distributed.forward(student, logprobs.token_logp_entropy, t, temperature, "detached")
-        loss = algos.aggregate(-logp, m, "token-mean", len(seqs), n_tok, 1)
+        loss = algos.aggregate(-logp, m, "token-mean", n_seq, n_tok, 1)
         if real:
             loss_sum += float(loss.detach())
             ent_sum += float((ent.detach() * m).sum())
         return loss
 
-    grad_norm = training.accumulate(student, opt, seqs, micro_batch_size, loss_of, max_grad_norm)
+    grad_norm = training.accumulate(student, opt, seqs, micro_batch_size, loss_of, max_grad_norm, local)
     loss_sum, ent_sum = d.sum(loss_sum, ent_sum)
     return {"loss": loss_sum, "entropy": ent_sum / max(n_tok, 1), "grad_norm": grad_norm,
-            "response_len": n_tok / max(len(seqs), 1)}
+            "response_len": n_len / max(n_seq, 1)}
+
+
+def _totals(seqs: Sequence[Seq], local: bool) -> tuple[int, int, int]:
+    """The global batch's model tokens (a tool rollout's observations are not the model's), sequences and
+    completion tokens (observations included: the response length): summed over ranks when ``seqs`` are
+    ``local``, else every rank holds them all."""
+    t = (sum(s.n_model_tokens() for s in seqs), len(seqs), sum(len(s.completion_ids) for s in seqs))
+    return tuple(round(x) for x in distributed.current().sum(*t)) if local else t  # type: ignore[return-value]
+
+
+def _filler(pad_id: int) -> list[Seq]:
+    """One one-token sequence: the zero-weight forward of a rank that holds no sequence (``local``)."""
+    return [Seq([pad_id], [pad_id], [0.0], 0.0)]

@@ -55,3 +55,29 @@ def pass_at_k_curves(results: dict[str, dict[str, dict[str, Any]]], ks: Sequence
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
     plt.close(fig)
+
+
+def learned_scores(by_name: dict[str, dict[str, Any]], path: Path) -> None:
+    """One panel per learned reward: histograms of its scores by the verifier's verdict (correct, incorrect,
+    unverified), on shared bins; ``by_name[name][verdict]`` is an array of scores (the reward audit's)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, len(by_name), figsize=(4.5 * len(by_name), 3.2), squeeze=False)
+    for ax, (name, by) in zip(axes[0], by_name.items(), strict=True):
+        every = np.concatenate([np.asarray(v, dtype=float) for v in by.values()])
+        bins = np.histogram_bin_edges(every, bins=30) if len(every) else 10
+        for verdict, color in (("correct", "tab:green"), ("incorrect", "tab:red"), ("unverified", "tab:gray")):
+            if len(by[verdict]):
+                ax.hist(by[verdict], bins=bins, alpha=0.55, color=color, label=f"{verdict} ({len(by[verdict])})")
+        ax.set_title(f"{name}: score by verifier verdict", fontsize=10)
+        ax.set_xlabel("learned score", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)

@@ -48,6 +48,7 @@ from posttrain.rl import collect, select, update
 from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids, generator, sample_rows
 from posttrain.runner import stage_main
 from posttrain.schema import read_problems, write_json
+from posttrain.tools import with_tools
 from posttrain.trainlog import TrainLog
 
 log = logging.getLogger("distill")
@@ -56,13 +57,18 @@ LOG_FIELDS = ["step", "phase", "loss", "forward_kl", "reverse_kl", "entropy", "r
 
 
 def _seqs(rows: list[dict[str, Any]], prompt_ids: dict[str, list[int]]) -> list[Seq]:
-    return [Seq(prompt_ids[r["prompt_id"]], list(r["token_ids"]), list(r["logprobs"]), 0.0) for r in rows]
+    """Sampled rows as sequences; a multi-turn tool rollout keeps its ``loss_mask`` (observations out of the loss)."""
+    return [Seq(prompt_ids[r["prompt_id"]], list(r["token_ids"]), list(r["logprobs"]), 0.0,
+                loss_mask=r.get("loss_mask")) for r in rows]
 
 
-def _pass_rate(rows: list[dict[str, Any]]) -> float | None:
+def _step_stats(rows: list[dict[str, Any]], d: Any) -> tuple[int, float | None, float | None]:
+    """Over every rank's rows (each rank holds the rows it sampled): how many, the share correct among the
+    scorable, the mean tool calls."""
     v = [is_correct(r["rewards"]) for r in rows]
-    v = [x for x in v if x is not None]
-    return float(np.mean(v)) if v else None
+    n, scorable, correct, calls = d.sum(len(rows), sum(x is not None for x in v), sum(x is True for x in v),
+                                        sum(r.get("tool_calls") or 0 for r in rows))
+    return round(n), (correct / scorable if scorable else None), (calls / n if n else None)
 
 
 def _student(params: Params, tok: Any, teacher: Any, device: torch.device, meta: bool = False) -> Any:
@@ -143,20 +149,25 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
                           strict=True))
     phases = ["warmup"] * cfg.warmup.steps + ["on_policy"] * cfg.on_policy.steps + ["grpo"] * cfg.grpo_steps
     opt = training.adamw(student, cfg.warmup.lr, training.DISTILL_WEIGHT_DECAY, training.ONLINE_BETAS)
+    tools = params.tools.enabled  # multi-turn tool rollouts: both samplers through the tool loop
     fp = checkpoint.fingerprint(cfg, params.rl, params.reward, params.seed, fp0,
                               modeling.checkpoint_digest(inputs["teacher"]), sorted(prompt_ids),
-                              *([] if params.rollout.backend == "hf" else [params.sampler_id()]))
+                              *([] if params.rollout.backend == "hf" else [params.sampler_id()]),
+                              *([params.tools] if tools else []))
     d_seed = params.seed + cfg.seed  # distill.seed: seeds of a distillation arm (the cold start stays fixed)
     cursor = select.PromptCursor(len(prompts), seeds.distill_cursor(d_seed))
     start, restored, cursor.pos = checkpoint.restore_loop_state(out["checkpoints"], fp, student, opt)
-    train_log = TrainLog(out["report_dir"] / "train_log.csv" if d.main else None, LOG_FIELDS)  # live: CSV + MLflow
+    train_log = TrainLog(out["report_dir"] / "train_log.csv" if d.main else None,
+                         LOG_FIELDS + ["tool_calls"] * tools)  # live: CSV + MLflow
     train_log.resume(restored)
     log_rows = train_log.rows
     # one engine per process at most (vLLM refuses a second sleep-mode engine in a process, and two engines
     # would not fit beside the trainer): the teacher -- a checkpoint folder, frozen -- samples through
     # rollout.backend; the student, built in memory and trained here, samples with the hf backend
-    s_backend = BACKENDS["hf"](d.plain(student), tok, params.rl.generate_batch_size)
-    t_backend = BACKENDS[params.rollout.backend](teacher, tok, params.rl.generate_batch_size, params.vllm_options())
+    s_backend = with_tools(BACKENDS["hf"](d.plain(student), tok, params.rl.generate_batch_size), tok, params.tools,
+                           params.sandbox)
+    t_backend = with_tools(BACKENDS[params.rollout.backend](teacher, tok, params.rl.generate_batch_size,
+                                                            params.vllm_options()), tok, params.tools, params.sandbox)
     t_backend.release()  # asleep until the teacher samples: its memory is the update's in every other step
     specs = params.reward.rewards
     t_run = time.time()
@@ -186,7 +197,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
             row.update({"loss": m.get("loss"), "entropy": m.get("entropy"), "grad_norm": m.get("grad_norm"),
                         "response_len": float(np.mean(first[:, collect.LENGTH])),
                         "sample_pass_rate": float(np.mean(correct[known] == 1)) if known.any() else None,
-                        "reward_mean": float(np.mean(reward[scorable])) if scorable.any() else None})
+                        "reward_mean": float(np.mean(reward[scorable])) if scorable.any() else None,
+                        "tool_calls": float(np.mean(first[:, collect.TOOL_CALLS]))})
         else:
             pc = cfg.warmup if phase == "warmup" else cfg.on_policy
             for g in opt.param_groups:
@@ -196,34 +208,34 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
             n_student = 0 if phase == "warmup" else round(cfg.on_policy.student_frac * len(batch))
             rows = []
             t_backend.load_weights(teacher, "teacher")  # an engine that slept at level 2 lost them
-            with amp():  # each rank samples its share of each part; every rank then holds all the rows
+            with amp():  # each rank samples and trains on its share of each part: rows are never gathered
                 for backend, part, who in ((s_backend, batch[:n_student], "student"),
                                            (t_backend, batch[n_student:], "teacher")):
                     if part:
                         mine = sample_rows(backend, tok, d.shard(part), pc.samples_per_prompt, sp, who)[0]
-                        rows += d.gather_shards(score_rows(mine, specs, pool))
+                        rows += score_rows(mine, specs, pool)
             if phase == "warmup" and cfg.warmup.filter_correct:
                 rows = [r for r in rows if is_correct(r["rewards"])]
-            row["sample_pass_rate"] = _pass_rate(rows)
+            n_rows, row["sample_pass_rate"], row["tool_calls"] = _step_stats(rows, d)
             torch.set_num_threads(rt.train_threads)
             for b in (s_backend, t_backend):
                 b.release()
             student.train()
-            if rows:
+            if n_rows:  # (every rank decides alike: a rank that kept no row runs zero-weight passes)
                 seqs = _seqs(rows, prompt_ids)
                 with amp():
                     if phase == "warmup" and cfg.warmup.targets == "hard":
                         m = distillation.nll_update(student, opt, seqs, tok.pad_token_id, cfg.micro_batch_size,
-                                                    temperature=cfg.temperature)
+                                                    temperature=cfg.temperature, local=True)
                     else:
                         div = "forward_kl" if phase == "warmup" else cfg.on_policy.divergence
                         m = distillation.divergence_update(student, teacher, opt, seqs, div, cfg.on_policy.beta,
                                                            tok.pad_token_id, cfg.micro_batch_size,
-                                                           temperature=cfg.temperature)
+                                                           temperature=cfg.temperature, local=True)
                 row.update(m)
         row["seconds"] = round(time.time() - t0, 3)
         train_log.append({k: (float(f"{row[k]:.5g}") if isinstance(row.get(k), float) else row.get(k))
-                          for k in LOG_FIELDS})
+                          for k in train_log.fields})
         done = step + 1
         if done % cfg.checkpoint_every == 0 and done < len(phases):
             checkpoint.save_loop_state(out["checkpoints"], done, fp, cursor.pos, student, opt, log_rows)
@@ -251,6 +263,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
                "student_side_seconds": round(sum(r["seconds"] for r in log_rows), 1),
                "generator": generator(params.rollout.backend) if params.rollout.backend == "hf" else
                f"teacher: {generator(params.rollout.backend)}; student: {generator('hf')}"}
+    if tools:  # mean tool calls per sampled completion over the steps
+        metrics["tool_calls"] = round(float(np.mean([r["tool_calls"] or 0 for r in log_rows])), 4)
     write_json(out["metrics"], metrics)
     shutil.rmtree(out["checkpoints"], ignore_errors=True)
     log.info("student %d params; %d distill steps in %.1fs", metrics["student_params"], len(phases), elapsed)

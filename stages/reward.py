@@ -8,8 +8,14 @@ rollouts for completions, tokens or log-probs: ``schema.join_rollouts``),
 ``paths.reward_dir/pass_rates.parquet`` (per prompt: samples, scorable, correct,
 pass rate, mean reward: what ``rl`` selects its prompts from), ``paths.reward_report_dir/audit.{json,md}``
 (reward distribution, unscorable share, per-component means, pass-rate histogram, example completions per
-reward bucket) and ``metrics/reward.json``. Fails (after writing everything) when the unscorable share
-exceeds ``reward.max_unscorable_frac``.
+reward bucket; per learned reward (``reward_model``, ``llm_judge``, or a plug-in marked ``learned``): its agreement
+with the verifier, score quantiles, the top completions it scores highest that the verifier rejects, and
+``learned_scores.png``: :mod:`posttrain.rewards.audit_learned`) and ``metrics/reward.json``; ``paths.judge_cache``,
+the ``llm_judge`` call cache (kept between runs: the judgements already paid for are not asked again; written
+even when no judge is configured, as DVC wants its outs). With ``judge.serve`` the stage serves that folder
+(``posttrain.judge.session``) while it scores; the judge's requests, cache hit rate and malformed-verdict rate go
+to the audit and the metrics (``judge_*``). Fails (after writing everything) when the unscorable share exceeds
+``reward.max_unscorable_frac``.
 
 Streaming: rollouts are read in record batches (``schema.BATCH_ROWS`` rows), each batch scored by one
 ``score_rows`` call and its reward columns written at once (``ParquetWriter``); a prompt's pass rate is written
@@ -33,10 +39,14 @@ from typing import Any
 
 import numpy as np
 
+from posttrain import plots
 from posttrain.config import Params
 from posttrain.errors import StageError
+from posttrain.judge import session as judge
 from posttrain.outputs import as_one_set
-from posttrain.rewards import ERROR_KEY, WHY_KEY, RewardPool, pass_rates, score_rows
+from posttrain.rewards import ERROR_KEY, WHY_KEY, RewardPool, is_learned, pass_rates, score_rows
+from posttrain.rewards.audit_learned import Learned
+from posttrain.rewards.audit_learned import markdown as learned_markdown
 from posttrain.runner import stage_main
 from posttrain.schema import (
     BATCH_ROWS,
@@ -57,8 +67,9 @@ class Audit:
     at a time; ``result()`` is the JSON behind audit.md. Holds counters, the first examples per bucket and running
     means (:class:`Mean`): never the rows, nor a number per sample or prompt."""
 
-    def __init__(self, n_examples: int) -> None:
+    def __init__(self, n_examples: int, learned: Sequence[str] = ()) -> None:
         self.n_examples, self.samples, self.n_prompts = n_examples, 0, 0
+        self.learned = {name: Learned(name, n_examples) for name in learned}  # learned rewards: their own section
         self.scorable = Mean()
         self.buckets: Counter[str] = Counter()
         self.guards: Counter[str] = Counter()
@@ -91,8 +102,19 @@ class Audit:
             if len(self.examples.setdefault(key, [])) < self.n_examples:
                 self.examples[key].append({"prompt_id": r["prompt_id"], "prompt": r["prompt"], "answer": r["answer"],
                                            "completion": r["completion"], "rewards": r["rewards"]})
+        for learned in self.learned.values():
+            learned.add(scored)
         # the verifiers' guards: completions refused before any equivalence check (hedges, several answers, ...)
         self.guards.update(g for r in scored if (g := get_task(r["task"]).guard(r["completion"])) is not None)
+
+    def add_group(self, group: Sequence[dict[str, Any]]) -> None:
+        """Whole prompt groups (rows with ``prompt_id`` and ``rewards``): the learned rewards' within-prompt pairs."""
+        for learned in self.learned.values():
+            start = 0
+            for i in range(1, len(group) + 1):
+                if i == len(group) or group[i]["prompt_id"] != group[start]["prompt_id"]:
+                    learned.add_group(group[start:i])
+                    start = i
 
     def add_rates(self, rates: Sequence[dict[str, Any]]) -> None:
         self.n_prompts += len(rates)
@@ -115,6 +137,7 @@ class Audit:
             "guards": dict(sorted(self.guards.items())), "examples": self.examples,
             **({"errors": dict(sorted(self.errors.items()))} if self.errors else {}),  # (absent when none)
             **({"why": dict(self.why.most_common())} if self.why else {}),
+            **({"learned": {k: v.result() for k, v in self.learned.items()}} if self.learned else {}),
         }
 
 
@@ -157,9 +180,15 @@ def audit_markdown(a: dict[str, Any]) -> str:
     if "why" in a:
         lines += ["", "Why rewards gave less than full marks (where a reward says: `code_tests` runs the tests):", "",
                   "| reward: why | samples |", "|---|---:|"] + [f"| {k} | {v} |" for k, v in a["why"].items()]
+    if "judge" in a:
+        j = a["judge"]
+        lines += ["", f"llm_judge: {j['judge_requests']} requests, cache hit rate {j['judge_hit_rate']}, malformed "
+                  f"verdicts {j['judge_malformed']} (rate {j['judge_malformed_rate']}), failed {j['judge_failed']}, "
+                  f"{j['judge_new']} new cache entries; server start {j['judge_server_startup_s']} s."]
     lines += ["", "| reward | samples |", "|---|---:|"] + [f"| {k} | {v} |" for k, v in a["reward_buckets"].items()]
     lines += ["", "| pass rate | prompts |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in a["pass_rate_histogram"].items()]
+    lines += learned_markdown(a.get("learned", {}))
     for bucket, exs in a["examples"].items():
         lines += ["", f"## reward {bucket}", ""]
         for e in exs:
@@ -175,7 +204,8 @@ LENGTHS = {"token_ids": "num_tokens"}  # ... and the completions' lengths (never
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Score. ``inputs``: rollouts. ``out``: rewards, pass_rates, report_dir, metrics."""
-    with as_one_set(out, "reward", at_once=("report_dir",)):  # a kill: the old set of outputs or the new one
+    # a kill: the old set of outputs or the new one (the judge cache is merged at once: paid judgements are kept)
+    with as_one_set(out, "reward", at_once=("report_dir", "judge_cache")):
         return _run(params, inputs, out)
 
 
@@ -189,12 +219,13 @@ def score_batches(rollouts: Path, specs: Sequence[Any], batch_rows: int, pool: R
 
 def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     cfg = params.reward
-    a = Audit(cfg.audit_examples)
+    a = Audit(cfg.audit_examples, [s.name for s in cfg.rewards if is_learned(s.name)])
     carry: list[dict[str, Any]] = []  # the samples of the last prompt seen: its group may go on in the next batch
     seen: list[np.ndarray] = []  # hashes of the prompt ids with a pass rate (8 bytes each): groups are whole
     pending: list[dict[str, Any]] = []  # pass rates not written yet
     with parquet_sink(out["rewards"], REWARD_SCHEMA) as write, \
             parquet_sink(out["pass_rates"], PASS_RATE_SCHEMA) as write_rates, \
+            judge.for_stage(params.judge, out["judge_cache"]) as js, \
             RewardPool(cfg.workers, cfg.timeout_s) as pool:
         for scored in score_batches(inputs["rollouts"], cfg.rewards, BATCH_ROWS, pool):
             write([{k: r[k] for k in REWARD_SCHEMA.names} for r in scored])
@@ -217,10 +248,17 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
         raise StageError(f"{inputs['rollouts']}: a prompt's samples are not contiguous (the rollout stage writes "
                          "each prompt's samples together; was the file written by another tool?)")
     res = a.result()
+    judged = any(s.name == "llm_judge" for s in cfg.rewards)
+    if judged:  # (absent otherwise: the default audit and metrics are unchanged)
+        res["judge"] = judge.metrics(js)
     write_json(out["report_dir"] / "audit.json", res)
     write_text(out["report_dir"] / "audit.md", audit_markdown(res))
+    if a.learned:
+        plots.learned_scores({k: v.by_verdict() for k, v in a.learned.items()},
+                             out["report_dir"] / "learned_scores.png")
     metrics = {k: res[k] for k in ("samples", "unscorable", "unscorable_frac", "reward_mean", "prompts",
                                    "pass_rate_mean", "never_solved", "always_solved")}
+    metrics |= res.get("judge", {})
     write_json(out["metrics"], metrics)
     log.info("mean reward %s, mean pass rate %s, unscorable %d", res["reward_mean"], res["pass_rate_mean"],
              res["unscorable"])
@@ -234,6 +272,7 @@ def _rates(group: list[dict[str, Any]], a: Audit, seen: list[np.ndarray]) -> lis
     """The pass rates of whole groups of samples, added to the audit."""
     rates = pass_rates(group)
     a.add_rates(rates)
+    a.add_group(group)
     seen.append(np.array([int.from_bytes(hashlib.blake2b(r["prompt_id"].encode(), digest_size=8).digest(), "little")
                           for r in rates], dtype=np.uint64))
     return rates
@@ -244,7 +283,8 @@ def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
     P = p.paths
     return {"rollouts": Path(P.rollout_dir) / "rollouts.parquet"}, {
         "rewards": Path(P.reward_dir) / "rewards.parquet", "pass_rates": Path(P.reward_dir) / "pass_rates.parquet",
-        "report_dir": Path(P.reward_report_dir), "metrics": Path(P.metrics_dir) / "reward.json"}
+        "report_dir": Path(P.reward_report_dir), "metrics": Path(P.metrics_dir) / "reward.json",
+        "judge_cache": Path(P.judge_cache)}
 
 
 def main() -> None:

@@ -53,8 +53,11 @@ def variant(dist: distributed.Dist, params: Params, policy: str, shard: str) -> 
     student = dist.wrap(modeling.load_policy(policy, params.model, torch.device("cpu"), meta=dist.loads_on_meta))
     s_opt = torch.optim.SGD(modeling.trainable_params(student), lr=1.0)  # weights move by the gradient itself
     seqs = [logprobs.Seq(prompt_ids[r["prompt_id"]], list(r["token_ids"]), list(r["logprobs"]), 0.0) for r in rows]
-    d_metrics = distillation.divergence_update(student, teacher, s_opt, seqs, "reverse_kl", 0.5, tok.pad_token_id,
-                                               cfg.micro_batch_size)
+    # as the distill stage: each rank passes the rows it sampled (local); here rank 0 holds them all and rank 1
+    # none (a rank whose samples a warmup filter dropped): it runs zero-weight passes, the step is world 1's
+    mine = seqs if dist.rank == 0 else []
+    d_metrics = distillation.divergence_update(student, teacher, s_opt, mine, "reverse_kl", 0.5, tok.pad_token_id,
+                                               cfg.micro_batch_size, local=True)
     distilled = dist.plain(student)
     return {"state": updated, "metrics": metrics, "student": distilled.state_dict(), "distill_metrics": d_metrics}
 

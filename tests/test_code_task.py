@@ -62,8 +62,8 @@ def test_verdicts_and_the_fraction_of_tests_passed():
     v = codeexec.run_tests(PROMPT, " return len(a)", TESTS, FAST)
     assert (v.passed, v.why) == (0, "tests: AssertionError")
     # no filter: [1,2,3] -> 4+5+6 = 15 (fails), [2] -> 5 (fails), [5,5] -> 16 (passes), [-1] -> 2 (passes): 2/4
-    r = combine(Sample(" return sum(x+3 for x in a)", TESTS, "code", 10, 80, "stop", PROMPT),
-                specs_of([_spec("code_tests", 1.0, {"mode": "fraction"})]))
+    [r] = combine([Sample(" return sum(x+3 for x in a)", TESTS, "code", 10, 80, "stop", PROMPT)],
+                  specs_of([_spec("code_tests", 1.0, {"mode": "fraction"})]))
     assert r == (0.5, {"code_tests": 0.5, WHY_KEY: {"code_tests": "tests: AssertionError"}})
 
 
@@ -112,7 +112,7 @@ def test_humaneval_rows_verify_by_their_own_tests():
 
 def test_correct_on_code_is_all_tests_and_is_correct_reads_code_tests():
     s = Sample(GOOD, TESTS, "code", 10, 80, "stop", PROMPT)
-    total, parts = combine(s, specs_of([_spec("correct", 1.0, {}), _spec("code_tests", 0.0, {})]))
+    [(total, parts)] = combine([s], specs_of([_spec("correct", 1.0, {}), _spec("code_tests", 0.0, {})]))
     assert total == 1.0 and parts == {"correct": 1.0, "code_tests": 1.0}
     assert is_correct(json.dumps({"code_tests": 1.0})) is True and is_correct(json.dumps({"code_tests": 0.5})) is False
     assert get_task("code").verify([(PROMPT, "x = 1", GOOD)]) == [None]  # a gold with no test: unscorable
@@ -122,7 +122,7 @@ def test_no_sandbox_refuses_the_stage_never_scores(monkeypatch):
     monkeypatch.setenv(ENV, SandboxCfg(bwrap="/nonexistent/bwrap").model_dump_json())
     s = Sample(GOOD, TESTS, "code", 10, 80, "stop", PROMPT)
     with pytest.raises(StageError, match="bwrap"):
-        combine(s, specs_of([_spec("code_tests", 1.0, {})]))
+        combine([s], specs_of([_spec("code_tests", 1.0, {})]))
 
 
 def test_code_config_bounds_and_the_context_check(tiny):

@@ -186,11 +186,6 @@ REFUSALS = {
         ({"reward_model": {"models": {"x": "data/reward"}, "verifier": "math_verify"}}, "reward_model.verifier"),
     "a `max_new_tokens` that, with the longest prompt, exceeds the model's context":
         ({"rollout": {"sampling": {"max_new_tokens": 1000}}}, "rollout.sampling.max_new_tokens"),
-    "`tools.enabled` with `rollout.backend` or `evaluate.backend` not `hf`":
-        ({"tools": {"enabled": True}, "rollout": {"backend": "vllm"}}, "rollout.backend"),
-    "`tools.enabled` with a distill phase that samples (`distill.warmup.steps`, `distill.on_policy.steps` or "
-    "`distill.grpo_steps` > 0)": ({"tools": {"enabled": True}, "distill": {"on_policy": {"steps": 3}}},
-                                 "distill.on_policy.steps"),
 }
 
 

@@ -23,15 +23,19 @@ from conftest import REPO, repo_params
 from test_rewards import ARITH_ATTACKS, COT, MATH_ATTACKS
 
 from posttrain.config import ConfigError, parse_params
-from posttrain.rewards import ERROR_KEY, RewardPool, Sample, Spec, score_rows
+from posttrain.rewards import ERROR_KEY, RewardPool, Sample, Spec, combine, score_rows
 
 PLUGIN = '''
 import math, os, signal, time
 
+from posttrain.rewards import Sample, per_sample
+
+@per_sample
 def length_bonus(sample, scale: float = 0.01):
     """A plug-in: a small bonus per token, None when the gold is empty (nothing to score against)."""
     return None if not sample.answer else scale * sample.num_tokens
 
+@per_sample
 def hang(sample):
     """Hangs as a worker stuck in C code does: deaf to SIGTERM, only SIGKILL ends it."""
     if "hang" in sample.completion:
@@ -41,17 +45,20 @@ def hang(sample):
         time.sleep(3600)
     return 0.0
 
+@per_sample
 def slow_pid(sample):
     """0.15 s a sample; the reward is the worker's pid (which workers scored it)."""
     time.sleep(0.15)
     return float(os.getpid())
 
+@per_sample
 def die(sample):
     """Kills its own worker."""
     if "die" in sample.completion:
         os._exit(7)
     return 0.0
 
+@per_sample
 def bad_values(sample):
     """Returns what is not a reward: NaN, a string, or raises."""
     if sample.completion == "nan":
@@ -60,6 +67,26 @@ def bad_values(sample):
         return "1.0"
     if sample.completion == "raise":
         raise ZeroDivisionError("boom")
+    return 1.0
+
+def batch_size(samples):
+    """A batch reward: each sample scores the size of the batch it was called with (one call per batch)."""
+    return [float(len(samples))] * len(samples)
+
+def wrong_length(samples):
+    return [1.0] * (len(samples) + 1)
+
+def not_a_list(samples):
+    return 1.0
+
+def batch_raise(samples):
+    raise KeyError("boom")
+
+def batch_stage_error(samples):
+    from posttrain.errors import StageError
+    raise StageError("refused")
+
+def one_sample(sample: Sample) -> float:
     return 1.0
 
 class NotAFunction:
@@ -324,3 +351,51 @@ def test_an_rl_step_collects_the_same_rows_with_the_pool():
     assert {k: [(r["completion"], r["rewards"]) for r in v] for k, v in pooled.rows.items()} == \
         {k: [(r["completion"], r["rewards"]) for r in v] for k, v in serial.rows.items()}
     assert len(set(serial.stats[..., 0].flatten().tolist())) > 1  # the rewards are not all one value
+
+
+def test_per_sample_and_batch_rewards_score_together_one_call_per_batch(plugin):
+    """One ``combine`` calls each reward once on the whole batch: ``batch_size`` sees all 3 samples (3.0 each)
+    while the per-sample ``correct`` scores each alone. Totals: 1.0 x correct + 0.5 x 3.0 = 2.5 for the right
+    answer, 0.0 + 1.5 = 1.5 for the wrong one, None for the unparseable gold."""
+    specs = [Spec("correct", 1.0, {}), Spec(f"{plugin}:batch_size", 0.5, {})]
+    samples = [Sample("answer: 5", "5", "arith", 5, 80), Sample("answer: 4", "5", "arith", 5, 80),
+               Sample("answer: 5", "n/a", "arith", 5, 80)]
+    got = combine(samples, specs)
+    name = f"{plugin}:batch_size"
+    assert got == [(2.5, {"correct": 1.0, name: 3.0}), (1.5, {"correct": 0.0, name: 3.0}),
+                   (None, {"correct": None, name: 3.0})]
+    with RewardPool(2, timeout_s=30) as pool:  # 3 samples, 2 workers: chunks of 1 (every worker gets work)
+        assert [p[name] for _, p in pool.score(samples, specs)] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("fn,error", [
+    ("wrong_length", "{name} returned 4 values for 3 samples"),
+    ("not_a_list", "{name} returned float, not one value per sample"),
+    ("batch_raise", "{name} raised KeyError"),
+])
+def test_a_batch_reward_that_fails_fails_its_component_for_the_batch(plugin, fn, error):
+    """A wrong length, a non-sequence or an exception: that component is None for every sample of the batch, the
+    error kept; the other components are still scored (``format`` at weight 0 is logged, never summed)."""
+    name = f"{plugin}:{fn}"
+    samples = [Sample("answer: 5", "5", "arith", 5, 80)] * 3
+    got = combine(samples, [Spec(name, 1.0, {}), Spec("format", 0.0, {})])
+    assert got == [(None, {name: None, "format": 1.0, ERROR_KEY: error.format(name=name)})] * 3
+
+
+def test_a_batch_reward_that_refuses_stops_the_stage(plugin):
+    from posttrain.errors import StageError
+
+    with pytest.raises(StageError, match="refused"):
+        combine([Sample("x", "5", "arith", 5, 80)], [Spec(f"{plugin}:batch_stage_error", 1.0, {})])
+
+
+def test_a_per_sample_reward_that_raises_fails_that_sample_alone(plugin):
+    name = f"{plugin}:bad_values"
+    got = combine([Sample(c, "5", "arith", 5, 80) for c in ("fine", "raise", "fine")], [Spec(name, 1.0, {})])
+    assert [p.get(ERROR_KEY) for _, p in got] == [None, f"{name} raised ZeroDivisionError", None]
+    assert [t for t, _ in got] == [1.0, None, 1.0]
+
+
+def test_a_one_sample_plugin_is_refused_at_load_with_the_hint(plugin):
+    with pytest.raises(ConfigError, match=r"reward.rewards\[0\].kwargs: .*takes one Sample.*per_sample"):
+        parse_params(_params_with([{"name": f"{plugin}:one_sample"}]))

@@ -23,8 +23,8 @@ COT = "8*7+0=56 6;3*7+5=26 66;7*7+2=51 166;4*7+5=33 33166;answer: 33166"
     ("33166", 0.0, 0.0),  # number without the answer marker
 ])
 def test_arith_reward_table(completion, correct, fmt):
-    assert REWARDS["correct"](_s(completion)) == correct
-    assert REWARDS["format"](_s(completion)) == fmt
+    assert REWARDS["correct"]([_s(completion)])[0] == correct
+    assert REWARDS["format"]([_s(completion)])[0] == fmt
 
 
 # Completions that must never earn reward, whatever their gold (33166 / 5), and the guard that stops each.
@@ -75,7 +75,7 @@ def test_adversarial_completions_earn_nothing_and_are_fast(completion, why):
     task, gold, mod = ("arith", "33166", arith) if (completion, why) in ARITH_ATTACKS else ("math", "5", mathfmt)
     t = time.perf_counter()
     for name in ("correct", "math_verify") if task == "math" else ("correct",):
-        assert REWARDS[name](_s(completion, answer=gold, task=task)) == 0.0, name
+        assert REWARDS[name]([_s(completion, answer=gold, task=task)])[0] == 0.0, name
     assert time.perf_counter() - t < 1.0
     assert mod.guard(completion) == why
 
@@ -87,26 +87,26 @@ def test_a_remark_about_the_boxed_answer_is_no_second_answer():
 
     ok = "The answer is \\boxed{5}. This answer is consistent with the constraints."
     assert mathfmt.guard(ok) is None
-    assert REWARDS["math_verify"](_s(ok, answer="5", task="math")) == 1.0
+    assert REWARDS["math_verify"]([_s(ok, answer="5", task="math")])[0] == 1.0
 
 
 def test_unparseable_gold_is_unscorable_not_free():
-    assert REWARDS["correct"](_s("answer: 1", answer="n/a")) is None
-    assert REWARDS["math_verify"](_s("\\boxed{1}", answer="\\frac{", task="math")) is None
+    assert REWARDS["correct"]([_s("answer: 1", answer="n/a")])[0] is None
+    assert REWARDS["math_verify"]([_s("\\boxed{1}", answer="\\frac{", task="math")])[0] is None
 
 
 @pytest.mark.parametrize("n,expected", [(10, 0.0), (64, 0.0), (72, -0.5), (80, -1.0)])
 def test_overlong_soft_punishment(n, expected):
     # L_max 80, L_cache 16: zero up to 64 tokens, then linear to -1 at 80: (80 - 16 - 72) / 16 = -0.5
-    assert REWARDS["overlong"](_s("x", n=n), buffer=16) == pytest.approx(expected)
+    assert REWARDS["overlong"]([_s("x", n=n)], buffer=16)[0] == pytest.approx(expected)
 
 
 def test_combine_weights_and_unscorable():
     specs = [SimpleNamespace(name="correct", weight=1.0, kwargs={}),
              SimpleNamespace(name="format", weight=0.1, kwargs={})]
-    total, parts = combine(_s("answer: 33166"), specs)
+    [(total, parts)] = combine([_s("answer: 33166")], specs)
     assert total == pytest.approx(1.1) and parts == {"correct": 1.0, "format": 1.0}
-    total, parts = combine(_s("answer: 1", answer="n/a"), specs)
+    [(total, parts)] = combine([_s("answer: 1", answer="n/a")], specs)
     assert total is None and parts["correct"] is None
 
 

@@ -4,6 +4,7 @@ counts and token selection (``loss_mask``), and a multi-turn step replays from i
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -171,3 +172,52 @@ def test_rollout_rl_and_evaluate_stages_run_tool_rollouts(tiny, char_format):
     assert m["steps"] == 2 and m["tool_calls"] > 0
     res = evaluate.run(p, *evaluate.paths(p, "sft"))
     assert res["eval"]["n"] > 0
+
+
+def test_distillation_losses_average_over_model_tokens_only():
+    """A sequence whose last two completion tokens are an observation: the SFT loss is the mean NLL of its two
+    model tokens (not the sum over them / 4, as when observation tokens were counted: watched fail, half the
+    loss), and the divergence loss equals that of the sequence without the observation tokens' targets."""
+    from posttrain import distillation
+
+    tok, model = _tiny()
+    prompt = chat_prompt_ids(tok, ["2+3="])[0]
+    ids = tok("ab<o", add_special_tokens=False).input_ids  # 2 model tokens, then 2 observation tokens
+    masked = Seq(prompt, ids, [0.0] * 4, 0.0, loss_mask=[1, 1, 0, 0])
+    seq = torch.tensor([prompt + ids])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=seq).logits[0, len(prompt) - 1 : -1].float(), -1)
+    nll = -lp.gather(-1, torch.tensor(ids)[:, None]).squeeze(1)  # [4]
+    m = distillation.nll_update(copy.deepcopy(model).train(), GradCapture(model.parameters()), [masked],
+                                tok.pad_token_id, 4)
+    assert m["loss"] == pytest.approx(float(nll[:2].mean()), rel=1e-5)  # (nll_a + nll_b) / 2
+    teacher = build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64), tok, 1)
+    two = Seq(prompt, ids[:2], [0.0] * 2, 0.0)  # the same two model tokens, nothing after
+    got = [distillation.divergence_update(copy.deepcopy(model).train(), teacher, GradCapture(model.parameters()), [s],
+                                          "reverse_kl", 0.5, tok.pad_token_id, 4)["loss"] for s in (masked, two)]
+    assert got[0] == pytest.approx(got[1], rel=1e-5)
+
+
+def test_the_distill_stage_samples_through_the_tool_loop_and_masks_observations(tiny, char_format, monkeypatch):
+    """tools.enabled in distill: teacher (warmup) and student (on-policy, grpo) samples come from the tool loop,
+    every sequence the divergence sees carries its loss mask, and the distill log has a tool_calls column."""
+    from posttrain import distillation
+    from stages import curate, distill, sft
+
+    tiny["tools"].update(enabled=True, names=["calc"])
+    tiny["distill"]["warmup"].update(steps=1, targets="soft")
+    tiny["distill"]["on_policy"]["steps"] = 1
+    tiny["distill"]["grpo_steps"] = 1
+    p = parse_params(tiny)
+    seen = []
+    real = distillation.divergence_update
+    monkeypatch.setattr(distillation, "divergence_update", lambda st, te, opt, seqs, *a, **k: (
+        seen.extend(seqs), real(st, te, opt, seqs, *a, **k))[1])
+    curate.run(p, *curate.paths(p))
+    sft.run(p, *sft.paths(p))
+    shutil.copytree(p.paths.sft_model, p.paths.rl_model)  # the teacher: here the SFT model (rl is not the subject)
+    m = distill.run(p, *distill.paths(p))
+    assert seen and all(s.loss_mask is not None and len(s.loss_mask) == len(s.completion_ids) for s in seen)
+    assert any(0 in s.loss_mask.tolist() for s in seen)  # an observation, kept out of the divergence
+    log = (Path(p.paths.distill_report_dir) / "train_log.csv").read_text().splitlines()
+    assert log[0].endswith(",tool_calls") and len(log) == 4 and m["tool_calls"] > 0

@@ -221,3 +221,62 @@ def test_one_engine_per_rank_under_torchrun_with_external_launcher(folder, tmp_p
     assert all(x["max_gap"] < 1e-4 for x in ranks), [x["max_gap"] for x in ranks]  # each engine: its own trainer
     # one request, one seed on both ranks: what differs is each engine's weights, its own rank's
     assert (ranks[0]["tokens"], ranks[0]["logprobs"]) != (ranks[1]["tokens"], ranks[1]["logprobs"])
+
+
+def _teach(model: torch.nn.Module, tok, transcripts: dict[str, str], steps: int = 200) -> torch.nn.Module:
+    """A copy of ``model`` trained (AdamW, completion tokens only) to write each prompt's transcript, tool call
+    and observation included: a policy that calls tools, as the SFT stage's tool demos teach one."""
+    import copy
+
+    torch.manual_seed(0)
+    m = copy.deepcopy(model).train()
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    seqs = []
+    for p, t in transcripts.items():
+        prompt = chat_prompt_ids(tok, [p])[0]
+        ids = prompt + tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id]
+        seqs.append((torch.tensor([ids]), torch.tensor([[-100] * len(prompt) + ids[len(prompt):]])))
+    for _ in range(steps):
+        for ids, labels in seqs:
+            m(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return m.eval()
+
+
+def test_tool_rollouts_on_the_engine_equal_the_hf_backends_and_mask_observations(engine):
+    """Multi-turn tool rollouts through the real engine: the closing tag is a vLLM stop string of the call, the
+    turn's ids keep it, the observation's ids are appended and the engine continues from prompt + every id so far.
+    Greedy transcripts equal the hf backend's token for token; sampled ones carry the trainer's log-prob on every
+    model token and 0 on observation tokens. Before the backend passed the call's stop strings to vLLM, the engine
+    ran past the tag and wrote its own observation as model tokens: "<tool=calc>2+3</tool><obs>5</obs>5<obs>5</obs>5",
+    no tool called (watched)."""
+    from posttrain.config import ToolsCfg
+    from posttrain.tools import ToolBackend, ToolContext
+
+    model, tok, backend = engine
+    taught = _teach(model, tok, {"2+3=": "<tool=calc>2+3</tool><obs>5</obs>5",
+                                 "4*6=": "<tool=calc>4*6</tool><obs>24</obs>24"})
+    backend.load_weights(taught, "tool-demo")
+    try:
+        cfg, ctx = ToolsCfg(enabled=True, names=["calc"]), ToolContext(sandbox=lambda: pytest.fail("calc only"))
+        on_engine = ToolBackend(backend, tok, cfg, ctx)
+        on_hf = ToolBackend(BACKENDS["hf"](taught, tok, 8), tok, cfg, ctx)
+        ids = chat_prompt_ids(tok, ["2+3=", "4*6="])
+        greedy = SamplingParams(0.0, 1.0, 48, 0)
+        a = [c for g in on_engine.generate(ids, 1, greedy) for c in g]
+        b = [c for g in on_hf.generate(ids, 1, greedy) for c in g]
+        assert [c.text for c in a] == ["<tool=calc>2+3</tool><obs>5</obs>5", "<tool=calc>4*6</tool><obs>24</obs>24"]
+        assert [(c.token_ids, c.loss_mask, c.tool_calls, c.finish_reason) for c in a] == \
+            [(c.token_ids, c.loss_mask, c.tool_calls, c.finish_reason) for c in b]
+        assert [c.loss_mask.count(0) for c in a] == [len("<obs>5</obs>"), len("<obs>24</obs>")]
+        sampled = on_engine.generate(ids, 4, SamplingParams(1.0, 1.0, 48, 1))
+        assert sum(c.tool_calls for g in sampled for c in g) >= 4
+        for p, g in zip(ids, sampled, strict=True):
+            for c in g:
+                m = torch.tensor(c.loss_mask, dtype=torch.bool)
+                lp = trainer_logprobs(taught, p, c.token_ids)
+                assert torch.allclose(lp[m], torch.tensor(c.logprobs)[m], atol=1e-4)
+                assert all(x == 0.0 for x, k in zip(c.logprobs, c.loss_mask, strict=True) if not k)
+    finally:
+        backend.load_weights(model, "after-tools")

@@ -21,6 +21,7 @@ from posttrain.config.curate import (
 )
 from posttrain.config.distill import Distill, DistillOnPolicy, DistillPhase, DistillWarmup
 from posttrain.config.evaluate import Evaluate, Report
+from posttrain.config.judge import Judge, LlmJudgeKwargs
 from posttrain.config.model import LoraCfg, ModelCfg, PromptCfg, TinyModel
 from posttrain.config.overrides import Edit, parse_overrides, render_overrides
 from posttrain.config.params import Params, load_params, parse_params, read_yaml, stage_metrics
@@ -40,7 +41,8 @@ from posttrain.config.tracking import TrackingCfg
 __all__ = [
     "ArithTask", "BATCH_BASELINE", "BenchmarkSpec", "CORRECTION_KWARGS", "CodeTask", "ConfigError", "CorrectionSpec",
     "Curate", "CurateEval", "Decontam", "Dedup", "Distill", "DistillOnPolicy", "DistillPhase", "DistillWarmup",
-    "Distributed", "EXIT_CONFIG_ERROR", "Edit", "Evaluate", "FileSource", "HubSource", "KL_IN_REWARD", "LoraCfg",
+    "Distributed", "EXIT_CONFIG_ERROR", "Edit", "Evaluate", "FileSource", "HubSource", "Judge", "KL_IN_REWARD",
+    "LlmJudgeKwargs", "LoraCfg",
     "MathTask", "ModelCfg", "NOT_RESULT", "Params", "Paths", "PrefectCfg", "PromptCfg", "RefReset", "Refusal", "Report",
     "Reward", "RewardModel", "RewardSpec", "Rl", "RlSampling", "RlSelect", "Rollout", "Runtime", "Sampling",
     "SandboxCfg", "Section", "Sft", "SftPhase", "SourceSpec", "SyntheticSource", "TaskSpec", "Tis", "TinyModel",

@@ -8,7 +8,12 @@ keys (a registry that gains a function without its name here fails that test, no
 
 from __future__ import annotations
 
-REWARDS = ("correct", "math_verify", "format", "overlong", "code_tests")  # posttrain.rewards.REWARDS
+REWARDS = ("correct", "math_verify", "format", "overlong", "code_tests", "reward_model",
+           "llm_judge")  # posttrain.rewards.REWARDS
+LEARNED_REWARDS = ("reward_model", "llm_judge")  # rewards a model gives (not a verifier): the audit's learned section
+RM_COMBINES = ("mean", "wco", "uwo", "uwo_std")  # posttrain.rewards.ensemble.COMBINES
+RM_STEPS = ("off", "raw", "clip", "delta")  # off, or a key of posttrain.rewards.ensemble.STEP_TRANSFORMS
+JUDGE_VERDICTS = ("score", "binary")  # posttrain.judge.verdict.VERDICTS
 TASKS = ("arith", "code", "math")  # posttrain.tasks.TASKS
 GENERATED_TASKS = ("arith", "code")  # tasks with a generator (a synthetic source; the default eval split)
 FORMATS = ("gsm8k", "math", "generic", "humaneval")  # posttrain.sources.ADAPTERS: row formats of files and hub sets

@@ -19,6 +19,7 @@ from posttrain.config.base import MAX_SEED, ConfigError, Refusal, Section, shown
 from posttrain.config.curate import Curate, SyntheticSource
 from posttrain.config.distill import Distill
 from posttrain.config.evaluate import Evaluate, Report
+from posttrain.config.judge import Judge
 from posttrain.config.model import ModelCfg, TinyModel
 from posttrain.config.paths import Paths
 from posttrain.config.prefect import PrefectCfg
@@ -47,6 +48,7 @@ class Params(Section):
     rollout: Rollout
     reward: Reward
     reward_model: RewardModel = Field(default_factory=RewardModel)
+    judge: Judge = Field(default_factory=Judge)
     rl: Rl
     distill: Distill
     evaluate: Evaluate
@@ -87,8 +89,8 @@ class Params(Section):
             self._overlap()
         self._context()
         self._champion()
-        self._tools()
         self._reward_models()
+        self._judge()
         d = self.runtime.distributed
         if d.world_size > 1:
             if d.strategy == "fsdp2" and self.model.lora is not None:
@@ -111,21 +113,16 @@ class Params(Section):
             if bad:
                 raise Refusal(key, message)
 
-    def _tools(self) -> None:
-        """Tool rollouts run through the hf backend's turn loop (rollout, rl, evaluate): a stage that would sample
-        without it while ``tools.enabled`` says otherwise is refused, naming the key that asks for it."""
-        if not self.tools.enabled:
-            return
-        for key, backend in (("rollout.backend", self.rollout.backend), ("evaluate.backend", self.evaluate.backend)):
-            if backend != "hf":
-                raise Refusal(key, f"{backend!r} with tools.enabled: multi-turn tool rollouts run on the hf backend "
-                              "only; set it to hf or tools.enabled: false")
-        for key, steps in (("distill.warmup.steps", self.distill.warmup.steps),
-                           ("distill.on_policy.steps", self.distill.on_policy.steps),
-                           ("distill.grpo_steps", self.distill.grpo_steps)):
-            if steps:
-                raise Refusal(key, f"{steps} with tools.enabled: the distill stage samples single-turn only; set "
-                              "it to 0 or tools.enabled: false")
+    def _judge(self) -> None:
+        """An ``llm_judge`` reward without ``base_url`` asks the server the stage starts: ``judge.serve`` must name
+        one; a server nobody asks is refused too (it would cost its start for nothing)."""
+        specs = [(i, s) for i, s in enumerate(self.reward.rewards) if s.name == "llm_judge"]
+        for i, s in specs:
+            if s.kwargs.get("base_url") is None and self.judge.serve is None:
+                raise Refusal(f"reward.rewards[{i}].kwargs.base_url", "not set and judge.serve is null: give the "
+                              "judge's URL (and kwargs.model), or a model folder in judge.serve")
+        if self.judge.serve is not None and not any(s.kwargs.get("base_url") is None for _, s in specs):
+            raise Refusal("judge.serve", "set, but no llm_judge reward without base_url asks the server it starts")
 
     def _reward_models(self) -> None:
         """Each ``reward_model.models`` source is the reward stage's folder (pairs from scored rollouts: the verifier
@@ -139,6 +136,26 @@ class Params(Section):
             elif not source.endswith(".jsonl"):
                 raise Refusal(f"reward_model.models.{name}", f"{shown(source)} is neither paths.reward_dir "
                               f"({self.paths.reward_dir!r}: pairs from scored rollouts) nor a .jsonl preference file")
+        for i, spec in enumerate(self.reward.rewards):
+            if spec.name == "reward_model":
+                self._reward_model_path(f"reward.rewards[{i}].kwargs.path", spec.kwargs["path"])
+
+    def _reward_model_path(self, key: str, path: str) -> None:
+        """A ``reward_model`` reward's folder: an existing reward model, or one this pipeline builds
+        (``paths.reward_model_dir/<name>``, ``<name>`` in ``reward_model.models``) from a preference file; one
+        trained on the reward stage's own scored rollouts cannot score them (a cycle: that stage comes first)."""
+        built = Path(path).parent == Path(self.paths.reward_model_dir)
+        name = Path(path).name
+        if built and name in self.reward_model.models:
+            if Path(self.reward_model.models[name]) == Path(self.paths.reward_dir):
+                raise Refusal(key, f"{shown(path)} is trained on the reward stage's scored rollouts "
+                              f"(reward_model.models.{name}): reward.rewards scores them first (a cycle); "
+                              "train it on a preference file, or point at a reward model trained before")
+            return
+        if not (Path(path) / "manifest.json").is_file():
+            known = sorted(self.reward_model.models)
+            raise Refusal(key, f"{shown(path)} is not a reward model (no manifest.json there) nor one this pipeline "
+                          f"builds (paths.reward_model_dir/<name> with <name> in reward_model.models {known})")
 
     def _champion(self) -> None:
         """``tracking.champion`` names a number evaluate writes: a metric it never writes kept the champion alias

@@ -26,6 +26,8 @@ class Paths(Section):
     reward_dir: PathStr = Field(description="reward stage: rewards.parquet (reward columns by prompt_id, sample), "
                           "pass_rates.parquet")
     reward_report_dir: PathStr = Field(description="reward audit (JSON + Markdown)")
+    judge_cache: PathStr = Field(description="the llm_judge call cache (JSONL, one judgement a line): a DVC out of "
+                                 "reward kept between runs (persist), so a re-run does not ask again")
     reward_model_dir: PathStr = Field(description="reward_model@<name>: <dir>/<name>/ holds member_0..K-1 (HF "
                                       "folders) and manifest.json: one artifact (reward_model.load_reward_model)")
     reward_model_data_dir: PathStr = Field(description="reward_model@<name>: <dir>/<name>/pairs.parquet (the pairs "

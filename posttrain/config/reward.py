@@ -9,7 +9,8 @@ from typing import Any
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from posttrain.config import names, plugins
-from posttrain.config.base import MAX_NEW_TOKENS, MAX_THREADS, NOT_RESULT, Refusal, Section, registered
+from posttrain.config.base import MAX_BATCH, MAX_NEW_TOKENS, MAX_THREADS, NOT_RESULT, Refusal, Section, registered
+from posttrain.config.judge import LlmJudgeKwargs
 
 
 class NoKwargs(Section):
@@ -39,17 +40,46 @@ class CodeTestsKwargs(Section):
         return v
 
 
+class RewardModelKwargs(Section):
+    """``reward_model``: a trained reward model (the reward_model stage's artifact) scores each completion."""
+
+    model_config = ConfigDict(strict=True)
+    path: str = Field(min_length=1, description="the reward model's folder (paths.reward_model_dir/<name>: "
+                      "manifest.json and its members); must exist at load unless this pipeline builds it")
+    combine: str = Field("mean", description="the members' scores as one (Coste et al. 2024): mean; wco = the "
+                         "minimum; uwo = mean - lam x variance; uwo_std = mean - lam x std")
+    lam: float = Field(0.5, ge=0, le=1e6, description="uwo / uwo_std: the weight of the members' disagreement")
+    steps: str = Field("off", description="off: score the whole completion; raw / clip / delta: score each "
+                       "prefix ending at a step (step_sep) and sum the step rewards, raw or bounded as in Gao et "
+                       "al. 2024: clip min(s - eta, 0), delta s_t - s_{t+1}")
+    step_sep: str = Field("\n", min_length=1, description="what ends a step (arith's steps end in ';')")
+    eta: float = Field(0.0, ge=-1e6, le=1e6, description="clip: the score a step must reach to cost nothing")
+    batch_size: int = Field(64, ge=1, le=MAX_BATCH, description="texts a forward")
+    device: str = Field("cpu", description="where the reward model runs (cpu, cuda, cuda:1, ...)")
+
+    @field_validator("combine")
+    @classmethod
+    def _combine(cls, v: str) -> str:
+        return registered("combine", v, names.RM_COMBINES)
+
+    @field_validator("steps")
+    @classmethod
+    def _steps(cls, v: str) -> str:
+        return registered("steps", v, names.RM_STEPS)
+
+
 # Each reward's keyword arguments, as the function declares them (tests/test_config.py compares them with the
 # signatures in posttrain.rewards): a misspelt or mistyped kwarg is refused at load, not after generation.
 REWARD_KWARGS: dict[str, type[Section]] = {"correct": NoKwargs, "math_verify": NoKwargs, "format": NoKwargs,
-                                           "overlong": OverlongKwargs, "code_tests": CodeTestsKwargs}
+                                           "overlong": OverlongKwargs, "code_tests": CodeTestsKwargs,
+                                           "reward_model": RewardModelKwargs, "llm_judge": LlmJudgeKwargs}
 
 
 class RewardSpec(Section):
     """One reward of the weighted sum."""
 
     name: str = Field(description="a key of posttrain.rewards.REWARDS, or a plug-in 'package.module:function' "
-                      "(imported and checked at load: fn(sample, **kwargs) -> float | None)")
+                      "(imported and checked at load: fn(samples, **kwargs) -> one float | None per sample)")
     weight: float = Field(1.0, ge=-1e6, le=1e6, description="weight in the summed reward (0 = logged only; "
                           "negative: a penalty)")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the reward function")
@@ -74,6 +104,8 @@ class RewardSpec(Section):
             REWARD_KWARGS[self.name].model_validate(self.kwargs)
         except ValidationError as e:
             err = e.errors()[0]
+            if isinstance(ref := err.get("ctx", {}).get("error"), Refusal):  # a kwargs class's own cross-field rule
+                raise Refusal(f"kwargs.{ref.key}", str(ref)) from None
             key = ".".join(str(p) for p in err["loc"])
             msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
             takes = sorted(REWARD_KWARGS[self.name].model_fields) or "no kwargs"

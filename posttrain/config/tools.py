@@ -2,8 +2,7 @@
 output comes back as an observation, and generation continues, up to ``max_turns`` calls. Off by default: the
 default pipeline samples single-turn completions, and its outputs are those of a pipeline without this section.
 
-Where tools run: the rollout, rl and evaluate stages, with the hf backend. The vllm backend and the distill stage do
-not run tool rollouts yet: enabling tools with them is refused at load (``Params._tools``)."""
+Where tools run: the rollout, rl, distill and evaluate stages, with the hf or the vllm backend."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from posttrain.config.names import TOOL_FORMATS, TOOLS
 class ToolsCfg(Section):
     """Which tools a completion may call, in which call format, and how many times."""
 
-    enabled: bool = Field(False, description="multi-turn tool-use rollouts in rollout, rl and evaluate (hf backend)")
+    enabled: bool = Field(False, description="multi-turn tool-use rollouts in rollout, rl, distill and evaluate")
     names: list[str] = Field(["python", "calc"], min_length=1, max_length=len(TOOLS),
                              description=f"the tools a completion may call (of {list(TOOLS)}); a call to any "
                              "other name gets an error observation")

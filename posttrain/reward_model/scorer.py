@@ -118,9 +118,13 @@ class RewardScorer:
             seqs = [s[-self.context:] for s in seqs]
         return seqs
 
-    @torch.no_grad()
     def __call__(self, prompts: Sequence[str], completions: Sequence[str]) -> np.ndarray:
-        seqs = self.encode(prompts, completions)
+        return self.score_seqs(self.encode(prompts, completions))
+
+    @torch.no_grad()
+    def score_seqs(self, seqs: Sequence[list[int]]) -> np.ndarray:
+        """``[N, K]`` scores of token-id sequences already encoded (and within the context), ``batch_size`` a
+        forward, lengths sorted so that a forward pads little."""
         out = np.zeros((len(seqs), self.k), dtype=np.float32)
         order = np.argsort([len(s) for s in seqs], kind="stable")  # similar lengths share a forward: less padding
         for i in range(0, len(seqs), self.batch_size):

@@ -1,12 +1,17 @@
 """Rewards: the ``REWARDS`` registry and plug-ins, scoring (in-process or in a pool with a timeout), pass rates.
 
-- ``builtin``: ``Sample`` and the built-in reward functions (``REWARDS``: ``correct``, ``math_verify``,
-  ``format``, ``overlong``, ``code_tests``).
+- ``builtin``: the built-in reward functions (``REWARDS``: ``correct``, ``math_verify``, ``format``,
+  ``overlong``, ``code_tests``, ``reward_model``) and ``per_sample``; ``sample``: ``Sample`` and ``Scored``.
+- ``learned``: the ``reward_model`` reward (a trained reward model, loaded once per process); ``ensemble``: its
+  math (mean / WCO / UWO over members, Clip / Delta over steps); ``audit_learned``: the reward audit's section on
+  learned rewards (agreement with the verifier, quantiles, hacks).
 - ``scoring``: ``combine`` (the one call site of a reward function), ``score_rows`` (the one scoring path of
   the reward stage and every RL step), ``is_correct``, ``pass_rates``.
-- ``pool``: ``RewardPool``, worker processes with a per-sample timeout (``reward.workers``, ``reward.timeout_s``).
+- ``pool``: ``RewardPool``, worker processes scoring chunks of samples with a per-sample timeout
+  (``reward.workers``, ``reward.timeout_s``).
 
-A reward is ``fn(sample: Sample, **kwargs) -> float | None``, a module-level function (picklable): a key of
+A reward is ``fn(samples: Sequence[Sample], **kwargs) -> Sequence[float | Scored | None]`` (one value per sample;
+``per_sample`` makes one of a one-sample function), a module-level function (picklable): a key of
 ``REWARDS``, or any importable ``package.module:function`` named in ``reward.rewards[].name`` (checked at load,
 ``posttrain.config.plugins``). ``None`` means unscorable: counted, kept out of the update, never a free reward.
 """
@@ -20,6 +25,7 @@ from posttrain.rewards.builtin import (
     format_reward,
     math_verify,
     overlong,
+    per_sample,
 )
 from posttrain.rewards.pool import RewardPool
 from posttrain.rewards.scoring import (
@@ -28,6 +34,7 @@ from posttrain.rewards.scoring import (
     Spec,
     combine,
     is_correct,
+    is_learned,
     pass_rates,
     resolve,
     sample_of,
@@ -36,5 +43,5 @@ from posttrain.rewards.scoring import (
 )
 
 __all__ = ["ERROR_KEY", "REWARDS", "WHY_KEY", "RewardPool", "Sample", "Scored", "Spec", "code_tests", "combine",
-           "correct", "format_reward", "is_correct", "math_verify", "overlong", "pass_rates", "resolve", "sample_of",
-           "score_rows", "specs_of"]
+           "correct", "format_reward", "is_correct", "is_learned", "math_verify", "overlong", "pass_rates",
+           "per_sample", "resolve", "sample_of", "score_rows", "specs_of"]

@@ -1,10 +1,13 @@
 """The built-in rewards (the ``REWARDS`` registry), picked by name in ``params.yaml``, and ``Sample``.
 
-One signature: ``fn(s: Sample, **kwargs) -> float | None`` (or :class:`Scored`: the value and why it is not
-full marks). ``None`` means *unscorable* (e.g. the gold
+One signature, batched: ``fn(samples: Sequence[Sample], **kwargs) -> Sequence[float | Scored | None]``, one value
+per sample, in order (a model reward scores a whole batch in one forward). A value may be :class:`Scored` (the
+value and why it is not full marks), or an ``Exception`` instance: that sample's component failed (``combine``
+records it as if the reward had raised for that sample alone). ``None`` means *unscorable* (e.g. the gold
 answer cannot be parsed): such a sample is counted and kept out of the update, never given a free reward.
 Functions are module-level (picklable, so a process pool can run them; math-verify must not run in a
-non-main thread).
+non-main thread). A reward written for one sample is decorated with :func:`per_sample`, which keeps its body
+as it is (the built-ins here, and any plug-in that likes).
 
 Specs in params: ``reward.rewards: [{name: correct, weight: 1.0}, {name: format, weight: 0.1},
 {name: overlong, weight: 1.0, kwargs: {buffer: 16}}]``. The total is the weighted sum; it is None when any
@@ -13,35 +16,43 @@ weighted component is None.
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from posttrain.errors import StageError
+from posttrain.rewards.judge import llm_judge
+from posttrain.rewards.learned import reward_model
+from posttrain.rewards.sample import Sample, Scored
 from posttrain.tasks import code, codeexec, get_task, mathfmt
 
-
-@dataclass(frozen=True)
-class Sample:
-    """What a reward sees of one completion."""
-
-    completion: str
-    answer: str  # gold
-    task: str  # key of posttrain.tasks.TASKS
-    num_tokens: int
-    max_new_tokens: int
-    finish_reason: str = "stop"
-    prompt: str = ""  # (the code task runs prompt + completion)
+Value = float | Scored | None
+BatchReward = Callable[..., Sequence[Value | Exception]]  # fn(samples, **kwargs) -> one value per sample
 
 
-class Scored(NamedTuple):
-    """A reward's value with why it is not full marks (``combine`` keeps it under ``"why"``; the audit counts
-    it): a reward may return this instead of a bare number."""
+def per_sample(fn: Callable[..., Value]) -> BatchReward:
+    """A one-sample reward ``fn(s, **kwargs)`` as a batch reward ``fn(samples, **kwargs)``: called once per sample;
+    a sample for which it raises gets the exception as its value (that sample alone is unscorable, the error
+    kept), except ``StageError``, which stops the stage. The result keeps ``fn``'s name, module and signature
+    (picklable by reference; the plug-in check reads its kwargs)."""
 
-    value: float | None
-    why: str | None
+    @functools.wraps(fn)
+    def batch(samples: Sequence[Sample], **kwargs: Any) -> list[Value | Exception]:
+        out: list[Value | Exception] = []
+        for s in samples:
+            try:
+                out.append(fn(s, **kwargs))
+            except StageError:
+                raise
+            except Exception as e:  # (recorded by combine as "<name> raised <type>", for this sample alone)
+                out.append(e)
+        return out
+
+    return batch
 
 
+@per_sample
 def correct(s: Sample) -> float | None:
     """1.0 / 0.0 by the task's own verifier (exact integer for ``arith``; math-verify for ``math``; every test
     passing in the sandbox for ``code``)."""
@@ -49,6 +60,7 @@ def correct(s: Sample) -> float | None:
     return None if ok is None else float(ok)
 
 
+@per_sample
 def code_tests(s: Sample, mode: str = "all") -> Scored:
     """Run the completion against the gold tests in the sandbox (``posttrain.tasks.codeexec``): ``all`` 1.0 when
     every test passes, else 0.0; ``fraction``: the share of tests passed. A completion that does not parse,
@@ -60,6 +72,7 @@ def code_tests(s: Sample, mode: str = "all") -> Scored:
     return Scored(float(v.all_passed) if mode == "all" else v.fraction, v.why)
 
 
+@per_sample
 def math_verify(s: Sample) -> float | None:
     """1.0 / 0.0 by math-verify whatever the task (``verify(gold, pred)``); None if the gold is unparseable."""
     ok = mathfmt.verify(s.answer, s.completion)
@@ -69,6 +82,7 @@ def math_verify(s: Sample) -> float | None:
 _ARITH_FORMAT = re.compile(r"(?:[^\n]*;)?answer: -?\d+")
 
 
+@per_sample
 def format_reward(s: Sample) -> float:
     """1.0 when the completion ends in exactly one well-formed final answer, else 0.0.
 
@@ -80,6 +94,7 @@ def format_reward(s: Sample) -> float:
     return float(s.completion.count("\\boxed{") == 1 and s.finish_reason == "stop")
 
 
+@per_sample
 def overlong(s: Sample, buffer: int = 16) -> float:
     """DAPO soft overlong punishment (Yu et al. 2025, eq. 13), with L_max = max_new_tokens, L_cache = buffer.
 
@@ -94,10 +109,12 @@ def overlong(s: Sample, buffer: int = 16) -> float:
     return -1.0
 
 
-REWARDS: dict[str, Callable[..., float | None]] = {
+REWARDS: dict[str, BatchReward] = {
     "correct": correct,
     "math_verify": math_verify,
     "format": format_reward,
     "overlong": overlong,
     "code_tests": code_tests,
+    "reward_model": reward_model,  # a batch reward: posttrain.rewards.learned
+    "llm_judge": llm_judge,  # a batch reward: posttrain.rewards.judge
 }

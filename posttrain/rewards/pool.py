@@ -15,8 +15,14 @@ runs in each worker's main thread, where its own ``signal.alarm`` timeouts work.
 with the stage, also when it is SIGKILLed (``_init_worker``); the pool stops when its ``with`` block ends, also
 on SIGTERM of the stage (turned into ``SystemExit`` while the pool is open, when nothing else handles SIGTERM).
 
-``workers`` 0 or 1 scores in the calling thread with ``combine``, one sample at a time: the same function
-the workers run, so results are identical (tests/test_reward_pool.py checks it).
+``workers`` 0 or 1 scores in the calling thread with one ``combine`` of the whole batch: the same function the
+workers run on their chunks, so results are identical for per-sample rewards (tests/test_reward_pool.py checks
+it; a model reward's scores may differ in the last bits with what shares its forward: padding).
+
+Batches and timeouts: a worker gets a chunk of up to ``MAX_CHUNK`` consecutive samples (a prompt's group, or
+part of one) and calls each reward once on the chunk (``fn(samples)``: a batch reward scores the chunk in one
+go). The chunk has ``timeout_s`` per sample it holds; a chunk that runs past that, or loses its worker, is redone
+one sample at a time, each with ``timeout_s``: a sample is unscorable only when it alone runs out of time.
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ def _init_worker(sys_path: list[str], environ: dict[str, str]) -> None:
 
 
 def _score_chunk(samples: Sequence[Sample], specs: tuple[Spec, ...]) -> list[tuple[float | None, dict[str, Any]]]:
-    return [combine(s, specs) for s in samples]
+    return combine(samples, specs)
 
 
 def _preload() -> list[str]:
@@ -120,11 +126,11 @@ class RewardPool:
             self._old_sigterm = None
 
     def score(self, samples: Sequence[Sample], specs: Sequence[Any]) -> list[tuple[float | None, dict[str, Any]]]:
-        """``combine(sample, specs)`` for each sample, in order; a sample that times out or whose worker dies
-        scores ``(None, {name: None, ..., "error": why})``."""
+        """``combine(samples, specs)``: each sample's (total, parts), in order; a sample that times out or whose
+        worker dies scores ``(None, {name: None, ..., "error": why})``."""
         plain = specs_of(specs)
         if self._pool is None:
-            return [combine(s, plain) for s in samples]
+            return combine(samples, plain)
         # Chunks amortise the per-task cost (a few ms of pipes and threads). A chunk of n samples gets n samples'
         # time: one that runs past it, or loses its worker, is redone a sample at a time, so a sample is
         # unscorable only when it alone runs out of time (or kills its worker).

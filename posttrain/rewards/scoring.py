@@ -1,11 +1,13 @@
-"""Scoring: a sample's weighted reward and its components; rows in, scored rows out; pass rates.
+"""Scoring: a batch of samples' weighted rewards and their components; rows in, scored rows out; pass rates.
 
 ``combine`` is the one place a reward function is called (built-in by name, or a plug-in by
-``package.module:function``). What a function cannot score is ``None`` and never a free reward: a function
-that raises, or returns something that is not a finite number, scores ``None`` for that component, and the
-reason is kept in the components' JSON under ``"error"`` (the reward audit counts them). A function that
-raises ``StageError`` (``SandboxUnavailable``: code cannot be run safely here) stops the stage instead. A
-function may return :class:`~posttrain.rewards.builtin.Scored` (value, why): the why is kept under
+``package.module:function``): once per reward spec per batch, ``fn(samples, **kwargs)``, one value per sample.
+A function that raises, or returns the wrong number of values, fails that component for the whole batch (each
+sample None). What a function cannot score is ``None`` and never a free reward: a value that is not a finite
+number (or an ``Exception``, which ``per_sample`` returns for a sample it raised on) scores ``None`` for that
+sample's component, and the reason is kept in the components' JSON under ``"error"`` (the reward audit counts
+them). A function that raises ``StageError`` (``SandboxUnavailable``: code cannot be run safely here) stops the
+stage instead. A function may return :class:`~posttrain.rewards.builtin.Scored` (value, why): the why is kept under
 ``"why"``. A pool that times out or loses a worker (``posttrain.rewards.pool``) records the same way.
 """
 
@@ -18,6 +20,7 @@ import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from posttrain.config.names import LEARNED_REWARDS
 from posttrain.config.plugins import is_plugin, load_reward
 from posttrain.errors import StageError
 from posttrain.rewards.builtin import REWARDS, Sample, Scored
@@ -45,45 +48,72 @@ def resolve(name: str) -> Callable[..., Any]:
     return load_reward(name) if is_plugin(name) else REWARDS[name]
 
 
-def _checked(name: str, v: Any) -> tuple[float | None, str | None]:
-    """A reward function's return value as a float or None, and why it was refused (None when it was not)."""
+def is_learned(name: str) -> bool:
+    """Whether a reward is a model's judgement rather than a verifier's (the audit's learned section): a
+    ``LEARNED_REWARDS`` name, or a plug-in whose function sets ``learned = True``."""
+    return name in LEARNED_REWARDS or bool(getattr(resolve(name), "learned", False))
+
+
+def _checked(name: str, v: Any) -> tuple[float | None, str | None, str | None]:
+    """One value a reward function returned for one sample: the float (or None), why it was refused (None when it
+    was not), and the reward's own note (``Scored``'s why)."""
+    note = None
+    if isinstance(v, Exception):  # (per_sample: the reward raised for this sample alone)
+        return None, f"{name} raised {type(v).__name__}", None
+    if isinstance(v, Scored):
+        v, note = v
     if v is None:
-        return None, None
+        return None, None, note
     if isinstance(v, numbers.Real):
         f = float(v)
-        return (f, None) if math.isfinite(f) else (None, f"{name} returned {f}")
-    return None, f"{name} returned {type(v).__name__}"
+        return (f, None, note) if math.isfinite(f) else (None, f"{name} returned {f}", note)
+    return None, f"{name} returned {type(v).__name__}", note
 
 
-def combine(s: Sample, specs: Sequence[Any]) -> tuple[float | None, dict[str, Any]]:
-    """Weighted sum of the configured rewards, and each component (by name). None if any weighted one is None.
+def _call(spec: Any, samples: Sequence[Sample]) -> list[tuple[float | None, str | None, str | None]]:
+    """One reward function over a batch: each sample's (value, refusal, note). A function that raises, returns
+    something that is not a sequence, or returns a sequence of the wrong length, fails the whole batch for that
+    component (each sample None, the error kept); ``StageError`` stops the stage."""
+    n = len(samples)
+    try:
+        got = resolve(spec.name)(samples, **spec.kwargs)
+    except StageError:  # a refusal (no sandbox here: SandboxUnavailable): the stage stops with one line
+        raise
+    except Exception as e:  # a reward's bug must not end a run; it is counted and shown in the audit
+        return [(None, f"{spec.name} raised {type(e).__name__}", None)] * n
+    if isinstance(got, str | bytes | dict) or not hasattr(got, "__len__") or not hasattr(got, "__iter__"):
+        return [(None, f"{spec.name} returned {type(got).__name__}, not one value per sample", None)] * n
+    if len(got) != n:
+        return [(None, f"{spec.name} returned {len(got)} values for {n} samples", None)] * n
+    return [_checked(spec.name, v) for v in got]
+
+
+def combine(samples: Sequence[Sample], specs: Sequence[Any]) -> list[tuple[float | None, dict[str, Any]]]:
+    """Each sample's weighted sum of the configured rewards, and its components (by name): one call of each reward
+    function for the whole batch. A total is None if any weighted component is None.
 
     A component that raises or returns a non-number is None, and ``parts["error"]`` says which and why."""
-    parts: dict[str, Any] = {}
-    total: float | None = 0.0
-    error = None
-    notes: dict[str, str] = {}
-    for spec in specs:
-        try:
-            got = resolve(spec.name)(s, **spec.kwargs)
-            if isinstance(got, Scored):
-                got, note = got
-                if note is not None:
-                    notes[spec.name] = note
-            v, why = _checked(spec.name, got)
-        except StageError:  # a refusal (no sandbox here: SandboxUnavailable): the stage stops with one line
-            raise
-        except Exception as e:  # a reward's bug must not end a run; it is counted and shown in the audit
-            v, why = None, f"{spec.name} raised {type(e).__name__}"
-        parts[spec.name] = v
-        error = error or why
-        if spec.weight != 0:
-            total = None if v is None or total is None else total + spec.weight * v
-    if error is not None:
-        parts[ERROR_KEY] = error
-    if notes:
-        parts[WHY_KEY] = notes
-    return total, parts
+    out = []
+    calls = [(spec, _call(spec, samples)) for spec in specs]
+    for i in range(len(samples)):
+        parts: dict[str, Any] = {}
+        total: float | None = 0.0
+        error = None
+        notes: dict[str, str] = {}
+        for spec, values in calls:
+            v, why, note = values[i]
+            if note is not None:
+                notes[spec.name] = note
+            parts[spec.name] = v
+            error = error or why
+            if spec.weight != 0:
+                total = None if v is None or total is None else total + spec.weight * v
+        if error is not None:
+            parts[ERROR_KEY] = error
+        if notes:
+            parts[WHY_KEY] = notes
+        out.append((total, parts))
+    return out
 
 
 def failed(specs: Sequence[Any], why: str) -> tuple[None, dict[str, Any]]:
@@ -102,10 +132,10 @@ def score_rows(rows: Sequence[dict[str, Any]], specs: Sequence[Any], pool: Any =
     """Add ``reward`` (None = unscorable) and ``rewards`` (JSON of components) to rollout rows.
 
     The one scoring path: the reward stage and every RL step call this. ``pool``: a
-    ``posttrain.rewards.RewardPool`` (entered); None scores here, one sample at a time (in the calling
-    thread, as math-verify requires). Either way the results are the same."""
+    ``posttrain.rewards.RewardPool`` (entered); None scores here, the whole batch in one ``combine`` (in the
+    calling thread, as math-verify requires). Either way the results are the same."""
     samples = [sample_of(r) for r in rows]
-    scored = pool.score(samples, specs) if pool is not None else [combine(s, specs) for s in samples]
+    scored = pool.score(samples, specs) if pool is not None else combine(samples, specs)
     return [{**r, "reward": total, "rewards": json.dumps(parts)} for r, (total, parts) in zip(rows, scored,
                                                                                            strict=True)]
 

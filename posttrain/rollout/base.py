@@ -53,6 +53,13 @@ class RolloutBackend(Protocol):
         ...
 
 
+def cut_before(text: str, strings: list[str]) -> str:
+    """``text`` up to the first of ``strings`` in it (all of it when none is): a completion's text ends before
+    the model's own stop strings (as vLLM returns it)."""
+    cuts = [text.find(x) for x in strings if x in text]
+    return text[: min(cuts)] if cuts else text
+
+
 def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[int]]:
     """Token ids of each user prompt rendered with the tokenizer's chat template + generation prompt."""
     out = []

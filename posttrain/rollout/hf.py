@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from posttrain.modeling import stop_ids
-from posttrain.rollout.base import Completion, SamplingParams
+from posttrain.rollout.base import Completion, SamplingParams, cut_before
 
 
 def sample_next(logits: torch.Tensor, s: SamplingParams, gen: torch.Generator | None
@@ -130,6 +130,4 @@ class HFBackend:
 
     def _text(self, toks: list[int]) -> str:
         """The completion's text, special tokens skipped and cut before the first stop string (as vLLM does)."""
-        text = self.tok.decode(toks, skip_special_tokens=True)
-        cuts = [text.find(x) for x in self.stop_strings if x in text]
-        return text[: min(cuts)] if cuts else text
+        return cut_before(self.tok.decode(toks, skip_special_tokens=True), self.stop_strings)

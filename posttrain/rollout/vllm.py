@@ -16,7 +16,10 @@ prefect's, so it lives in its own environment. The same ``RolloutBackend`` contr
   ``dtype`` = ``rollout.vllm.dtype`` (default: ``model.dtype``, the trainer's: ``"auto"`` would serve a
   float32 checkpoint in bf16: a 5e-4 mean per-token gap to the trainer on the tiny model);
 - out: per prompt, ``n`` completions: token ids (the stop token included iff the sequence stopped on one, as
-  vLLM returns them and as the hf backend does), one sampler log-prob per token, finish reason.
+  vLLM returns them and as the hf backend does), one sampler log-prob per token, finish reason;
+- a call's own stop strings (``SamplingParams.stop``: the tool loop's closing call tags) are vLLM stop strings
+  too, kept in the text (``include_stop_str_in_output``) as the hf backend keeps them; the text is still cut
+  before the model's own stop strings, as without them.
 
 Inside the RL loop the engine is colocated: it lives in the stage process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``;
 under torchrun, ``distributed_executor_backend="external_launcher"``, one engine per rank on that rank's
@@ -39,7 +42,7 @@ import torch
 
 from posttrain import seeds
 from posttrain.config.base import ConfigError
-from posttrain.rollout.base import Completion, ModelFolder, SamplingParams
+from posttrain.rollout.base import Completion, ModelFolder, SamplingParams, cut_before
 from posttrain.rollout.vllm_sync import Engine, WeightSync, merged_weights
 
 log = logging.getLogger("vllm")
@@ -90,9 +93,11 @@ class VLLMBackend:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
+        stop = self.stop_strings + [x for x in sampling.stop if x not in self.stop_strings]
         sps = [VSamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p,
                                max_tokens=sampling.max_new_tokens, seed=seeds.request(sampling.seed, i), logprobs=0,
-                               stop_token_ids=self.stop_token_ids, stop=self.stop_strings or None)
+                               stop_token_ids=self.stop_token_ids, stop=stop or None,
+                               include_stop_str_in_output=bool(sampling.stop))
                for i in range(len(prompt_ids))]
         return [TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sps
 
@@ -101,7 +106,11 @@ class VLLMBackend:
             raise RuntimeError("the engine's weights were discarded by its level-2 sleep: load_weights first")
         self.sync.wake()
         prompts, sps = self.request(prompt_ids, n, sampling)
-        return to_completions(self.engine.generate(prompts, sps, use_tqdm=False), n)
+        groups = to_completions(self.engine.generate(prompts, sps, use_tqdm=False), n)
+        if sampling.stop and self.stop_strings:  # the call's tags were kept in the text: cut the model's own
+            for c in (c for g in groups for c in g):
+                c.text = cut_before(c.text, self.stop_strings)
+        return groups
 
     def load_weights(self, model: torch.nn.Module, version: str) -> None:
         """The trainer's current weights into the engine (a LoRA policy's merged, streamed per tensor; the

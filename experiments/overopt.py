@@ -1,0 +1,262 @@
+"""Reward over-optimisation at our scale: Gao et al. (2023)'s setting with the task's verifier as the gold reward.
+
+One base run (curate, sft, rollout, reward) gives scored rollouts; the ``reward_model`` stage trains proxy reward
+models on N preference pairs built from them (two values of N; one model, and a K-member ensemble at the larger
+N). Each arm then runs the ``rl`` stage against a proxy (``reward.rewards``: the ``reward_model`` reward with
+weight 1, and the verifier ``correct`` with weight 0, so the gold is scored and logged but never trained on), with
+and without a small KL, for each seed (``rl.seed``: the upstream is shared), saving the policy every
+``--every`` steps; each saved policy is evaluated on the held-out eval split (greedy and sampled pass@1: the gold).
+
+Per arm it records, per step, the proxy (``reward_mean`` of the rl log) and the gold on the step's own samples
+(``pass_rate``), and at each saved step the held-out gold per problem. The claims (rows of the Reproductions
+table, paired-bootstrap intervals over held-out problems, seed means):
+
+1. proxy keeps rising while gold peaks and falls (single RM, small N, no KL): proxy(last) - proxy(peak) > 0
+   and gold(last) - gold(peak) < 0, the peak being the saved step with the best seed-mean held-out gold;
+2. an ensemble (WCO or UWO) + small KL keeps gold higher at the end than a single RM (no KL), same N;
+3. more preference data delays the peak: the single RM's gold peak step at large N vs small N (per seed).
+
+    python experiments/overopt.py --root /tmp/overopt --seeds 0 1 2 --out benchmarks/results/overopt.json
+
+Run from a snapshot of the repo (``git archive``): the stages run as ``python -m stages.X`` from here. Prints a
+table, writes the JSON and ``<out>.png`` (proxy and gold against steps, seed mean and min..max band per arm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from posttrain import metrics as M  # noqa: E402
+from posttrain.config.overrides import parse_overrides, render_overrides  # noqa: E402
+
+KL = 0.05  # the "small KL" (rl.kl_coef, k3 estimator)
+# proxy models: name -> (N key, members)
+RMS = {"rm_small": ("small", 1), "rm_large": ("large", 1), "ens_large": ("large", 3)}
+# arms: name -> (proxy model, ensemble combination, kl_coef)
+ARMS = {"rm_small": ("rm_small", "mean", 0.0), "rm_large": ("rm_large", "mean", 0.0),
+        "rm_large_kl": ("rm_large", "mean", KL), "wco_large_kl": ("ens_large", "wco", KL),
+        "uwo_large_kl": ("ens_large", "uwo", KL), "wco_large": ("ens_large", "wco", 0.0)}
+
+
+def stage(folder: Path, params: str, *args: str) -> float:
+    """``python -m stages.<args>`` in ``folder`` with its params file; seconds taken."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
+           "MLFLOW_TRACKING_URI": f"sqlite:///{folder}/mlflow.db"}
+    t = time.time()
+    with open(folder / "log.txt", "a") as log:
+        rc = subprocess.run([sys.executable, "-m", f"stages.{args[0]}", "--params", params, *args[1:]], cwd=folder,
+                            env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc:
+        raise SystemExit(f"{folder}: {' '.join(args)} exited {rc} (see {folder}/log.txt)")
+    return time.time() - t
+
+
+def write_params(folder: Path, name: str, overrides: list[str]) -> str:
+    base = REPO / "params.yaml"
+    _, edits = parse_overrides(base, overrides)  # a bad override is refused before any work
+    (folder / name).write_text(render_overrides(base.read_text(), edits).replace("../shared/",
+                                                                                  f"{REPO.parent}/shared/"))
+    return name
+
+
+def base_run(root: Path, n: dict[str, int], common: list[str]) -> dict[str, Any]:
+    """curate, sft, rollout, reward once; then each proxy model (``RMS``) on its N pairs."""
+    folder = root / "base"
+    done = folder / "done.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    p = write_params(folder, "params.yaml", common)
+    secs = {s: stage(folder, p, s) for s in ("curate", "sft", "rollout", "reward")}
+    rms = {}
+    for rm, (nkey, members) in RMS.items():
+        q = write_params(folder, f"params_{rm}.yaml", [*common, f"reward_model.models={{{rm}: data/reward}}",
+                                                       f"reward_model.max_pairs={n[nkey]}",
+                                                       f"reward_model.members={members}"])
+        secs[f"reward_model@{rm}"] = stage(folder, q, "reward_model", "--model", rm)
+        rms[rm] = json.loads((folder / "metrics" / "reward_model" / f"{rm}.json").read_text())
+    rec = {"seconds": {k: round(v, 1) for k, v in secs.items()}, "reward_models": rms, "n": n}
+    done.write_text(json.dumps(rec, indent=1))
+    return rec
+
+
+def arm_run(root: Path, arm: str, seed: int, steps: int, every: int, common: list[str]) -> dict[str, Any]:
+    """One arm and seed: rl against the proxy from a hard-linked copy of the base run, then evaluate at each
+    saved step. Returns the rl log's per-step proxy and gold, and per saved step the held-out per-problem gold."""
+    folder = root / arm / f"s{seed}"
+    done = folder / "done.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["cp", "-al", str(root / "base"), str(folder)], check=True)  # stages replace files whole
+    rm, combine, kl = ARMS[arm]
+    saved = list(range(every, steps + 1, every))
+    evals = {f"s{k}": f"data/rl/checkpoints/step_{k}" for k in saved}
+    reward = (f"[{{name: reward_model, weight: 1.0, kwargs: {{path: models/reward_model/{rm}, combine: {combine}}}}},"
+              " {name: correct, weight: 0.0}]")
+    p = write_params(folder, "params_arm.yaml", [
+        *common, f"rl.seed={seed}", f"rl.steps={steps}", f"rl.save_steps={saved}", f"rl.kl_coef={kl}",
+        f"reward.rewards={reward}", "evaluate.models={" + ", ".join(f"{k}: {v}" for k, v in evals.items()) + "}"])
+    secs = {"rl": stage(folder, p, "rl")}
+    with open(folder / "reports" / "rl" / "train_log.csv") as f:
+        log = [{k: float(v) if v not in ("", None) else None for k, v in r.items()} for r in csv.DictReader(f)]
+    gold = {}
+    for name in evals:
+        secs[f"evaluate@{name}"] = stage(folder, p, "evaluate", "--model", name)
+        per = json.loads((folder / "reports" / "evaluate" / "models" / name / "per_problem.json").read_text())
+        gold[name[1:]] = {pid: {"greedy": r["greedy"], "pass@1": r.get("pass@1")} for pid, r in per["eval"].items()}
+    rec = {"arm": arm, "seed": seed, "seconds": {k: round(v, 1) for k, v in secs.items()},
+           "proxy": [r["reward_mean"] for r in log], "train_gold": [r["pass_rate"] for r in log],
+           "kl": [r["kl"] for r in log], "heldout": gold}
+    done.write_text(json.dumps(rec))
+    shutil.rmtree(folder / "checkpoints", ignore_errors=True)
+    return rec
+
+
+def seed_mean(recs: list[dict[str, Any]], step: str, key: str) -> dict[str, float]:
+    """problem id -> mean over seeds of ``key`` at saved ``step``."""
+    ids = set.intersection(*(set(r["heldout"][step]) for r in recs))
+    return {i: float(np.mean([r["heldout"][step][i][key] for r in recs])) for i in sorted(ids)}
+
+
+def paired(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """b - a over shared problems: mean and 95% paired-bootstrap interval."""
+    ids = [i for i in a if i in b and a[i] is not None and b[i] is not None]
+    lo, hi = M.paired_bootstrap_ci([a[i] for i in ids], [b[i] for i in ids], 2000, 0)
+    return {"diff": float(np.mean([b[i] - a[i] for i in ids])), "lo": lo, "hi": hi, "n": len(ids)}
+
+
+def sign(d: dict[str, float], want: str) -> str:
+    pos, neg = d["lo"] > 0, d["hi"] < 0
+    return ("holds" if (pos if want == ">" else neg) else "does not hold" if (neg if want == ">" else pos)
+            else "inconclusive")
+
+
+def analyse(runs: dict[str, list[dict[str, Any]]], key: str) -> dict[str, Any]:
+    """The three claims (module docstring) on held-out ``key`` (greedy or pass@1)."""
+    out: dict[str, Any] = {}
+    steps = {arm: sorted(recs[0]["heldout"], key=int) for arm, recs in runs.items()}
+    curve = {arm: [float(np.mean(list(seed_mean(recs, s, key).values()))) for s in steps[arm]]
+             for arm, recs in runs.items()}
+    out["heldout_curve"] = {arm: dict(zip(steps[arm], c, strict=True)) for arm, c in curve.items()}
+    if "rm_small" in runs:
+        recs, st = runs["rm_small"], steps["rm_small"]
+        peak = st[int(np.argmax(curve["rm_small"]))]
+        g = paired(seed_mean(recs, peak, key), seed_mean(recs, st[-1], key))
+        proxy = [np.asarray(r["proxy"], dtype=float) for r in recs]
+        p_peak = [float(np.nanmean(p[max(0, int(peak) - 5): int(peak)])) for p in proxy]  # 5-step window means
+        p_last = [float(np.nanmean(p[-5:])) for p in proxy]
+        out["claim_peak"] = {"peak_step": int(peak), "gold_last_minus_peak": g,
+                             "proxy_peak": p_peak, "proxy_last": p_last,
+                             "proxy_rose_every_seed": all(b > a for a, b in zip(p_peak, p_last, strict=True)),
+                             "verdict": ("holds" if g["hi"] < 0 and all(b > a for a, b in zip(p_peak, p_last,
+                                                                                                strict=True))
+                                         else "does not hold" if g["lo"] >= 0 else "inconclusive")}
+    for ens in ("wco_large_kl", "uwo_large_kl"):
+        if ens in runs and "rm_large" in runs:
+            last = steps[ens][-1]
+            d = paired(seed_mean(runs["rm_large"], last, key), seed_mean(runs[ens], last, key))
+            out[f"claim_{ens}_vs_rm_large"] = {**d, "verdict": sign(d, ">")}
+    if "rm_small" in runs and "rm_large" in runs:
+        def peaks(recs: list[dict[str, Any]]) -> list[int]:
+            st = sorted(recs[0]["heldout"], key=int)
+            return [int(st[int(np.argmax([np.mean([v[key] for v in r["heldout"][s].values()]) for s in st]))])
+                    for r in recs]
+        small, large = peaks(runs["rm_small"]), peaks(runs["rm_large"])
+        later = sum(b > a for a, b in zip(small, large, strict=False))
+        out["claim_more_data_later_peak"] = {"peak_small": small, "peak_large": large, "later_in_seeds": later,
+                                             "verdict": "holds" if later == len(small) else
+                                             "does not hold" if all(b <= a for a, b in zip(small, large,
+                                                                                          strict=False))
+                                             else "inconclusive"}
+    return out
+
+
+def plot(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    """Proxy and gold (train samples; held-out greedy at saved steps) against RL steps, per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for n, (arm, recs) in enumerate(runs.items()):
+        c = f"C{n}"
+        for ax, key in ((axes[0], "proxy"), (axes[1], "train_gold")):
+            y = np.array([r[key] for r in recs], dtype=float)  # [seeds, steps]
+            k = 5  # moving mean over 5 steps (one step is 128 samples)
+            sm = np.array([np.convolve(row, np.ones(k) / k, mode="valid") for row in y])
+            x = np.arange(k, y.shape[1] + 1)
+            ax.plot(x, sm.mean(0), color=c, label=arm)
+            ax.fill_between(x, sm.min(0), sm.max(0), color=c, alpha=0.15)
+        st = sorted(recs[0]["heldout"], key=int)
+        g = np.array([[np.mean([v["greedy"] for v in r["heldout"][s].values()]) for s in st] for r in recs])
+        axes[2].plot([int(s) for s in st], g.mean(0), marker="o", color=c, label=arm)
+        axes[2].fill_between([int(s) for s in st], g.min(0), g.max(0), color=c, alpha=0.15)
+    for ax, t in zip(axes, ("proxy reward (rl log, 5-step mean)", "gold on the step's samples (verifier)",
+                            "gold held out (greedy, eval split)"), strict=True):
+        ax.set_title(t, fontsize=9)
+        ax.set_xlabel("rl step")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("reward over-optimisation: seed mean, band = min..max over seeds", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", type=Path, default=Path("/tmp/overopt"))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--every", type=int, default=30)
+    ap.add_argument("--n-small", type=int, default=128)
+    ap.add_argument("--n-large", type=int, default=1024)
+    ap.add_argument("--set", dest="overrides", nargs="*", default=[], help="key=value overrides of every run")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    common = ["runtime.progress=false", "evaluate.samples_per_prompt=4", "evaluate.ks=[1,4]",
+              "evaluate.sample_prompts=null", *a.overrides]
+    t0 = time.time()
+    base = base_run(a.root, {"small": a.n_small, "large": a.n_large}, common)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for seed in a.seeds:  # arms alternate within each seed
+        for arm in a.arms:
+            rec = arm_run(a.root, arm, seed, a.steps, a.every, common)
+            runs.setdefault(arm, []).append(rec)
+            print(f"{arm} s{seed}: {rec['seconds']}", flush=True)
+    res = {"settings": vars(a) | {"root": str(a.root), "out": str(a.out), "kl": KL}, "base": base,
+           "greedy": analyse(runs, "greedy"), "pass@1": analyse(runs, "pass@1"), "runs": runs,
+           "total_s": round(time.time() - t0, 1)}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=1) + "\n")
+    plot(runs, a.out.with_suffix(".png"))
+    for key in ("greedy", "pass@1"):
+        print(f"\nheld-out {key} (seed mean) per saved step:")
+        for arm, c in res[key]["heldout_curve"].items():
+            print(f"  {arm:14s} " + "  ".join(f"{s}:{100 * v:.1f}" for s, v in c.items()))
+        for k, v in res[key].items():
+            if k.startswith("claim"):
+                print(f"  {k}: {json.dumps(v)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""``reward_model``: a learned reward, the ``reward_model`` stage's artifact (one member or an ensemble) scoring a
+batch of completions in one go; registered in ``REWARDS`` (``posttrain.rewards.builtin``).
+
+The batch's texts (each completion, or each of its step prefixes) are scored by one ``RewardScorer`` call, which
+runs ``batch_size`` texts a forward per member; the members' scores are combined per text (``mean``, ``wco``,
+``uwo``: :mod:`posttrain.rewards.ensemble`), then per completion over its steps (``steps``: off, or raw / clip /
+delta). A completion longer than the reward model's context is unscorable (None), never truncated into a score
+of a text the model did not see, nor a free reward.
+
+The model is loaded once per process and kept, keyed by its folder and a digest of its files' bytes (computed
+once per process and version of the folder: a retrained model at the same path is reloaded); torch and
+transformers are imported on first use, so the reward pool's forkserver and the config never import them (and
+``posttrain.reward_model`` is no import of this module's: see docs/reward_model.md on DVC deps).
+
+Statistics: each call logs, on the ``reward`` logger, the batch's raw member-score mean and std, the mean
+spread between members (their std) and the unscorable count; the reward stage's audit reports the learned
+component's distribution (quantiles, a histogram plot) over the run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from posttrain.errors import StageError
+from posttrain.rewards.ensemble import COMBINES, STEP_TRANSFORMS, step_ends
+from posttrain.rewards.sample import Sample
+
+log = logging.getLogger("reward")
+MANIFEST = "manifest.json"  # (posttrain.reward_model.scorer.MANIFEST: named here to stay torch-free)
+_DIGESTS: dict[str, tuple[tuple[Any, ...], str]] = {}  # folder -> (its files' names, sizes, mtimes; their digest)
+_LOADED: dict[tuple[str, str, str], Any] = {}  # (folder, digest, device) -> its RewardScorer (torch: loaded lazily)
+
+
+def digest(path: Path) -> str:
+    """SHA-256 of the files under ``path`` (names and bytes); recomputed only when a file's size or mtime moved."""
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    sig = tuple((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    known = _DIGESTS.get(str(path))
+    if known is not None and known[0] == sig:
+        return known[1]
+    h = hashlib.sha256()
+    for p in files:
+        h.update(str(p.relative_to(path)).encode() + b"\0")
+        with p.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    _DIGESTS[str(path)] = (sig, h.hexdigest())
+    return h.hexdigest()
+
+
+def scorer_for(path: str, device: str = "cpu") -> Any:
+    """The reward model at ``path``, loaded once per process (and again when its files change)."""
+    folder = Path(path).resolve()
+    if not (folder / MANIFEST).is_file():
+        raise StageError(f"{path}: not a reward model (no {MANIFEST}); train it with the reward_model stage")
+    key = (str(folder), digest(folder), device)
+    if key not in _LOADED:
+        from posttrain.reward_model.scorer import load_reward_model
+
+        for old in [k for k in _LOADED if k[0] == key[0]]:  # an older version of the same folder
+            del _LOADED[old]
+        _LOADED[key] = load_reward_model(folder, device)
+        log.info("reward_model: loaded %s (%d members, digest %s)", path, _LOADED[key].k, key[1][:12])
+    return _LOADED[key]
+
+
+def reward_model(samples: Sequence[Sample], path: str, combine: str = "mean", lam: float = 0.5, steps: str = "off",
+                 step_sep: str = "\n", eta: float = 0.0, batch_size: int = 64, device: str = "cpu"
+                 ) -> list[float | None]:
+    """A Bradley-Terry reward model's score of each (prompt, completion): its members combined by ``combine``
+    (``mean``; ``wco``: the minimum; ``uwo``: mean - ``lam`` x variance; ``uwo_std``: mean - ``lam`` x std), of
+    the whole completion (``steps: off``) or, per step (``step_sep``-separated; the summed step rewards of
+    ``raw``, ``clip`` (``min(s - eta, 0)``) or ``delta``), of each prefix. None when the text is longer than the
+    model's context."""
+    from posttrain.reward_model.scorer import encode
+
+    scorer = scorer_for(path, device)
+    scorer.batch_size = batch_size
+    seqs: list[list[int]] = []
+    spans: list[tuple[int, int] | None] = []  # each sample's rows of seqs; None: unscorable
+    for s in samples:
+        ends = [len(s.completion)] if steps == "off" else step_ends(s.completion, step_sep)
+        ids = [encode(scorer.tok, s.prompt, s.completion[:e]) for e in ends]
+        if scorer.context is not None and max(len(x) for x in ids) > scorer.context:
+            spans.append(None)
+            continue
+        spans.append((len(seqs), len(seqs) + len(ids)))
+        seqs += ids
+    member = scorer.score_seqs(seqs).astype(np.float64) if seqs else np.zeros((0, scorer.k))  # [N, K]
+    combined = COMBINES[combine](member, lam)  # [N]
+    out: list[float | None] = []
+    for span in spans:
+        if span is None:
+            out.append(None)
+        elif steps == "off":
+            out.append(float(combined[span[0]]))
+        else:
+            out.append(float(STEP_TRANSFORMS[steps](combined[span[0]:span[1]], eta).sum()))
+    if len(member):
+        log.info("reward_model %s: %d texts of %d samples, raw score mean %.4f std %.4f, member spread %.4f, "
+                 "unscorable %d", path, len(member), len(samples), member.mean(), member.std(),
+                 member.std(axis=1).mean(), spans.count(None))
+    return out

@@ -1,0 +1,197 @@
+"""The llm_judge reward: strict verdict parsing, cache keys and hits (also across processes' shards), retries,
+timeouts and the concurrency limit, against a test double of an OpenAI-compatible server (tests/judge_stub.py).
+The real server (``vllm serve`` of a tiny local model) is in tests/test_vllm_judge.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from posttrain.judge import cache as jcache
+from posttrain.judge.server import stop
+from posttrain.judge.session import session
+from posttrain.judge.verdict import DEFAULT_TEMPLATE, parse_binary, parse_score, render, template_fields
+from posttrain.rewards import Sample
+from posttrain.rewards.judge import llm_judge
+from tests.judge_stub import Stub, running
+
+
+@pytest.fixture(autouse=True)
+def cache_file(tmp_path, monkeypatch) -> Path:
+    """Each test its own cache file (stores are per process and per file)."""
+    p = tmp_path / "judge_cache.jsonl"
+    monkeypatch.setenv(jcache.ENV_CACHE, str(p))
+    return p
+
+
+def samples(n: int, task: str = "arith") -> list[Sample]:
+    return [Sample(f"answer: {i}", str(i), task, 4, 16, "stop", f"{i}+0=") for i in range(n)]
+
+
+@pytest.mark.parametrize(("reply", "value", "why"), [
+    ("SCORE: 7", 0.7, None),  # 7 / 10
+    ("The response is right.\n\nSCORE: 10\n", 1.0, None),  # reasoning first, trailing newline: fine
+    ("  SCORE: 0  ", 0.0, None),  # the line is stripped
+    ("SCORE: 11", None, "score 11 > 10"),
+    ("SCORE: 7.5", None, "SCORE line is not `SCORE: <integer>`"),
+    ("SCORE: 7/10", None, "SCORE line is not `SCORE: <integer>`"),
+    ("Final SCORE: 7", None, "SCORE line is not `SCORE: <integer>`"),
+    ("score: 7", None, "no SCORE: line"),  # the tag is case-sensitive: the format asked for is exact
+    ("SCORE: 7\nThanks!", None, "SCORE: line is not the last line"),
+    ("SCORE: 3\nSCORE: 7", None, "2 lines hold SCORE:"),  # two scores: refused, never the last or the mean
+    ("", None, "empty reply"),
+    ("\n\n\n", None, "empty reply"),  # what a tiny random model often writes
+])
+def test_score_verdicts_accept_only_the_requested_line(reply, value, why):
+    assert parse_score(reply, 10) == (value, why)
+
+
+def test_score_scale_and_binary_verdicts():
+    assert parse_score("SCORE: 3", 4) == (0.75, None)  # 3 / 4
+    assert parse_score("SCORE: 5", 4) == (None, "score 5 > 4")
+    assert parse_binary("ok\nVERDICT: PASS", 10) == (1.0, None)
+    assert parse_binary("VERDICT: FAIL", 10) == (0.0, None)
+    assert parse_binary("VERDICT: pass", 10).value is None
+    assert parse_binary("VERDICT: PASS or FAIL", 10).value is None
+    assert parse_binary("VERDICT: PASS\nVERDICT: FAIL", 10).why == "2 lines hold VERDICT:"
+
+
+def test_template_is_filled_with_the_sample_rubric_and_the_format_instruction():
+    assert template_fields(DEFAULT_TEMPLATE) == {"prompt", "completion", "answer", "rubric", "format"}
+    text = render("{prompt}|{completion}|{answer}|{rubric}|{format}", prompt="1+1=", completion="\\boxed{2}",
+                  answer="2", rubric="R", verdict="score", max_score=5)
+    assert text.startswith("1+1=|\\boxed{2}|2|R|End your reply with one line of the form `SCORE: <n>`")
+    assert "from 0 to 5" in text
+
+
+def test_cache_key_covers_judge_template_prompt_completion_but_not_the_served_name():
+    req = {"api": "chat", "prompt": "P", "max_tokens": 8, "temperature": 0.0, "seed": 0}
+    k = jcache.key("sha256:a", req)
+    assert k == jcache.key("sha256:a", dict(req))
+    assert k != jcache.key("sha256:b", req)  # another judge model
+    assert k != jcache.key("sha256:a", {**req, "prompt": "P2"})  # another template, rubric, prompt or completion
+    assert k != jcache.key("sha256:a", {**req, "temperature": 1.0})  # other sampling
+
+
+def test_judge_scores_a_batch_and_a_rerun_is_all_cache_hits(cache_file):
+    stub = Stub(reply=lambda p: "fine\nSCORE: 8" if "answer: 0" in p else ("SCORE: 2" if "answer: 1" in p else "?"))
+    with running(stub), session(cache_file) as sess:
+        got = llm_judge(samples(3), base_url=stub.base_url, model="stub-judge", rubric="correct?")
+    assert [g.value for g in got] == [0.8, 0.2, None]  # 8/10, 2/10, malformed
+    assert got[2].why == "malformed verdict: no SCORE: line"
+    assert stub.requests == 3
+    assert sess.stats | {} == {"requests": 3, "hits": 0, "misses": 3, "malformed": 1, "failed": 0, "hit_rate": 0.0,
+                               "malformed_rate": 1 / 3, "entries": 3, "new": 3}
+    lines = [json.loads(x) for x in cache_file.read_text().splitlines()]
+    assert [x["key"] for x in lines] == sorted(x["key"] for x in lines)  # sorted: same judgements, same bytes
+    assert not jcache.pending_dir(cache_file).exists()
+    # a re-run in a fresh process reads the file: nothing is asked again (a new store: another cache path object)
+    jcache._STORES.clear()
+    with running(Stub(reply=lambda p: "SCORE: 0")) as stub2, session(cache_file) as sess2:
+        again = llm_judge(samples(3), base_url=stub2.base_url, model="stub-judge", rubric="correct?")
+    assert stub2.requests == 0 and again == got
+    assert sess2.stats["hit_rate"] == 1.0 and sess2.stats["malformed_rate"] == 1 / 3 and sess2.stats["new"] == 0
+
+
+def test_shards_of_several_processes_merge_into_one_sorted_file(cache_file):
+    a, b = jcache.Store(cache_file), jcache.Store(cache_file)  # two processes' stores (each its own shard)
+    a.put("k2", "j", jcache.Entry("SCORE: 1", 0.1, None))
+    b.put("k1", "j", jcache.Entry("?", None, "no SCORE: line"))
+    a.count({"requests": 2, "hits": 1, "misses": 1})
+    b.count({"requests": 1, "misses": 1, "malformed": 1})
+    shard = next(jcache.pending_dir(cache_file).glob("*.jsonl"))
+    with shard.open("a") as f:
+        f.write('{"key": "k3", "jud')  # a writer killed mid-line: skipped, never a crash
+    assert set(jcache.Store(cache_file).entries) == {"k1", "k2"}  # a new process sees the pending entries
+    stats = jcache.merge(cache_file)
+    assert [json.loads(x)["key"] for x in cache_file.read_text().splitlines()] == ["k1", "k2"]
+    assert stats["requests"] == 3 and stats["hits"] == 1 and stats["hit_rate"] == 1 / 3  # 1 hit of 3 requests
+    assert stats["malformed_rate"] == 1 / 3 and stats["new"] == 2
+
+
+def test_retries_with_backoff_then_success_and_failure_without_retries(cache_file):
+    with running(Stub(fail_first=2)) as stub:
+        got = llm_judge(samples(1), base_url=stub.base_url, model="stub-judge", rubric="r", retries=2,
+                        concurrency=1)
+    assert got[0].value == 0.7 and stub.requests == 3  # two HTTP 500s retried, the third answered
+    other = [Sample("answer: 5", "4", "arith", 4, 16, "stop", "2+2=")]  # (not the cached one)
+    with running(Stub(fail_first=1)) as stub:
+        got = llm_judge(other, base_url=stub.base_url, model="stub-judge", rubric="r", retries=0)
+    assert got[0] == (None, "judge answered HTTP 500") and stub.requests == 1
+    assert jcache.store().counts["failed"] == 1
+    # a failed request is not cached: the next call asks again
+    with running(Stub()) as stub:
+        got = llm_judge(other, base_url=stub.base_url, model="stub-judge", rubric="r")
+    assert got[0].value == 0.7 and stub.requests == 1
+
+
+def test_timeout_is_retried_then_unscorable(cache_file):
+    with running(Stub(delay_s=1.0)) as stub:
+        t0 = time.monotonic()
+        got = llm_judge(samples(1), base_url=stub.base_url, model="stub-judge", rubric="r", timeout_s=0.2,
+                        retries=1)
+        took = time.monotonic() - t0
+    assert got[0] == (None, "judge timed out after 1 retries")
+    assert stub.requests == 2 and took < 2.0  # 2 x 0.2 s + a backoff of 0.375-0.5 s, not 2 x 1 s
+
+
+def test_concurrency_limit_bounds_requests_in_flight(cache_file):
+    with running(Stub(delay_s=0.2)) as stub:
+        got = llm_judge(samples(9), base_url=stub.base_url, model="stub-judge", rubric="r", concurrency=3)
+    assert [g.value for g in got] == [0.7] * 9
+    assert stub.max_in_flight == 3  # never more than the limit, and the limit reached
+
+
+def test_rubric_per_task_and_none_without_one(cache_file):
+    with running(Stub(reply=lambda p: "SCORE: 9" if "ARITH RUBRIC" in p else "SCORE: 1")) as stub:
+        got = llm_judge([*samples(1, "arith"), *samples(1, "math"), *samples(1, "code")], base_url=stub.base_url,
+                        model="stub-judge", rubrics={"arith": "ARITH RUBRIC", "math": "MATH RUBRIC"})
+    assert got == [(0.9, None), (0.1, None), (None, "no rubric for task code")]
+    assert stub.requests == 2
+
+
+def test_unreachable_or_unknown_judge_is_unscorable_not_a_crash(cache_file):
+    with running(Stub()) as stub:
+        got = llm_judge(samples(2), base_url=stub.base_url, model="other", rubric="r")
+    assert got[0].value is None and "not 'other'" in got[0].why
+    got = llm_judge(samples(1), base_url="http://127.0.0.1:9/v1", model="m", rubric="r", retries=0, timeout_s=1)
+    assert got[0].value is None and "cannot list models (judge unreachable)" in got[0].why
+
+
+def test_stop_kills_the_whole_process_tree():
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+            "time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = psutil.Process(proc.pid).children()[0]
+    stop(proc, grace_s=5)
+    assert proc.poll() is not None and not child.is_running()
+
+
+def test_a_server_that_dies_while_starting_is_one_stage_error_with_its_log(tmp_path):
+    from posttrain.errors import StageError
+    from posttrain.judge.server import serve
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(StageError, match="judge.python: .* does not exist"):
+        with serve(folder, python=str(tmp_path / "nope")):
+            pass
+    fake = tmp_path / "python"  # a stand-in interpreter that fails at once, as a broken vLLM would
+    fake.write_text("#!/bin/sh\necho 'no module named vllm' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    with pytest.raises(StageError, match="(?s)exited with code 3 while starting.*no module named vllm"):
+        with serve(folder, python=str(fake), log=tmp_path / "server.log"):
+            pass
+    with pytest.raises(StageError, match="not a model folder"):
+        with serve(tmp_path, python=str(fake)):
+            pass
