@@ -104,6 +104,15 @@ def with_tool_fields(schema: pa.Schema, tools: bool) -> pa.Schema:
     return schema
 
 
+VERSION_FIELD = pa.field("version", pa.int32())  # rl.overlap: the policy version (updates applied) that sampled it
+
+
+def with_version_field(schema: pa.Schema, overlap: bool) -> pa.Schema:
+    """``schema`` with the ``version`` column appended under ``rl.overlap`` (asynchronous RL: the sample's policy
+    version); the synchronous loop's shards (version = step - 1, always) stay the files written before."""
+    return schema.append(VERSION_FIELD) if overlap else schema
+
+
 PASS_RATE_SCHEMA = pa.schema(
     [("prompt_id", pa.string()), ("n", pa.int32()), ("scorable", pa.int32()), ("n_correct", pa.int32()),
      ("pass_rate", pa.float32()), ("mean_reward", pa.float32())]

@@ -18,6 +18,10 @@ Every ``checkpoint_every`` steps a resumable checkpoint (model, optimizer, RNG, 
 goes to ``paths.rl_checkpoints`` together with the shards so far (not DVC outs, so a re-run after a crash
 finds them and continues without repeating or skipping a step).
 
+Asynchronous (``rl.overlap``, ``posttrain.rl.overlap``): generator processes sample and score whole steps with
+weights published by version after every update, at most ``max_staleness`` versions old; the trainer takes
+them in step order from a bounded queue, and the shards gain each sample's ``version``.
+
 Several processes (``runtime.distributed``): the same command relaunches under torchrun; each rank generates
 and scores its share of every step's prompts (whole groups) and keeps those rows: only per-sample scalars
 (reward, correctness, length) are gathered, so every rank takes the same decisions; each trains on the samples
@@ -29,6 +33,7 @@ Run: ``dvc repro rl`` or ``python -m stages.rl [--params params.yaml]``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import shutil
@@ -46,7 +51,7 @@ from posttrain.config import Params
 from posttrain.errors import StageError
 from posttrain.outputs import as_one_set, atomic_path
 from posttrain.rewards import RewardPool
-from posttrain.rl import collect, select, shards, update
+from posttrain.rl import collect, overlap, select, shards, update
 from posttrain.rollout import BACKENDS, chat_prompt_ids, generator
 from posttrain.runner import stage_main
 from posttrain.schema import (
@@ -55,6 +60,7 @@ from posttrain.schema import (
     read_parquet,
     read_problems,
     with_tool_fields,
+    with_version_field,
     write_json,
     write_parquet,
 )
@@ -70,12 +76,14 @@ LOG_FIELDS = ["step", "updated", "reward_mean", "pass_rate", "zero_var_frac", "g
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Train. ``inputs``: train, pass_rates, policy. ``out``: model, rl_dir, checkpoints, report_dir, metrics."""
-    with as_one_set(out, "rl"), RewardPool(params.reward.workers, params.reward.timeout_s) as pool:
-        return _run(params, inputs, out, pool)  # (a kill leaves the old outputs or the new ones, never a mix)
+    with (as_one_set(out, "rl"), RewardPool(params.reward.workers, params.reward.timeout_s) as pool,
+          contextlib.ExitStack() as stack):  # stack: rl.overlap's generator processes, stopped on any exit
+        return _run(params, inputs, out, pool, stack)  # (a kill leaves the old outputs or the new ones, never a mix)
 
 
-def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: RewardPool) -> dict[str, Any]:
-    cfg, g = params.rl, params.rl.samples_per_prompt
+def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: RewardPool,
+         stack: contextlib.ExitStack) -> dict[str, Any]:
+    cfg, g, ov = params.rl, params.rl.samples_per_prompt, params.rl.overlap
     rt, d = params.runtime, distributed.current()
     device = modeling.resolve_device(rt.device)
     problems, rates = read_problems(inputs["train"]), read_parquet(inputs["pass_rates"])
@@ -112,7 +120,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     saved: dict[str, Any] = {}
     start, restored, cursor.pos = checkpoint.restore_loop_state(ckpt_dir, fp, model, opt, moving_ref, saved)
     train_log = TrainLog(out["report_dir"] / "train_log.csv" if d.main else None,
-                         LOG_FIELDS + ["tool_calls"] * tools)  # live: CSV + MLflow
+                         LOG_FIELDS + ["tool_calls"] * tools + (overlap.log_fields(ov.max_staleness) if ov else []))
     train_log.resume(restored)
     log_rows = train_log.rows
     if "prior" in saved:
@@ -124,27 +132,47 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     t_run = time.time()
     idle = 0  # steps in a row with nothing to update
     amp = functools.partial(modeling.autocast, params.model.dtype, device)  # mixed precision (no-op in fp32)
+    feed = None
+    if ov is not None:  # asynchronous: generator processes sample ahead from published weight versions
+        spec = overlap.Spec(params, prompts, str(inputs["policy"]), policy0, str(ckpt_dir / "weights"), rl_seed, start)
+        shutil.rmtree(spec.weights, ignore_errors=True)  # a killed run's versions are not this run's
+        store = overlap.WeightStore(spec.weights)
+        store.publish(d.plain(model), start)  # version = updates applied
+        torch.set_num_threads(ov.trainer_threads)
+
+        def regenerate(s: int) -> collect.StepBatch:  # a dropped step, sampled again with the trainer's weights
+            model.eval()
+            sb = overlap.sample_step(backend, tok, spec, s, s, pool)
+            model.train()
+            return sb
+
+        feed = stack.enter_context(overlap.Generators(spec, regenerate))
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="rl", disable=not rt.progress)
     for step in bar:
         t0 = time.time()
-        torch.set_num_threads(rt.generate_threads)
-        model.eval()
-        # the generation engine samples from this step's weights: FSDP2's full copy is refreshed from the shards,
-        # vLLM's engine gets them copied in (the hf backend samples with the model itself: nothing to do)
-        backend.load_weights(d.plain(model), f"{policy0}@step{step}")
         seed = seeds.rl_step(rl_seed, step)
-        with amp():
-            sb = collect.collect_step(backend, tok, prompts, cursor, cfg, params.reward.rewards, seed,
-                                   policy=f"{policy0}@step{step}", prior=prior, pool=pool)
-
-        torch.set_num_threads(rt.train_threads)
-        backend.release()  # vLLM: its memory goes back to the trainer for the update
+        if feed is None:
+            torch.set_num_threads(rt.generate_threads)
+            model.eval()
+            # the generation engine samples from this step's weights: FSDP2's full copy is refreshed from the
+            # shards, vLLM's engine gets them copied in (the hf backend samples with the model itself: nothing to do)
+            backend.load_weights(d.plain(model), f"{policy0}@step{step}")
+            with amp():
+                sb = collect.collect_step(backend, tok, prompts, cursor, cfg, params.reward.rewards, seed,
+                                          policy=f"{policy0}@step{step}", prior=prior, pool=pool)
+            torch.set_num_threads(rt.train_threads)
+            backend.release()  # vLLM: its memory goes back to the trainer for the update
+        else:
+            item = feed.take(step)  # sampled by a generator with weights of item.version >= step - k
+            sb, cursor.pos = item.payload, (step + 1) * cfg.prompts_per_step
         model.train()
         t2 = time.time()
         with amp():
             metrics, adv = update.update_from_groups(model, opt, sb, cfg, prompt_ids, tok.pad_token_id, ref,
                                                    seed=seed, prior=prior)
         update_s = time.time() - t2
+        if feed is not None:
+            store.publish(d.plain(model), step + 1)  # generators may start on it at once
         if cfg.ref_reset is not None and (step + 1) % cfg.ref_reset.every == 0:
             update.reset_reference(ref, d.plain(model), opt if cfg.ref_reset.optimizer else None)
             log.info("step %d: reference reset to the current policy (rl.ref_reset)", step + 1)
@@ -160,7 +188,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
                                  "(rl.max_idle_steps)")
 
         shards.write_shard(shard_tmp / f"step_{step + 1:05d}.parquet", sb, adv, step + 1,
-                           with_tool_fields(SHARD_SCHEMA, tools))  # rank 0 writes
+                           with_version_field(with_tool_fields(SHARD_SCHEMA, tools), ov is not None))  # rank 0
         first = sb.first_round().numpy()  # [B * G, 3]: the step's on-policy sample of the prompt set
         reward, scorable = first[:, collect.REWARD], ~np.isnan(first[:, collect.REWARD])
         n_samples = sb.stats.shape[0] * g  # every completion sampled this step: refills and prior extras too
@@ -176,7 +204,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
             "response_len": round(float(np.mean(first[:, collect.LENGTH])), 2),
             "samples": n_samples, "samples_per_s": round(n_samples / step_s, 1), "gen_s": round(sb.gen_s, 3),
             "reward_s": round(sb.reward_s, 3), "update_s": round(update_s, 3),
-            **({"tool_calls": round(float(np.mean(first[:, collect.TOOL_CALLS])), 4)} if tools else {})})
+            **({"tool_calls": round(float(np.mean(first[:, collect.TOOL_CALLS])), 4)} if tools else {}),
+            **(overlap.step_metrics(item, feed, n_samples) if feed is not None else {})})
         bar.set_postfix(reward=log_rows[-1]["reward_mean"], zero_var=sb.zero_var_frac)
         done = step + 1
         if done in cfg.save_steps:
@@ -218,6 +247,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
         "update_s": round(sum(r["update_s"] for r in log_rows), 1), "world_size": d.world,
         "generator": generator(params.rollout.backend),
     }
+    if feed is not None:  # samples per staleness over the run; steps dropped as too stale (0 unless a bug)
+        result |= {"staleness": overlap.histogram(log_rows, ov.max_staleness), "dropped": feed.dropped}
     if tools:  # mean tool calls per completion over the steps
         result["tool_calls"] = round(float(np.mean([r["tool_calls"] for r in log_rows])), 4)
     write_json(out["metrics"], result)

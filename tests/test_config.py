@@ -156,6 +156,18 @@ REFUSALS = {
                                                                          "model.tiny.hidden_size"),
     "`model.prompt.template` without exactly one `{prompt}`": ({"model": {"prompt": {"template": "Q: A:"}}},
                                                               "model.prompt.template"),
+    "`rl.overlap` with `rl.dynamic_sampling: refill`":
+        ({"rl": {"overlap": {}, "dynamic_sampling": "refill"}}, "rl.dynamic_sampling"),
+    "`rl.overlap` with `rl.prior_budget` > 0":
+        ({"rl": {"overlap": {}, "advantage": "prior_fused", "dynamic_sampling": "off", "prior_budget": 8}},
+         "rl.prior_budget"),
+    "`rl.overlap` with `rollout.backend: vllm`": ({"rl": {"overlap": {}}, "rollout": {"backend": "vllm"}},
+                                                  "rollout.backend"),
+    "`rl.overlap` with `runtime.distributed` of more than one process":
+        ({"rl": {"overlap": {}}, "runtime": {"distributed": {"nproc_per_node": 2}}},
+         "runtime.distributed.nproc_per_node"),
+    "`rl.overlap` with `tools.enabled`": ({"rl": {"overlap": {}}, "tools": {"enabled": True}, "distill": {
+        "warmup": {"steps": 0}, "on_policy": {"steps": 0}, "grpo_steps": 0}}, "tools.enabled"),
     "a renamed key (table above)": ({"rl": {"group_size": 8}}, "rl.group_size: renamed to rl.samples_per_prompt"),
     "`reward.rewards[].kwargs` a reward function does not take, or of another type":
         ({"reward": {"rewards": [{"name": "overlong", "kwargs": {"bufer": 16}}]}}, "reward.rewards[0].kwargs.bufer"),

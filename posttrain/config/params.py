@@ -85,6 +85,8 @@ class Params(Section):
         if self.rl.ref_reset is not None and self.model.lora is not None:
             raise Refusal("rl.ref_reset", "with model.lora is not supported: the LoRA policy's reference is its "
                           "frozen base (adapter off), which a reset would have to overwrite with the merge")
+        if self.rl.overlap is not None:
+            self._overlap()
         self._context()
         self._champion()
         self._reward_models()
@@ -96,6 +98,21 @@ class Params(Section):
                 raise Refusal("runtime.distributed.strategy", "fsdp2 with model.lora is not supported; use ddp "
                               "(LoRA's frozen base needs no sharding of gradients or optimizer state)")
         return self
+
+    def _overlap(self) -> None:
+        """``rl.overlap`` runs hf generator processes beside one trainer process: what it does not build is
+        refused, naming the key that asks for it."""
+        why = {"rollout.backend": (self.rollout.backend != "hf", "'vllm' with rl.overlap: only hf generator "
+                                   "processes are built (a vLLM generator needs vllm_sync's weight sync across "
+                                   "processes); use rollout.backend: hf or rl.overlap: null"),
+               "runtime.distributed.nproc_per_node": (self.runtime.distributed.world_size > 1, "x nnodes > 1 with "
+                                                      "rl.overlap: the asynchronous trainer is one process; set "
+                                                      "rl.overlap: null"),
+               "tools.enabled": (self.tools.enabled, "true with rl.overlap: generators sample single-turn "
+                                 "completions only; set rl.overlap: null")}
+        for key, (bad, message) in why.items():
+            if bad:
+                raise Refusal(key, message)
 
     def _judge(self) -> None:
         """An ``llm_judge`` reward without ``base_url`` asks the server the stage starts: ``judge.serve`` must name

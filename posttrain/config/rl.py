@@ -17,6 +17,7 @@ from posttrain.config.base import (
     MAX_ROWS,
     MAX_SAMPLES,
     MAX_SEED,
+    MAX_THREADS,
     NOT_RESULT,
     Refusal,
     Section,
@@ -77,6 +78,31 @@ class RefReset(Section):
     every: int = Field(ge=1, le=MAX_COUNT,
                        description="after every N-th step the reference becomes a copy of the policy")
     optimizer: bool = Field(False, description="also clear the optimizer's state (Adam moments) at each reset")
+
+
+class RlOverlap(Section):
+    """Asynchronous RL (``posttrain.rl.overlap``): generator processes sample and score steps ahead with weights
+    up to ``max_staleness`` versions old while the trainer updates; a version is the number of updates applied."""
+
+    max_staleness: int = Field(0, ge=0, le=64, description="k: step s trains on samples generated with weights of "
+                               "version >= s - k (version = updates applied); 0: each step waits for its own "
+                               "weights (the synchronous loop's samples, generated in another process)")
+    generators: int = Field(1, ge=1, le=64, description="generator processes (hf backend), each sampling and "
+                            "scoring whole steps (step s goes to generator s mod N)")
+    generator_threads: int = Field(1, ge=1, le=MAX_THREADS, description="torch threads of each generator process",
+                                   json_schema_extra=NOT_RESULT)
+    trainer_threads: int = Field(1, ge=1, le=MAX_THREADS, description="torch threads of the trainer (replaces "
+                                 "runtime.train_threads under rl.overlap)", json_schema_extra=NOT_RESULT)
+
+
+# Why each technique that cannot run ahead of the trainer is refused under rl.overlap (Rl._rules).
+OVERLAP_REFUSED = {
+    "dynamic_sampling": "refill draws step s's extra prompts from the cursor after step s's rewards, so step s+1's "
+                        "prompts are unknown until step s is scored and no generator can run ahead; use skip or off",
+    "prior_budget": "the adaptive budget reads and refreshes the per-prompt priors the trainer updates every step; "
+                    "a generator k versions ahead would read priors k steps old and race the trainer's updates; "
+                    "set rl.prior_budget: 0 (advantage prior_fused itself works: the trainer computes it)",
+}
 
 
 class Rl(Section):
@@ -152,6 +178,9 @@ class Rl(Section):
                                 "row with nothing to update (every group skipped or unscorable); each is warned",
                                 json_schema_extra=NOT_RESULT)
     select: RlSelect = Field(default_factory=RlSelect)
+    overlap: RlOverlap | None = Field(None, description="asynchronous RL: generation in separate processes, up to "
+                                      "max_staleness versions behind the trainer (docs/rl.md); null = the "
+                                      "synchronous loop in one process")
     checkpoint_every: int = Field(10, ge=1, le=MAX_COUNT, description="resumable checkpoint every N steps",
                                   json_schema_extra=NOT_RESULT)
     save_steps: list[int] = Field(default_factory=list, description="also save HF checkpoints of these steps "
@@ -199,4 +228,9 @@ class Rl(Section):
             raise Refusal("dynamic_sampling", f"{adv} has no per-group baseline ({BATCH_BASELINE[adv]}): a group "
                           "whose rewards are all equal still carries signal, so skipping it changes the estimator; "
                           "set rl.dynamic_sampling: off")
+        if self.overlap is not None:
+            for key, bad in (("dynamic_sampling", self.dynamic_sampling == "refill"),
+                             ("prior_budget", self.prior_budget > 0)):
+                if bad:
+                    raise Refusal(key, f"{getattr(self, key)!r} with rl.overlap: {OVERLAP_REFUSED[key]}")
         return self
