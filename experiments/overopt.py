@@ -25,6 +25,7 @@ table, writes the JSON and ``<out>.png`` (proxy and gold against steps, seed mea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -67,7 +68,8 @@ def stage(folder: Path, params: str, *args: str) -> float:
 
 def write_params(folder: Path, name: str, overrides: list[str]) -> str:
     base = REPO / "params.yaml"
-    _, edits = parse_overrides(base, overrides)  # a bad override is refused before any work
+    with contextlib.chdir(folder):  # relative paths (the reward model's) are checked where the stages run
+        _, edits = parse_overrides(base, overrides)  # a bad override is refused before any work
     (folder / name).write_text(render_overrides(base.read_text(), edits).replace("../shared/",
                                                                                   f"{REPO.parent}/shared/"))
     return name
@@ -92,8 +94,14 @@ def base_run(root: Path, n: dict[str, int], rm_steps: int, common: list[str]) ->
         if name not in secs:
             secs[name] = round(stage(folder, params, *args), 1)
             log.write_text(json.dumps(secs, indent=1))
+    if "evaluate@sft" not in secs:  # step 0 of every arm: the SFT policy, held out
+        q = write_params(folder, "params_eval.yaml", [*common, "report.compare=[]"])
+        secs["evaluate@sft"] = round(stage(folder, q, "evaluate", "--model", "sft"), 1)
+        log.write_text(json.dumps(secs, indent=1))
+    per = json.loads((folder / "reports" / "evaluate" / "models" / "sft" / "per_problem.json").read_text())
     rms = {rm: json.loads((folder / "metrics" / "reward_model" / f"{rm}.json").read_text()) for rm in RMS}
-    return {"seconds": secs, "reward_models": rms, "n": n, "rm_steps": rm_steps}
+    return {"seconds": secs, "reward_models": rms, "n": n, "rm_steps": rm_steps,
+            "sft": {pid: {"greedy": r["greedy"], "pass@1": r.get("pass@1")} for pid, r in per["eval"].items()}}
 
 
 def arm_run(root: Path, arm: str, seed: int, steps: int, every: int, common: list[str]) -> dict[str, Any]:
@@ -113,7 +121,8 @@ def arm_run(root: Path, arm: str, seed: int, steps: int, every: int, common: lis
               " {name: correct, weight: 0.0}]")
     p = write_params(folder, "params_arm.yaml", [
         *common, f"rl.seed={seed}", f"rl.steps={steps}", f"rl.save_steps={saved}", f"rl.kl_coef={kl}",
-        f"reward.rewards={reward}", "evaluate.models={" + ", ".join(f"{k}: {v}" for k, v in evals.items()) + "}"])
+        f"reward.rewards={reward}", "report.compare=[]",
+        "evaluate.models={" + ", ".join(f"{k}: {v}" for k, v in evals.items()) + "}"])
     secs = {"rl": stage(folder, p, "rl")}
     with open(folder / "reports" / "rl" / "train_log.csv") as f:
         log = [{k: float(v) if v not in ("", None) else None for k, v in r.items()} for r in csv.DictReader(f)]
@@ -161,7 +170,8 @@ def analyse(runs: dict[str, list[dict[str, Any]]], key: str) -> dict[str, Any]:
         peak = st[int(np.argmax(curve["rm_small"]))]
         g = paired(seed_mean(recs, peak, key), seed_mean(recs, st[-1], key))
         proxy = [np.asarray(r["proxy"], dtype=float) for r in recs]
-        p_peak = [float(np.nanmean(p[max(0, int(peak) - 5): int(peak)])) for p in proxy]  # 5-step window means
+        lo, hi = max(0, int(peak) - 5), max(int(peak), 5)  # the 5 steps before the peak (the first 5 at step 0)
+        p_peak = [float(np.nanmean(p[lo:hi])) for p in proxy]
         p_last = [float(np.nanmean(p[-5:])) for p in proxy]
         out["claim_peak"] = {"peak_step": int(peak), "gold_last_minus_peak": g,
                              "proxy_peak": p_peak, "proxy_last": p_last,
@@ -234,6 +244,7 @@ def main() -> None:
     ap.add_argument("--rm-steps", type=int, default=100, help="reward_model.steps of each member")
     ap.add_argument("--set", dest="overrides", nargs="*", default=[], help="key=value overrides of every run")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--analyze-only", action="store_true", help="only the runs already done, nothing run")
     a = ap.parse_args()
     common = ["runtime.progress=false", "evaluate.samples_per_prompt=4", "evaluate.ks=[1,4]",
               "evaluate.sample_prompts=null", *a.overrides]
@@ -242,7 +253,11 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {}
     for seed in a.seeds:  # arms alternate within each seed
         for arm in a.arms:
+            done = a.root / arm / f"s{seed}" / "done.json"
+            if a.analyze_only and not done.is_file():
+                continue
             rec = arm_run(a.root, arm, seed, a.steps, a.every, common)
+            rec["heldout"] = {"0": base["sft"], **rec["heldout"]}  # step 0: the SFT policy every arm starts from
             runs.setdefault(arm, []).append(rec)
             print(f"{arm} s{seed}: {rec['seconds']}", flush=True)
     res = {"settings": vars(a) | {"root": str(a.root), "out": str(a.out), "kl": KL}, "base": base,
