@@ -199,6 +199,44 @@ def analyse(runs: dict[str, list[dict[str, Any]]], key: str) -> dict[str, Any]:
     return out
 
 
+PAPER = ("Scaling Laws for Reward Model Overoptimization (Gao et al. 2023); Reward Model Ensembles Help Mitigate "
+         "Overoptimization (Coste et al. 2024) (verifier = gold, Bradley-Terry proxy RMs on N rollout pairs, "
+         "our tiny policy)")
+
+
+def table_rows(res: dict[str, Any], seeds: dict[str, int]) -> list[str]:
+    """The claims as rows of experiments/REPRODUCTIONS.md: (pass@1 and greedy, first - second, points)."""
+    def cell(d: dict[str, float]) -> str:
+        return f"{100 * d['diff']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]"
+
+    p1, gr, rows = res["pass@1"], res["greedy"], []
+    if "claim_peak" in p1:
+        c, g = p1["claim_peak"], gr["claim_peak"]
+        rows.append(f"| {PAPER} | proxy rises while gold peaks and falls: held-out gold at the last step - at its "
+                    f"peak (step {c['peak_step']}), single RM, N small, no KL, {seeds['rm_small']} seeds; proxy "
+                    f"{np.mean(c['proxy_peak']):.2f} -> {np.mean(c['proxy_last']):.2f} | "
+                    f"{cell(c['gold_last_minus_peak'])} | greedy: {cell(g['gold_last_minus_peak'])} | "
+                    f"{c['verdict']} |")
+    for ens in ("wco_large_kl", "uwo_large_kl"):
+        key = f"claim_{ens}_vs_rm_large"
+        if key in p1:
+            rows.append(f"| {PAPER} | {ens.split('_')[0].upper()} ensemble + KL {KL} keeps gold higher at the end "
+                        f"than a single RM (N large, {seeds[ens]} vs {seeds['rm_large']} seeds) | {cell(p1[key])} | "
+                        f"greedy: {cell(gr[key])} | {p1[key]['verdict']} |")
+    if "claim_more_data_later_peak" in p1:
+        c = p1["claim_more_data_later_peak"]
+        rows.append(f"| {PAPER} | more preference data delays the gold peak (single RM, no KL) | peak step per "
+                    f"seed, N small {c['peak_small']} vs N large {c['peak_large']} (pass@1) | - | {c['verdict']} |")
+    return rows
+
+
+def upsert_rows(path: Path, rows: list[str]) -> None:
+    """Replace this experiment's rows of the Reproductions table (those naming ``PAPER``) with ``rows``."""
+    lines = [ln for ln in path.read_text().splitlines() if PAPER not in ln]
+    end = max(i for i, ln in enumerate(lines) if ln.startswith("|")) + 1
+    path.write_text("\n".join([*lines[:end], *rows, *lines[end:]]) + "\n")
+
+
 def plot(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
     """Proxy and gold (train samples; held-out greedy at saved steps) against RL steps, per arm."""
     import matplotlib
@@ -245,6 +283,7 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", nargs="*", default=[], help="key=value overrides of every run")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--analyze-only", action="store_true", help="only the runs already done, nothing run")
+    ap.add_argument("--table", action="store_true", help="write the claims into experiments/REPRODUCTIONS.md")
     a = ap.parse_args()
     common = ["runtime.progress=false", "evaluate.samples_per_prompt=4", "evaluate.ks=[1,4]",
               "evaluate.sample_prompts=null", *a.overrides]
@@ -263,8 +302,11 @@ def main() -> None:
     res = {"settings": vars(a) | {"root": str(a.root), "out": str(a.out), "kl": KL}, "base": base,
            "greedy": analyse(runs, "greedy"), "pass@1": analyse(runs, "pass@1"), "runs": runs,
            "total_s": round(time.time() - t0, 1)}
+    res["rows"] = table_rows(res, {arm: len(recs) for arm, recs in runs.items()})
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=1) + "\n")
+    if a.table:
+        upsert_rows(REPO / "experiments" / "REPRODUCTIONS.md", res["rows"])
     plot(runs, a.out.with_suffix(".png"))
     for key in ("greedy", "pass@1"):
         print(f"\nheld-out {key} (seed mean) per saved step:")

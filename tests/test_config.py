@@ -161,6 +161,9 @@ REFUSALS = {
     "`rl.overlap` with `rl.prior_budget` > 0":
         ({"rl": {"overlap": {}, "advantage": "prior_fused", "dynamic_sampling": "off", "prior_budget": 8}},
          "rl.prior_budget"),
+    "a `tool_cost` reward with a nonzero weight while `tools.enabled` is false":
+        ({"reward": {"rewards": [{"name": "correct"}, {"name": "tool_cost", "weight": 0.05}]}},
+         "reward.rewards[1].weight"),
     "`rl.overlap` with `rollout.backend: vllm`": ({"rl": {"overlap": {}}, "rollout": {"backend": "vllm"}},
                                                   "rollout.backend"),
     "`rl.overlap` with `runtime.distributed` of more than one process":

@@ -5,6 +5,7 @@ The real server (``vllm serve`` of a tiny local model) is in tests/test_vllm_jud
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -174,6 +175,28 @@ def test_stop_kills_the_whole_process_tree():
     child = psutil.Process(proc.pid).children()[0]
     stop(proc, grace_s=5)
     assert proc.poll() is not None and not child.is_running()
+
+
+def test_stop_kills_the_children_of_a_server_that_already_exited():
+    """A server that crashed leaves its engine processes behind in its group: stop() still ends them (it returned
+    early when the leader had exited, leaving them running: watched)."""
+    code = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+            "print(flush=True)")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.wait(timeout=10)  # the leader is gone; its child lives on in the group
+    left = [p for p in psutil.process_iter() if _pgid(p) == proc.pid]
+    assert left
+    stop(proc, grace_s=5)
+    time.sleep(0.2)
+    assert not [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _pgid(p: psutil.Process) -> int | None:
+    try:
+        return os.getpgid(p.pid)
+    except OSError:
+        return None
 
 
 def test_a_server_that_dies_while_starting_is_one_stage_error_with_its_log(tmp_path):

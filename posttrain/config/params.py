@@ -91,7 +91,7 @@ class Params(Section):
         self._champion()
         self._reward_models()
         self._judge()
-        self._tool_demos()
+        self._tools()
         d = self.runtime.distributed
         if d.world_size > 1:
             if d.strategy == "fsdp2" and self.model.lora is not None:
@@ -125,9 +125,13 @@ class Params(Section):
         if self.judge.serve is not None and not any(s.kwargs.get("base_url") is None for _, s in specs):
             raise Refusal("judge.serve", "set, but no llm_judge reward without base_url asks the server it starts")
 
-    def _tool_demos(self) -> None:
-        """Tool-use SFT demos (``sft.phases[*].tool_frac``) need a task that has them and their tool in
-        ``tools.names``."""
+    def _tools(self) -> None:
+        """A priced ``tool_cost`` needs tool rollouts (else it is 0 for every sample: a price nobody pays); tool-use
+        SFT demos (``sft.phases[*].tool_frac``) need a task that has them and their tool in ``tools.names``."""
+        for i, s in enumerate(self.reward.rewards):
+            if s.name == "tool_cost" and s.weight != 0 and not self.tools.enabled:
+                raise Refusal(f"reward.rewards[{i}].weight", f"{s.weight:g} for tool_cost with tools.enabled: false: "
+                              "no completion calls a tool, so the price is never paid (weight 0 logs it only)")
         if not self.sft.tool_demos:
             return
         tool = names.TOOL_DEMOS.get(self.task.kind)
@@ -137,7 +141,6 @@ class Params(Section):
         if tool not in self.tools.names:
             raise Refusal("tools.names", f"{self.tools.names} lacks {tool!r}, the tool the {self.task.kind} "
                           "task's SFT tool demos call (sft.phases.tool_frac > 0)")
-
 
     def _reward_models(self) -> None:
         """Each ``reward_model.models`` source is the reward stage's folder (pairs from scored rollouts: the verifier

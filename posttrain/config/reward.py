@@ -128,9 +128,11 @@ class Reward(Section):
     rewards: list[RewardSpec] = Field(min_length=1, description="summed with their weights")
     max_unscorable_frac: float = Field(0.05, ge=0, le=1, description="fail the stage above this unscorable share")
     workers: int = Field(0, ge=0, le=MAX_THREADS, json_schema_extra=NOT_RESULT,
-                         description="scoring processes: 0 or 1 = in this process, one sample at a time (no timeout "
-                         "beyond math-verify's own); >= 2 = a process pool (results identical to in-process unless "
-                         "a sample times out)")
+                         description="scoring processes: 0 or 1 = in this process, each reward once over the "
+                         "batch (no timeout beyond math-verify's own); >= 2 = a process pool of batches of up to 16 "
+                         "samples (results equal to in-process unless a sample times out; a learned reward's may "
+                         "differ in the last bits, its batches padded differently). A learned reward loads its model "
+                         "in each worker, within the first batch's timeout: prefer 0 for reward_model")
     timeout_s: float = Field(30.0, gt=0, le=3600, json_schema_extra=NOT_RESULT,
                              description="with workers >= 2: seconds one sample may take; a sample past it (or "
                              "whose worker dies) is unscorable, its worker killed and replaced")

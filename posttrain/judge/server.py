@@ -74,13 +74,14 @@ def _tail(log: Path) -> str:
 
 
 def stop(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
-    """Stop the server's process tree: SIGTERM to its group, then SIGKILL to every survivor."""
-    if proc.poll() is not None:
-        return
+    """Stop the server's process tree: SIGTERM to its group, then SIGKILL to every survivor. Also when the server
+    itself has exited already (it crashed, or failed its health check): its engine processes may not have, and
+    its group (``start_new_session``: the group id is its pid) still names them."""
     try:
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
+    except psutil.NoSuchProcess:  # the leader is gone (its children, reparented, are still in its group)
         tree = []
+    tree += [p for p in psutil.process_iter() if p not in tree and _group(p) == proc.pid]
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
@@ -93,6 +94,13 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
             pass
     psutil.wait_procs(alive, timeout=5)
     proc.wait(timeout=5)
+
+
+def _group(p: psutil.Process) -> int | None:
+    try:
+        return os.getpgid(p.pid)
+    except (ProcessLookupError, PermissionError):
+        return None
 
 
 def wait_healthy(proc: subprocess.Popen[bytes], base: str, timeout_s: float, log: Path) -> None:

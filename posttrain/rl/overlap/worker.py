@@ -97,12 +97,19 @@ def generator_main(index: int, spec: Spec, out: Any, stop: Any, parent: int) -> 
                     return
                 except queue.Full:
                     continue
+            out.cancel_join_thread()  # stopping: what is still queued is not waited for at exit
 
         with RewardPool(p.reward.workers, p.reward.timeout_s) as pool:
             generator_loop(assigned_steps(index, o.generators, spec.start, p.rl.steps), o.max_staleness, acquire,
                            lambda s, v: sample_step(backend, tok, spec, s, v, pool), put, index)
+    except (SystemExit, KeyboardInterrupt):  # terminated (the trainer stopping): nothing to tell anyone
+        out.cancel_join_thread()
     except BaseException:  # noqa: BLE001 (the trainer re-raises it with this traceback)
-        out.put(("error", index, traceback.format_exc(), index))
+        try:  # never block on a queue no one reads any more (a trainer gone or stopping): exit regardless
+            out.put(("error", index, traceback.format_exc(), index), timeout=PUT_TIMEOUT_S)
+        except queue.Full:
+            pass
+        out.cancel_join_thread()
 
 
 class Generators:
@@ -149,7 +156,10 @@ class Generators:
         for proc in self.procs:
             if proc.is_alive():
                 proc.terminate()
-            proc.join()
+            proc.join(JOIN_S)
+            if proc.is_alive():  # stuck (e.g. flushing into a pipe no one reads): no trainer waits forever
+                proc.kill()
+                proc.join()
         self.queue.cancel_join_thread()
         self.queue.close()
 
