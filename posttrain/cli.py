@@ -139,6 +139,7 @@ def lineage(target: str = typer.Argument(..., help="a DVC output path (or a file
     from posttrain import lineage as L
     from posttrain import tracking
     from posttrain.errors import StageError
+    from posttrain.lineage.verify import verify as verify_tree
 
     p = _params(params)
     root = params.resolve().parent
@@ -148,7 +149,7 @@ def lineage(target: str = typer.Argument(..., help="a DVC output path (or a file
     except StageError as e:
         print(f"posttrain lineage: {e}", file=sys.stderr)
         raise typer.Exit(2) from None
-    problems = L.verify(root, tree) if verify else []
+    problems = verify_tree(root, tree) if verify else []
     used_by = L.consumers(root, target) if not target.startswith("models:/") else []
     if as_json:
         typer.echo(_json.dumps({"target": target, "tree": tree.to_dict(), "consumed_by": used_by,
@@ -182,6 +183,8 @@ def _render_lineage(tree: Any, verified: bool) -> Any:
             lines.append(f"  decontamination: {n.verdict}")
         if n.pins:
             lines.append("  inputs: " + ", ".join(f"{k}={'unpinned' if v is None else v}" for k, v in n.pins.items()))
+        if n.refs:
+            lines.append("  params naming outputs: " + ", ".join(f"{k}={v}" for k, v in n.refs.items()))
         return "\n".join(lines)
 
     seen: set[str] = set()

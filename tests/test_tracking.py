@@ -429,3 +429,30 @@ def test_a_failed_evaluate_run_outside_dvc_reaches_mlflow_through_the_outbox(tmp
     client = store.mlflow_client(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
     assert run.info.status == "FAILED" and "evaluate.samples_per_prompt" in run.data.params
+
+
+def test_lineage_reaches_a_reward_model_a_reward_kwarg_names_and_its_pairs(tmp_path):
+    """dvc.yaml's deps are static: the rl stage does not list the reward model its reward.rewards kwargs name.
+    The lineage follows the params dvc.lock records: rl -> reward_model@rm (refs) -> reward (its pairs)."""
+    import yaml
+
+    from posttrain.lineage import trace
+
+    rm_reward = [{"name": "reward_model", "weight": 1.0, "kwargs": {"path": "./models/reward_model/rm/"}},
+                 {"name": "correct", "weight": 0.0}]
+    lock = {"schema": "2.0", "stages": {
+        "reward": {"cmd": "r", "deps": [{"path": "data/rollout", "md5": "a.dir"}],
+                   "outs": [{"path": "data/reward", "md5": "b.dir"}]},
+        "reward_model@rm": {"cmd": "m", "deps": [{"path": "data/reward", "md5": "b.dir"}],
+                            "params": {"params.yaml": {"reward_model.models": {"rm": "data/reward"}}},
+                            "outs": [{"path": "models/reward_model/rm", "md5": "c.dir"}]},
+        "rl": {"cmd": "l", "deps": [{"path": "models/sft", "md5": "d.dir"}],
+               "params": {"params.yaml": {"reward": {"rewards": rm_reward}, "paths.rl_model": "models/rl"}},
+               "outs": [{"path": "models/rl", "md5": "e.dir"}]}}}
+    (tmp_path / "dvc.lock").write_text(yaml.safe_dump(lock))
+    tree = trace(tmp_path, "models/rl")
+    assert tree.refs == {"reward.rewards[0].kwargs.path": "models/reward_model/rm"}  # not its own out (rl_model)
+    assert [p.stage for p in tree.parents] == ["reward_model@rm"]
+    rm = tree.parents[0]
+    assert rm.refs == {"reward_model.models.rm": "data/reward"} and [p.stage for p in rm.parents] == ["reward"]
+    assert tree.to_dict()["parents"][0]["parents"][0]["stage"] == "reward" and tree.sources == ["models/sft"]

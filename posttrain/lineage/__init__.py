@@ -6,20 +6,26 @@ version carries) and walks the DAG backwards through ``dvc.lock``: each node is 
 md5, a digest of its params, its key metrics (``metrics/<stage>.json``; for a stage that samples, the
 generating backend and its version, e.g. ``vllm 0.33.0``), the MLflow run that logged it
 (joined on the ``dvc.out.<path>`` md5 tag, which also gives the commit) and, for ``curate``, the
-decontamination verdict. Deps that no stage produces are the sources (code, raw files). ``consumers``
-gives the forward direction: every stage downstream of a data artifact.
+decontamination verdict. Deps that no stage produces are the sources (code, raw files). A param whose value is
+another stage's output (``reward.rewards[i].kwargs.path`` naming a trained reward model, ``distill.teacher``)
+links that stage as a parent too, listed under ``refs``: dvc.yaml's deps are static, so a model a kwarg names is
+reached through the params dvc.lock records. ``consumers`` gives the forward direction: every stage downstream of
+a data artifact.
 
 ``verify`` recomputes the hash of every output in the chain and compares it with ``dvc.lock``: a file's
 md5, or for a folder each file's md5 against DVC's ``.dir`` manifest in the cache, so a mismatch names the
 changed, missing or extra file (without the manifest, DVC's folder hash is compared as a whole).
 
-Run: ``posttrain lineage models/student [--verify] [--json]``.
+Run: ``posttrain lineage models/student [--verify] [--json]``; ``verify`` lives in
+:mod:`posttrain.lineage.verify`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,11 +55,12 @@ class Node:
     sources: list[str] = field(default_factory=list)  # deps produced by no stage
     parents: list[Node] = field(default_factory=list)
     pins: dict[str, Any] = field(default_factory=dict)  # external inputs named in params: hub ids and revisions
+    refs: dict[str, str] = field(default_factory=dict)  # params naming another stage's output: key -> path
 
     def to_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "outs": [o.__dict__ for o in self.outs], "params_digest": self.params_digest,
                 "metrics": self.metrics, "mlflow_run_id": self.run_id, "commit": self.commit,
-                "decontamination": self.verdict, "sources": self.sources, "pins": self.pins,
+                "decontamination": self.verdict, "sources": self.sources, "pins": self.pins, "refs": self.refs,
                 "parents": [p.to_dict() for p in self.parents]}
 
 
@@ -74,6 +81,30 @@ def pins(params: Any, prefix: str = "") -> dict[str, Any]:
             out[key] = v
             rev = "student_revision" if k == "student" else "revision"
             out[f"{prefix}.{rev}" if prefix else rev] = params.get(rev)
+    return out
+
+
+def _leaves(params: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """(dotted key, value) of every string in ``params`` (lists indexed as ``key[i]``)."""
+    if isinstance(params, dict):
+        for k, v in params.items():
+            yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(params, list):
+        for i, v in enumerate(params):
+            yield from _leaves(v, f"{prefix}[{i}]")
+    elif isinstance(params, str):
+        yield prefix, params
+
+
+def refs(lock: dict[str, Any], stage: str) -> dict[str, str]:
+    """The params of ``stage`` (as dvc.lock records them, whatever the params file) whose value is an output of
+    another stage (or a path inside one): param key -> that path."""
+    out: dict[str, str] = {}
+    for _, params in sorted(lock[stage].get("params", {}).items()):
+        for key, v in _leaves(params):
+            path = os.path.normpath(v) if v.strip() else v
+            if (hit := producer(lock, path)) is not None and hit[0] != stage:
+                out[key] = path
     return out
 
 
@@ -219,6 +250,9 @@ def trace(root: Path, target: str, metrics_dir: str = "metrics", tracking_uri: s
                 n.sources.append(d["path"])
             elif up[0] != stage:
                 parents[up[0]] = None
+        n.refs = refs(lock, stage)
+        for path in n.refs.values():
+            parents[producer(lock, path)[0]] = None  # type: ignore[index]  # (refs holds produced paths only)
         n.parents = [node(p) for p in parents]
         return n
 
@@ -240,58 +274,3 @@ def consumers(root: Path, path: str) -> list[str]:
                 frontier += [o["path"] for o in e.get("outs", [])]
     order = list(lock)
     return sorted(found, key=order.index)
-
-
-def _file_md5(p: Path) -> str:
-    h = hashlib.md5()
-    with p.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def verify_out(root: Path, out: Out) -> str | None:
-    """None when the workspace matches dvc.lock; otherwise what differs, naming the file."""
-    p = root / out.path
-    if not p.exists():
-        return f"{out.path}: missing from the workspace"
-    if not out.md5.endswith(".dir"):
-        got = _file_md5(p)
-        return None if got == out.md5 else f"{out.path}: md5 {got} != {out.md5} in dvc.lock"
-    manifest = root / ".dvc" / "cache" / "files" / "md5" / out.md5[:2] / out.md5[2:]
-    if manifest.is_file():
-        want = {e["relpath"]: e["md5"] for e in json.loads(manifest.read_text())}
-        have = {str(f.relative_to(p)): f for f in sorted(p.rglob("*")) if f.is_file()}
-        problems = [f"{out.path}/{rel}: changed (md5 {_file_md5(have[rel])} != {md5})"
-                    for rel, md5 in want.items() if rel in have and _file_md5(have[rel]) != md5]
-        problems += [f"{out.path}/{rel}: missing" for rel in want if rel not in have]
-        problems += [f"{out.path}/{rel}: not in dvc.lock's manifest" for rel in have if rel not in want]
-        return "; ".join(problems) or None
-    from dvc.repo import Repo
-
-    with Repo(str(root)) as repo:  # no manifest in the cache: DVC's own hash of the folder
-        for st in repo.index.stages:
-            for o in st.outs:
-                if str(o.def_path) == out.path:
-                    got = o.get_hash().value
-                    return None if got == out.md5 else f"{out.path}: folder md5 {got} != {out.md5} in dvc.lock"
-    return None
-
-
-def verify(root: Path, tree: Node) -> list[str]:
-    """Check every output of every node; sets ``Out.problem``; returns the problems."""
-    problems, done = [], set()
-
-    def walk(n: Node) -> None:
-        if n.stage in done:
-            return
-        done.add(n.stage)
-        for o in n.outs:
-            o.problem = verify_out(root, o)
-            if o.problem:
-                problems.append(o.problem)
-        for p in n.parents:
-            walk(p)
-
-    walk(tree)
-    return problems

@@ -1,0 +1,66 @@
+"""``verify``: recompute the hash of every output of a lineage tree (``posttrain.lineage.trace``) and compare it
+with ``dvc.lock``: a file's md5, or for a folder each file's md5 against DVC's ``.dir`` manifest in the cache, so
+a mismatch names the changed, missing or extra file (without the manifest, DVC's folder hash as a whole)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from posttrain.lineage import Node, Out
+
+
+def _file_md5(p: Path) -> str:
+    h = hashlib.md5()
+    with p.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_out(root: Path, out: Out) -> str | None:
+    """None when the workspace matches dvc.lock; otherwise what differs, naming the file."""
+    p = root / out.path
+    if not p.exists():
+        return f"{out.path}: missing from the workspace"
+    if not out.md5.endswith(".dir"):
+        got = _file_md5(p)
+        return None if got == out.md5 else f"{out.path}: md5 {got} != {out.md5} in dvc.lock"
+    manifest = root / ".dvc" / "cache" / "files" / "md5" / out.md5[:2] / out.md5[2:]
+    if manifest.is_file():
+        want = {e["relpath"]: e["md5"] for e in json.loads(manifest.read_text())}
+        have = {str(f.relative_to(p)): f for f in sorted(p.rglob("*")) if f.is_file()}
+        problems = [f"{out.path}/{rel}: changed (md5 {_file_md5(have[rel])} != {md5})"
+                    for rel, md5 in want.items() if rel in have and _file_md5(have[rel]) != md5]
+        problems += [f"{out.path}/{rel}: missing" for rel in want if rel not in have]
+        problems += [f"{out.path}/{rel}: not in dvc.lock's manifest" for rel in have if rel not in want]
+        return "; ".join(problems) or None
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:  # no manifest in the cache: DVC's own hash of the folder
+        for st in repo.index.stages:
+            for o in st.outs:
+                if str(o.def_path) == out.path:
+                    got = o.get_hash().value
+                    return None if got == out.md5 else f"{out.path}: folder md5 {got} != {out.md5} in dvc.lock"
+    return None
+
+
+def verify(root: Path, tree: Node) -> list[str]:
+    """Check every output of every node; sets ``Out.problem``; returns the problems."""
+    problems, done = [], set()
+
+    def walk(n: Node) -> None:
+        if n.stage in done:
+            return
+        done.add(n.stage)
+        for o in n.outs:
+            o.problem = verify_out(root, o)
+            if o.problem:
+                problems.append(o.problem)
+        for p in n.parents:
+            walk(p)
+
+    walk(tree)
+    return problems
