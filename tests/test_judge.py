@@ -218,3 +218,34 @@ def test_a_server_that_dies_while_starting_is_one_stage_error_with_its_log(tmp_p
     with pytest.raises(StageError, match="not a model folder"):
         with serve(tmp_path, python=str(fake)):
             pass
+
+
+def test_a_served_judges_identity_covers_its_bytes_and_its_server_arguments(tmp_path, monkeypatch, cache_file):
+    """Found by the review: the cache key's judge was the folder's digest alone, so a judgement cached from a
+    server started with other arguments (--dtype, --quantization, a chat template) was served as this one's."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from posttrain.digests import folder_digest
+    from posttrain.judge import session as jsession
+
+    @contextmanager
+    def fake_serve(folder, **kw):  # a test double of judge.server.serve: no vLLM server is started
+        yield SimpleNamespace(base_url="http://127.0.0.1:9/v1", startup_s=0.0, pid=0)
+
+    monkeypatch.setattr(jsession, "serve", fake_serve)
+    folder = tmp_path / "judge"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+
+    def served_identity(args: list[str]) -> str:
+        with session(cache_file, serve_folder=str(folder), args=args):
+            return os.environ[jsession.ENV_DIGEST]
+
+    plain, fp32 = served_identity([]), served_identity(["--dtype", "float32"])
+    assert plain == folder_digest(folder) and plain.startswith("sha256:")
+    assert fp32 != plain and fp32 == served_identity(["--dtype", "float32"])
+    assert served_identity(["--dtype", "bfloat16"]) != fp32
+    time.sleep(0.01)
+    (folder / "config.json").write_text('{"a": 1}')  # other bytes: another judge (the digest is not stale)
+    assert served_identity([]) != plain

@@ -30,9 +30,9 @@ class Judge(Section):
                         description="the interpreter of an environment with vllm (make setup-vllm; on a GPU worker "
                         ".venv-gpu/bin/python)")
     served_model_name: str = Field("judge", min_length=1, description="the name the server gives the model")
-    args: list[str] = Field(default_factory=list, json_schema_extra=NOT_RESULT,
-                            description="extra arguments of the server (e.g. [--dtype, float32, --max-model-len, "
-                            "4096], [--tensor-parallel-size, 2])")
+    args: list[str] = Field(default_factory=list, description="extra arguments of the server (e.g. [--dtype, "
+                            "float32, --max-model-len, 4096], [--tensor-parallel-size, 2]); part of the judge's "
+                            "identity in the call cache (a judgement cached under other arguments is asked again)")
     startup_timeout_s: float = Field(900.0, gt=0, le=86400, json_schema_extra=NOT_RESULT,
                                      description="seconds the server may take to answer /health")
 
@@ -69,6 +69,12 @@ class LlmJudgeKwargs(Section):
     revision: str | None = Field(None, min_length=1, description="what identifies the judge's weights in the "
                                  "cache key (a commit, a hash); null: the served folder's hash with judge.serve, "
                                  "else the server's model id and root")
+
+    def worst_case_s(self) -> float:
+        """Seconds one request may take before it is failed: every try runs to ``timeout_s``, with the client's
+        backoff between tries (0.5 s doubling, at most 8 s; ``openai``'s, without its jitter, which only
+        shortens it)."""
+        return (self.retries + 1) * self.timeout_s + sum(min(0.5 * 2**i, 8.0) for i in range(self.retries))
 
     @field_validator("verdict")
     @classmethod

@@ -11,14 +11,15 @@ core, workers), waits, then SIGKILLs whatever is left, including any child that 
 psutil before the first signal). Its output goes to a log file; a server that exits or is not healthy in time
 is a ``StageError`` with the log's last lines.
 
-``folder_digest`` is the judge's identity for the cache: a hash of every file of the folder (config, tokenizer,
-weights), computed once per stage (a 15 GB folder takes about a minute).
+``identity`` is the judge's identity for the cache: a hash of every file of the folder (config, tokenizer,
+weights; ``posttrain.digests``, computed once per stage: a 15 GB folder takes about a minute) and the server's
+extra arguments (``--dtype``, ``--quantization``, a chat template: each may change what the judge answers).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import psutil
 
+from posttrain.digests import folder_digest
 from posttrain.errors import StageError
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -56,14 +58,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def folder_digest(folder: str | Path) -> str:
-    """sha256 over every file of ``folder`` (relative path and content), in path order."""
-    root = Path(folder)
-    h = hashlib.sha256()
-    for p in sorted(q for q in root.rglob("*") if q.is_file()):
-        with p.open("rb") as f:
-            h.update(f"{p.relative_to(root).as_posix()}\0{hashlib.file_digest(f, 'sha256').hexdigest()}\n".encode())
-    return "sha256:" + h.hexdigest()
+def identity(folder: str | Path, args: Sequence[str] = ()) -> str:
+    """The served judge's identity: its folder's digest, and the server's extra arguments when there are any."""
+    return folder_digest(folder) + (f" args: {shlex.join(args)}" if args else "")
 
 
 def _tail(log: Path) -> str:

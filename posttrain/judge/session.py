@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.judge import cache as jcache
-from posttrain.judge.server import folder_digest, serve
+from posttrain.judge.server import identity, serve
 
 ENV_BASE_URL = "POSTTRAIN_JUDGE_BASE_URL"  # the server the stage started (llm_judge's base_url when unset)
 ENV_MODEL = "POSTTRAIN_JUDGE_MODEL"  # its served model name
@@ -62,7 +62,7 @@ def session(cache: Path | None, *, serve_folder: str | None = None, python: str 
             jcache.reset_stats(cache)
             env[jcache.ENV_CACHE] = str(Path(cache).absolute())
         if serve_folder is not None:
-            digest = folder_digest(serve_folder)
+            digest = identity(serve_folder, args)
             served = stack.enter_context(serve(serve_folder, python=python, model=model, args=args,
                                                startup_timeout_s=startup_timeout_s, log=log))
             s.base_url, s.startup_s, s.pid = served.base_url, served.startup_s, served.pid

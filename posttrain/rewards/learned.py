@@ -7,10 +7,10 @@ runs ``batch_size`` texts a forward per member; the members' scores are combined
 delta). A completion longer than the reward model's context is unscorable (None), never truncated into a score
 of a text the model did not see, nor a free reward.
 
-The model is loaded once per process and kept, keyed by its folder and a digest of its files' bytes (computed
-once per process and version of the folder: a retrained model at the same path is reloaded); torch and
-transformers are imported on first use, so the reward pool's forkserver and the config never import them (and
-``posttrain.reward_model`` is no import of this module's: see docs/reward_model.md on DVC deps).
+The model is loaded once per process and kept, keyed by its folder and a digest of its files' bytes
+(``posttrain.digests``: recomputed only when a file changed, so a retrained model at the same path is
+reloaded); torch and transformers are imported on first use, so the reward pool's forkserver and the config never
+import them (and ``posttrain.reward_model`` is no import of this module's: see docs/reward_model.md on DVC deps).
 
 Statistics: each call logs, on the ``reward`` logger, the batch's raw member-score mean and std, the mean
 spread between members (their std) and the unscorable count; the reward stage's audit reports the learned
@@ -19,7 +19,6 @@ component's distribution (quantiles, a histogram plot) over the run.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,31 +26,14 @@ from typing import Any
 
 import numpy as np
 
+from posttrain.digests import folder_digest
 from posttrain.errors import StageError
 from posttrain.rewards.ensemble import COMBINES, STEP_TRANSFORMS, step_ends
 from posttrain.rewards.sample import Sample
 
 log = logging.getLogger("reward")
 MANIFEST = "manifest.json"  # (posttrain.reward_model.scorer.MANIFEST: named here to stay torch-free)
-_DIGESTS: dict[str, tuple[tuple[Any, ...], str]] = {}  # folder -> (its files' names, sizes, mtimes; their digest)
 _LOADED: dict[tuple[str, str, str], Any] = {}  # (folder, digest, device) -> its RewardScorer (torch: loaded lazily)
-
-
-def digest(path: Path) -> str:
-    """SHA-256 of the files under ``path`` (names and bytes); recomputed only when a file's size or mtime moved."""
-    files = sorted(p for p in path.rglob("*") if p.is_file())
-    sig = tuple((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
-    known = _DIGESTS.get(str(path))
-    if known is not None and known[0] == sig:
-        return known[1]
-    h = hashlib.sha256()
-    for p in files:
-        h.update(str(p.relative_to(path)).encode() + b"\0")
-        with p.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-    _DIGESTS[str(path)] = (sig, h.hexdigest())
-    return h.hexdigest()
 
 
 def scorer_for(path: str, device: str = "cpu") -> Any:
@@ -59,14 +41,14 @@ def scorer_for(path: str, device: str = "cpu") -> Any:
     folder = Path(path).resolve()
     if not (folder / MANIFEST).is_file():
         raise StageError(f"{path}: not a reward model (no {MANIFEST}); train it with the reward_model stage")
-    key = (str(folder), digest(folder), device)
+    key = (str(folder), folder_digest(folder), device)
     if key not in _LOADED:
         from posttrain.reward_model.scorer import load_reward_model
 
         for old in [k for k in _LOADED if k[0] == key[0]]:  # an older version of the same folder
             del _LOADED[old]
         _LOADED[key] = load_reward_model(folder, device)
-        log.info("reward_model: loaded %s (%d members, digest %s)", path, _LOADED[key].k, key[1][:12])
+        log.info("reward_model: loaded %s (%d members, digest %s)", path, _LOADED[key].k, key[1][7:19])
     return _LOADED[key]
 
 
@@ -107,3 +89,10 @@ def reward_model(samples: Sequence[Sample], path: str, combine: str = "mean", la
                  "unscorable %d", path, len(member), len(samples), member.mean(), member.std(),
                  member.std(axis=1).mean(), spans.count(None))
     return out
+
+
+def _warm(path: str, device: str = "cpu", **_: Any) -> None:
+    scorer_for(path, device)
+
+
+reward_model.warm = _warm  # type: ignore[attr-defined]  # (scoring.warm: a pool worker loads it as it starts)
