@@ -109,7 +109,7 @@ def _student(params: Params, tok: Any, teacher: Any, device: torch.device, meta:
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Distill. ``inputs``: demos, train, teacher. ``out``: student_sft, student, checkpoints, report_dir, metrics."""
-    with as_one_set(out, "distill"), RewardPool(params.reward.workers, params.reward.timeout_s) as pool:
+    with as_one_set(out, "distill"), RewardPool.of(params.reward) as pool:
         return _run(params, inputs, out, pool)  # (a kill leaves the old outputs or the new ones, never a mix)
 
 

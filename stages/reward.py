@@ -229,7 +229,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     with parquet_sink(out["rewards"], REWARD_SCHEMA) as write, \
             parquet_sink(out["pass_rates"], PASS_RATE_SCHEMA) as write_rates, \
             judge.for_stage(params.judge, out["judge_cache"]) as js, \
-            RewardPool(cfg.workers, cfg.timeout_s) as pool:
+            RewardPool.of(cfg) as pool:
         for scored in score_batches(inputs["rollouts"], cfg.rewards, BATCH_ROWS, pool):
             write([{k: r[k] for k in REWARD_SCHEMA.names} for r in scored])
             a.add(scored)

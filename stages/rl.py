@@ -76,7 +76,7 @@ LOG_FIELDS = ["step", "updated", "reward_mean", "pass_rate", "zero_var_frac", "g
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     """Train. ``inputs``: train, pass_rates, policy. ``out``: model, rl_dir, checkpoints, report_dir, metrics."""
-    with (as_one_set(out, "rl"), RewardPool(params.reward.workers, params.reward.timeout_s) as pool,
+    with (as_one_set(out, "rl"), RewardPool.of(params.reward) as pool,
           contextlib.ExitStack() as stack):  # stack: rl.overlap's generator processes, stopped on any exit
         return _run(params, inputs, out, pool, stack)  # (a kill leaves the old outputs or the new ones, never a mix)
 

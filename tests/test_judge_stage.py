@@ -35,7 +35,9 @@ def test_reward_stage_keeps_the_judge_cache_between_runs_with_a_pool(tiny, tmp_p
         tiny["reward"]["rewards"] = [
             {"name": "correct", "weight": 1.0},
             {"name": "llm_judge", "weight": 0.0, "kwargs": {"base_url": stub.base_url, "model": "stub-judge",
-                                                            "rubric": "Is the product right?", "concurrency": 2}}]
+                                                            "rubric": "Is the product right?", "concurrency": 2,
+                                                            "timeout_s": 5, "retries": 1}}]  # 11.5 s at most
+        tiny["reward"]["timeout_s"] = 12
         got = []
         for workers in (2, 0):  # a pool of 2 scoring processes, then a re-run in this process
             tiny["reward"]["workers"] = workers
@@ -100,3 +102,22 @@ def test_judge_params_that_work_and_the_verdict_names():
     p = parse_params(_with_judge({"rubric": "r"}, serve="models/judge"))
     assert p.judge.serve == "models/judge"
     parse_params(_with_judge({"base_url": "http://h/v1", "model": "m", "rubrics": {"arith": "r"}, "verdict": "binary"}))
+
+
+def test_a_pool_timeout_shorter_than_a_judge_requests_retries_is_refused_at_load():
+    """Found by the review: with workers >= 2 a sample redone alone gets reward.timeout_s (30 s by default), while
+    one llm_judge request may take (retries + 1) x timeout_s + backoff: the pool cut it off mid-retry."""
+    kw = {"base_url": "http://h/v1", "model": "m", "rubric": "r"}  # timeout_s 60, retries 2 (the defaults)
+    raw = _with_judge(kw)
+    raw["reward"]["workers"] = 4
+    # 3 tries x 60 s + backoff 0.5 s + 1 s = 181.5 s > 30 s
+    with pytest.raises(ConfigError, match=r"reward.timeout_s: (Value error, )?30 s with workers 4 .* \(181.5 s"):
+        parse_params(raw)
+    raw["reward"]["timeout_s"] = 181.5  # enough
+    parse_params(raw)
+    raw = _with_judge({**kw, "timeout_s": 5, "retries": 4})  # 5 tries x 5 s + 0.5 + 1 + 2 + 4 = 32.5 s
+    raw["reward"]["workers"] = 2
+    with pytest.raises(ConfigError, match=r"\(32.5 s"):
+        parse_params(raw)
+    raw["reward"]["workers"] = 0  # in-process: no pool timeout
+    parse_params(raw)

@@ -98,6 +98,21 @@ def _make():
     return inner
 
 closure = _make()
+
+_MODEL = []
+
+def _load_model(seconds=1.5, **_):
+    """What a learned reward does on first use in a process: load its model (here: sleep)."""
+    if not _MODEL:
+        time.sleep(seconds)
+        _MODEL.append(os.getpid())
+
+def slow_loading(samples, seconds=1.5):
+    """A batch reward whose model loads lazily; ``warm`` loads it ahead (as the reward_model reward does)."""
+    _load_model(seconds)
+    return [1.0] * len(samples)
+
+slow_loading.warm = _load_model
 '''
 
 
@@ -150,6 +165,20 @@ def test_a_chunk_gets_the_time_of_its_samples_so_no_worker_is_killed_for_slow_bu
         got = pool.score([Sample("x", "5", "arith", 5, 80)] * 64, specs)
     assert all(r is not None for r, _ in first + got)
     assert len({r for r, _ in first + got}) <= 2  # a killed chunk's samples would come back from new workers
+
+
+def test_a_learned_rewards_model_loads_as_each_worker_starts_not_within_a_samples_timeout(plugin):
+    """Found by the review: a learned reward loaded its model inside the first chunk's timeout, so a load longer
+    than a chunk's time made every sample unscorable (each redone alone, each loading again, each timed out).
+    The pool's workers now run the reward's ``warm`` as they start (pebble times a task from its start)."""
+    specs = [Spec(f"{plugin}:slow_loading", 1.0, {"seconds": 1.5})]
+    samples = [Sample("x", "5", "arith", 5, 80)] * 4  # chunks of 1 on 2 workers: 0.5 s each, the load 1.5 s
+    with RewardPool(2, timeout_s=0.5, warm=specs) as pool:
+        got = pool.score(samples, specs)
+    assert [r for r, _ in got] == [1.0] * 4, got
+    with RewardPool(2, timeout_s=0.5) as pool:  # nothing warmed: what every pool did before
+        cold = pool.score(samples, specs)
+    assert [r for r, _ in cold] == [None] * 4 and cold[0][1][ERROR_KEY] == "timeout after 0.5s"
 
 
 def test_a_hung_worker_is_killed_and_its_sample_unscorable(plugin, tmp_path):

@@ -42,15 +42,17 @@ from typing import Any
 from pebble import ProcessExpired, ProcessPool
 
 from posttrain.rewards.builtin import Sample
-from posttrain.rewards.scoring import Spec, combine, failed, specs_of
+from posttrain.rewards.scoring import Spec, combine, failed, specs_of, warm
 
 EXIT_SIGTERM = 128 + signal.SIGTERM
 MAX_CHUNK = 16  # samples sent to a worker at once (fewer when there are few: every worker gets work)
 
 
-def _init_worker(sys_path: list[str], environ: dict[str, str]) -> None:
+def _init_worker(sys_path: list[str], environ: dict[str, str], specs: tuple[Spec, ...] = ()) -> None:
     """In each worker: the stage's import path (plug-ins) and environment as the pool started (the forkserver
-    holds those of its own start), no Ctrl-C tracebacks, death with the stage.
+    holds those of its own start), no Ctrl-C tracebacks, death with the stage; then ``warm(specs)``: a learned
+    reward's model is loaded here, before the worker takes a task, so no sample's timeout pays for it (pebble
+    times a task from the worker's acknowledgement of it, after the initializer).
 
     Death with the stage, even by SIGKILL and even for a worker stuck in C code: the worker dies with its
     parent, the forkserver (``PR_SET_PDEATHSIG``), and the forkserver exits when no client holds its "alive"
@@ -70,6 +72,7 @@ def _init_worker(sys_path: list[str], environ: dict[str, str]) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
         if os.getppid() == 1:  # it died before the line above
             os._exit(1)
+    warm(specs)
 
 
 def _score_chunk(samples: Sequence[Sample], specs: tuple[Spec, ...]) -> list[tuple[float | None, dict[str, Any]]]:
@@ -93,19 +96,26 @@ class RewardPool:
     """``with RewardPool(workers, timeout_s) as pool: pool.score(samples, specs)``.
 
     ``workers`` >= 2 starts that many scoring processes; 0 or 1 scores in this process (no processes, no
-    timeout). ``timeout_s``: seconds one sample may take in a worker before it is unscorable."""
+    timeout). ``timeout_s``: seconds one sample may take in a worker before it is unscorable. ``warm``: the
+    reward specs each worker prepares as it starts (``scoring.warm``). ``RewardPool.of(params.reward)``: the
+    stage's pool."""
 
-    def __init__(self, workers: int = 0, timeout_s: float = 30.0) -> None:
-        self.workers, self.timeout_s = workers, timeout_s
+    def __init__(self, workers: int = 0, timeout_s: float = 30.0, warm: Sequence[Any] = ()) -> None:
+        self.workers, self.timeout_s, self.warm = workers, timeout_s, specs_of(warm)
         self._pool: ProcessPool | None = None
         self._old_sigterm: Any = None
+
+    @classmethod
+    def of(cls, reward: Any) -> RewardPool:
+        """The pool of a stage's ``params.reward`` (its workers, timeout and specs)."""
+        return cls(reward.workers, reward.timeout_s, reward.rewards)
 
     def __enter__(self) -> RewardPool:
         if self.workers >= 2:
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(_preload())
             self._pool = ProcessPool(max_workers=self.workers, initializer=_init_worker,
-                                     initargs=(list(sys.path), dict(os.environ)), context=ctx)
+                                     initargs=(list(sys.path), dict(os.environ), self.warm), context=ctx)
             main = threading.current_thread() is threading.main_thread()
             if main and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
                 self._old_sigterm = signal.signal(signal.SIGTERM, _sigterm)

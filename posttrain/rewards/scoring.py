@@ -48,6 +48,18 @@ def resolve(name: str) -> Callable[..., Any]:
     return load_reward(name) if is_plugin(name) else REWARDS[name]
 
 
+def warm(specs: Sequence[Spec]) -> None:
+    """Prepare what each reward keeps per process (its function's ``warm(**kwargs)``: the reward model's
+    weights), before the first batch. A failure is left for that batch's call to record, sample by sample."""
+    for s in specs:
+        prepare = getattr(resolve(s.name), "warm", None)
+        if prepare is not None:
+            try:
+                prepare(**s.kwargs)
+            except Exception:  # the first call raises it again, and records it per sample
+                pass
+
+
 def is_learned(name: str) -> bool:
     """Whether a reward is a model's judgement rather than a verifier's (the audit's learned section): a
     ``LEARNED_REWARDS`` name, or a plug-in whose function sets ``learned = True``."""

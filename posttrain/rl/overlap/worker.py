@@ -99,7 +99,7 @@ def generator_main(index: int, spec: Spec, out: Any, stop: Any, parent: int) -> 
                     continue
             out.cancel_join_thread()  # stopping: what is still queued is not waited for at exit
 
-        with RewardPool(p.reward.workers, p.reward.timeout_s) as pool:
+        with RewardPool.of(p.reward) as pool:
             generator_loop(assigned_steps(index, o.generators, spec.start, p.rl.steps), o.max_staleness, acquire,
                            lambda s, v: sample_step(backend, tok, spec, s, v, pool), put, index)
     except (SystemExit, KeyboardInterrupt):  # terminated (the trainer stopping): nothing to tell anyone
