@@ -14,13 +14,13 @@ from typing import Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from posttrain.config import names
+from posttrain.config import names, rules
 from posttrain.config.base import MAX_SEED, ConfigError, Refusal, Section, shown
 from posttrain.config.curate import Curate, SyntheticSource
 from posttrain.config.distill import Distill
 from posttrain.config.evaluate import Evaluate, Report
 from posttrain.config.judge import Judge
-from posttrain.config.model import ModelCfg, TinyModel
+from posttrain.config.model import ModelCfg
 from posttrain.config.paths import Paths
 from posttrain.config.prefect import PrefectCfg
 from posttrain.config.reward import Reward
@@ -85,137 +85,13 @@ class Params(Section):
         if self.rl.ref_reset is not None and self.model.lora is not None:
             raise Refusal("rl.ref_reset", "with model.lora is not supported: the LoRA policy's reference is its "
                           "frozen base (adapter off), which a reset would have to overwrite with the merge")
-        if self.rl.overlap is not None:
-            self._overlap()
-        self._context()
-        self._champion()
-        self._reward_models()
-        self._judge()
-        self._tools()
+        rules.check(self)
         d = self.runtime.distributed
         if d.world_size > 1:
             if d.strategy == "fsdp2" and self.model.lora is not None:
                 raise Refusal("runtime.distributed.strategy", "fsdp2 with model.lora is not supported; use ddp "
                               "(LoRA's frozen base needs no sharding of gradients or optimizer state)")
         return self
-
-    def _overlap(self) -> None:
-        """``rl.overlap`` runs hf generator processes beside one trainer process: what it does not build is
-        refused, naming the key that asks for it."""
-        why = {"rollout.backend": (self.rollout.backend != "hf", "'vllm' with rl.overlap: only hf generator "
-                                   "processes are built (a vLLM generator needs vllm_sync's weight sync across "
-                                   "processes); use rollout.backend: hf or rl.overlap: null"),
-               "runtime.distributed.nproc_per_node": (self.runtime.distributed.world_size > 1, "x nnodes > 1 with "
-                                                      "rl.overlap: the asynchronous trainer is one process; set "
-                                                      "rl.overlap: null"),
-               "tools.enabled": (self.tools.enabled, "true with rl.overlap: generators sample single-turn "
-                                 "completions only; set rl.overlap: null")}
-        for key, (bad, message) in why.items():
-            if bad:
-                raise Refusal(key, message)
-
-    def _judge(self) -> None:
-        """An ``llm_judge`` reward without ``base_url`` asks the server the stage starts: ``judge.serve`` must name
-        one; a server nobody asks is refused too (it would cost its start for nothing)."""
-        specs = [(i, s) for i, s in enumerate(self.reward.rewards) if s.name == "llm_judge"]
-        for i, s in specs:
-            if s.kwargs.get("base_url") is None and self.judge.serve is None:
-                raise Refusal(f"reward.rewards[{i}].kwargs.base_url", "not set and judge.serve is null: give the "
-                              "judge's URL (and kwargs.model), or a model folder in judge.serve")
-        if self.judge.serve is not None and not any(s.kwargs.get("base_url") is None for _, s in specs):
-            raise Refusal("judge.serve", "set, but no llm_judge reward without base_url asks the server it starts")
-
-    def _tools(self) -> None:
-        """A priced ``tool_cost`` needs tool rollouts (else it is 0 for every sample: a price nobody pays); tool-use
-        SFT demos (``sft.phases[*].tool_frac``) need a task that has them and their tool in ``tools.names``."""
-        for i, s in enumerate(self.reward.rewards):
-            if s.name == "tool_cost" and s.weight != 0 and not self.tools.enabled:
-                raise Refusal(f"reward.rewards[{i}].weight", f"{s.weight:g} for tool_cost with tools.enabled: false: "
-                              "no completion calls a tool, so the price is never paid (weight 0 logs it only)")
-        if not self.sft.tool_demos:
-            return
-        tool = names.TOOL_DEMOS.get(self.task.kind)
-        if tool is None:
-            raise Refusal("sft.phases.tool_frac", f"> 0 needs a task with tool demos {list(names.TOOL_DEMOS)}, "
-                          f"not {self.task.kind!r}")
-        if tool not in self.tools.names:
-            raise Refusal("tools.names", f"{self.tools.names} lacks {tool!r}, the tool the {self.task.kind} "
-                          "task's SFT tool demos call (sft.phases.tool_frac > 0)")
-
-    def _reward_models(self) -> None:
-        """Each ``reward_model.models`` source is the reward stage's folder (pairs from scored rollouts: the verifier
-        must be one of ``reward.rewards``, else no completion is labelled) or a preference JSONL file."""
-        verifiers = {s.name for s in self.reward.rewards}
-        for name, source in self.reward_model.models.items():
-            if Path(source) == Path(self.paths.reward_dir):
-                if self.reward_model.verifier not in verifiers:
-                    raise Refusal("reward_model.verifier", f"{self.reward_model.verifier!r} is not one of "
-                                  f"reward.rewards {sorted(verifiers)}: the rollouts of models.{name} carry no label")
-            elif not source.endswith(".jsonl"):
-                raise Refusal(f"reward_model.models.{name}", f"{shown(source)} is neither paths.reward_dir "
-                              f"({self.paths.reward_dir!r}: pairs from scored rollouts) nor a .jsonl preference file")
-        for i, spec in enumerate(self.reward.rewards):
-            if spec.name == "reward_model":
-                self._reward_model_path(f"reward.rewards[{i}].kwargs.path", spec.kwargs["path"])
-
-    def _reward_model_path(self, key: str, path: str) -> None:
-        """A ``reward_model`` reward's folder: an existing reward model, or one this pipeline builds
-        (``paths.reward_model_dir/<name>``, ``<name>`` in ``reward_model.models``) from a preference file; one
-        trained on the reward stage's own scored rollouts cannot score them (a cycle: that stage comes first)."""
-        built = Path(path).parent == Path(self.paths.reward_model_dir)
-        name = Path(path).name
-        if built and name in self.reward_model.models:
-            if Path(self.reward_model.models[name]) == Path(self.paths.reward_dir):
-                raise Refusal(key, f"{shown(path)} is trained on the reward stage's scored rollouts "
-                              f"(reward_model.models.{name}): reward.rewards scores them first (a cycle); "
-                              "train it on a preference file, or point at a reward model trained before")
-            return
-        if not (Path(path) / "manifest.json").is_file():
-            known = sorted(self.reward_model.models)
-            raise Refusal(key, f"{shown(path)} is not a reward model (no manifest.json there) nor one this pipeline "
-                          f"builds (paths.reward_model_dir/<name> with <name> in reward_model.models {known})")
-
-    def _champion(self) -> None:
-        """``tracking.champion`` names a number evaluate writes: a metric it never writes kept the champion alias
-        where it was, silently, at every evaluation."""
-        if self.tracking.champion is None:
-            return
-        split, metric = self.tracking.champion.split(".", 1)
-        splits, metrics = self.evaluate.split_names(), self.evaluate.metric_names()
-        if split not in splits or metric not in metrics:
-            raise Refusal("tracking.champion", f"{shown(self.tracking.champion)} names no metric evaluate writes: "
-                          f"<split>.<metric> with a split in {splits} and a metric in {sorted(metrics)}")
-
-    def _context(self) -> None:
-        """Prompt + completion within the model's context, where both are known before any work: the built
-        tiny model (and student) on a generated task (arithmetic, code), whose prompts are at most
-        ``BOS <prompt> \n`` tokens of its character tokenizer; a local model folder's ``config.json`` (the
-        prompt's length unknown: the completion alone must fit)."""
-        sampled = {"rollout.sampling.max_new_tokens": self.rollout.sampling.max_new_tokens,
-                   "rl.sampling.max_new_tokens": self.rl.sampling.max_new_tokens,
-                   "evaluate.sampling.max_new_tokens": self.evaluate.sampling.max_new_tokens,
-                   "distill.max_new_tokens": self.distill.max_new_tokens}
-        bound = getattr(self.task, "max_prompt_chars", None)  # BOS + prompt + newline, one token a character
-        prompt = bound() + 2 if bound is not None and self.model.base == "tiny" else 1
-        contexts: dict[str, tuple[int, list[str]]] = {}  # model -> (context, the max_new_tokens it samples with)
-        if self.model.base == "tiny":
-            contexts["model.tiny"] = (self.model.tiny.max_position_embeddings, list(sampled))
-        elif (Path(self.model.base) / "config.json").is_file():
-            import json
-
-            n = json.loads((Path(self.model.base) / "config.json").read_text()).get("max_position_embeddings")
-            if isinstance(n, int):
-                contexts["model.base"] = (n, list(sampled))
-        if isinstance(self.distill.student, TinyModel):  # phases A-B, C (rl sampling) and evaluate@student
-            contexts["distill.student"] = (self.distill.student.max_position_embeddings,
-                                           ["distill.max_new_tokens", "rl.sampling.max_new_tokens",
-                                            "evaluate.sampling.max_new_tokens"])
-        for where, (ctx, keys) in contexts.items():
-            for key in keys:
-                if prompt + sampled[key] > ctx:
-                    raise Refusal(key, f"{sampled[key]} + a prompt of up to {prompt} tokens exceeds the {ctx}-token "
-                                  f"context of {where} (max_position_embeddings)")
-
 
 def stage_metrics(metrics_dir: str | Path, stage: str) -> Path:
     """A stage's metrics file: ``metrics/<stage>.json``; of one foreach instance ``metrics/<stage>/<key>.json``
