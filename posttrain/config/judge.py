@@ -7,6 +7,8 @@ one the stage serves from a local folder for its length (``judge.serve``: vLLM's
 
 from __future__ import annotations
 
+import string
+
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from posttrain.config import names
@@ -18,6 +20,11 @@ DEFAULT_TEMPLATE = (  # the judge's prompt unless kwargs.template says otherwise
     "Problem:\n{prompt}\n\nReference answer:\n{answer}\n\nResponse:\n{completion}\n\n"
     "Rubric:\n{rubric}\n\n{format}"
 )
+
+
+def template_fields(template: str) -> set[str]:
+    """The ``{fields}`` a template uses (a ``ValueError`` for a template ``str.format`` cannot read)."""
+    return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
 
 
 class Judge(Section):
@@ -92,10 +99,8 @@ class LlmJudgeKwargs(Section):
 
     @model_validator(mode="after")
     def _template(self) -> LlmJudgeKwargs:
-        import string
-
         try:
-            used = {n for _, n, _, _ in string.Formatter().parse(self.template) if n is not None}
+            used = template_fields(self.template)
         except ValueError as e:
             raise Refusal("template", f"not a str.format text ({e})") from None
         if unknown := sorted(used - set(FIELDS)):

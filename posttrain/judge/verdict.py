@@ -12,11 +12,10 @@ a reply that hedges, gives two scores or buries the score in prose earns nothing
 from __future__ import annotations
 
 import re
-import string
 from collections.abc import Callable
 from typing import NamedTuple
 
-from posttrain.config.judge import DEFAULT_TEMPLATE, FIELDS
+from posttrain.config.judge import DEFAULT_TEMPLATE, FIELDS, template_fields
 
 __all__ = ["DEFAULT_TEMPLATE", "FIELDS", "VERDICTS", "Parsed", "Verdict", "parse_binary", "parse_score", "render",
            "template_fields"]
@@ -92,11 +91,6 @@ VERDICTS: dict[str, Verdict] = {
     "score": Verdict(_score_instruction, parse_score),
     "binary": Verdict(_binary_instruction, parse_binary),
 }
-
-
-def template_fields(template: str) -> set[str]:
-    """The ``{fields}`` a template uses (a ``ValueError`` for a template ``str.format`` cannot read)."""
-    return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
 
 
 def render(template: str, *, prompt: str, completion: str, answer: str, rubric: str, verdict: str,
