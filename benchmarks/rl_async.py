@@ -3,7 +3,7 @@ on the default task.
 
 Arms: ``sync`` (``rl.overlap: null``; ``runtime.generate_threads`` / ``train_threads`` as in params.yaml: 2),
 ``sync1`` (the same on 1 thread: separates the effect of the thread count from that of the overlap) and
-``k0``, ``k1``, ``k2`` (``rl.overlap.max_staleness`` 0, 1, 2; ``--generators`` generator processes of 1 torch
+``k0``, ``k1``, ``k2``, ``k4`` (``rl.overlap.max_staleness`` 0, 1, 2, 4; ``--generators`` generator processes of 1 torch
 thread, a trainer of 1 thread: generation on one core, training on the other). Each arm is ``stages.rl.run``
 for ``--steps`` steps on the pipeline's own inputs (``--root``: a checkout where ``dvc repro reward`` has run:
 its curated train split, the SFT pass rates and ``models/sft``), outputs in a temp folder. The arms alternate
@@ -38,7 +38,7 @@ from posttrain.config import parse_params  # noqa: E402
 from posttrain.config.params import read_yaml  # noqa: E402
 from stages import rl  # noqa: E402
 
-ARMS = {"sync": None, "sync1": None, "k0": 0, "k1": 1, "k2": 2}  # sync1: the synchronous loop on 1 thread
+ARMS = {"sync": None, "sync1": None, "k0": 0, "k1": 1, "k2": 2, "k4": 4}  # sync1: the synchronous loop on 1 thread
 
 
 def run_arm(root: Path, raw: dict[str, Any], arm: str, generators: int, work: Path) -> dict[str, Any]:

@@ -41,16 +41,16 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from posttrain import metrics as M  # noqa: E402
+from experiments.overopt_report import KL, analyse, plot, table_rows, upsert_rows  # noqa: E402
 from posttrain.config.overrides import parse_overrides, render_overrides  # noqa: E402
 
-KL = 0.05  # the "small KL" (rl.kl_coef, k3 estimator)
 # proxy models: name -> (N key, members)
 RMS = {"rm_small": ("small", 1), "rm_large": ("large", 1), "ens_large": ("large", 3)}
 # arms: name -> (proxy model, ensemble combination, kl_coef)
 ARMS = {"rm_small": ("rm_small", "mean", 0.0), "rm_large": ("rm_large", "mean", 0.0),
         "rm_large_kl": ("rm_large", "mean", KL), "wco_large_kl": ("ens_large", "wco", KL),
-        "uwo_large_kl": ("ens_large", "uwo", KL), "wco_large": ("ens_large", "wco", 0.0)}
+        "uwo_large_kl": ("ens_large", "uwo", KL), "wco_large": ("ens_large", "wco", 0.0),
+        "uwo_large": ("ens_large", "uwo", 0.0)}
 
 
 def stage(folder: Path, params: str, *args: str) -> float:
@@ -139,137 +139,6 @@ def arm_run(root: Path, arm: str, seed: int, steps: int, every: int, common: lis
     return rec
 
 
-def seed_mean(recs: list[dict[str, Any]], step: str, key: str) -> dict[str, float]:
-    """problem id -> mean over seeds of ``key`` at saved ``step``."""
-    ids = set.intersection(*(set(r["heldout"][step]) for r in recs))
-    return {i: float(np.mean([r["heldout"][step][i][key] for r in recs])) for i in sorted(ids)}
-
-
-def paired(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    """b - a over shared problems: mean and 95% paired-bootstrap interval."""
-    ids = [i for i in a if i in b and a[i] is not None and b[i] is not None]
-    lo, hi = M.paired_bootstrap_ci([a[i] for i in ids], [b[i] for i in ids], 2000, 0)
-    return {"diff": float(np.mean([b[i] - a[i] for i in ids])), "lo": lo, "hi": hi, "n": len(ids)}
-
-
-def sign(d: dict[str, float], want: str) -> str:
-    pos, neg = d["lo"] > 0, d["hi"] < 0
-    return ("holds" if (pos if want == ">" else neg) else "does not hold" if (neg if want == ">" else pos)
-            else "inconclusive")
-
-
-def analyse(runs: dict[str, list[dict[str, Any]]], key: str) -> dict[str, Any]:
-    """The three claims (module docstring) on held-out ``key`` (greedy or pass@1)."""
-    out: dict[str, Any] = {}
-    steps = {arm: sorted(recs[0]["heldout"], key=int) for arm, recs in runs.items()}
-    curve = {arm: [float(np.mean(list(seed_mean(recs, s, key).values()))) for s in steps[arm]]
-             for arm, recs in runs.items()}
-    out["heldout_curve"] = {arm: dict(zip(steps[arm], c, strict=True)) for arm, c in curve.items()}
-    if "rm_small" in runs:
-        recs, st = runs["rm_small"], steps["rm_small"]
-        peak = st[int(np.argmax(curve["rm_small"]))]
-        g = paired(seed_mean(recs, peak, key), seed_mean(recs, st[-1], key))
-        proxy = [np.asarray(r["proxy"], dtype=float) for r in recs]
-        lo, hi = max(0, int(peak) - 5), max(int(peak), 5)  # the 5 steps before the peak (the first 5 at step 0)
-        p_peak = [float(np.nanmean(p[lo:hi])) for p in proxy]
-        p_last = [float(np.nanmean(p[-5:])) for p in proxy]
-        out["claim_peak"] = {"peak_step": int(peak), "gold_last_minus_peak": g,
-                             "proxy_peak": p_peak, "proxy_last": p_last,
-                             "proxy_rose_every_seed": all(b > a for a, b in zip(p_peak, p_last, strict=True)),
-                             "verdict": ("holds" if g["hi"] < 0 and all(b > a for a, b in zip(p_peak, p_last,
-                                                                                                strict=True))
-                                         else "does not hold" if g["lo"] >= 0 else "inconclusive")}
-    for ens in ("wco_large_kl", "uwo_large_kl"):
-        if ens in runs and "rm_large" in runs:
-            last = steps[ens][-1]
-            d = paired(seed_mean(runs["rm_large"], last, key), seed_mean(runs[ens], last, key))
-            out[f"claim_{ens}_vs_rm_large"] = {**d, "verdict": sign(d, ">")}
-    if "rm_small" in runs and "rm_large" in runs:
-        def peaks(recs: list[dict[str, Any]]) -> list[int]:
-            st = sorted(recs[0]["heldout"], key=int)
-            return [int(st[int(np.argmax([np.mean([v[key] for v in r["heldout"][s].values()]) for s in st]))])
-                    for r in recs]
-        small, large = peaks(runs["rm_small"]), peaks(runs["rm_large"])
-        later = sum(b > a for a, b in zip(small, large, strict=False))
-        out["claim_more_data_later_peak"] = {"peak_small": small, "peak_large": large, "later_in_seeds": later,
-                                             "verdict": "holds" if later == len(small) else
-                                             "does not hold" if all(b <= a for a, b in zip(small, large,
-                                                                                          strict=False))
-                                             else "inconclusive"}
-    return out
-
-
-PAPER = ("Scaling Laws for Reward Model Overoptimization (Gao et al. 2023); Reward Model Ensembles Help Mitigate "
-         "Overoptimization (Coste et al. 2024) (verifier = gold, Bradley-Terry proxy RMs on N rollout pairs, "
-         "our tiny policy)")
-
-
-def table_rows(res: dict[str, Any], seeds: dict[str, int]) -> list[str]:
-    """The claims as rows of experiments/REPRODUCTIONS.md: (pass@1 and greedy, first - second, points)."""
-    def cell(d: dict[str, float]) -> str:
-        return f"{100 * d['diff']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]"
-
-    p1, gr, rows = res["pass@1"], res["greedy"], []
-    if "claim_peak" in p1:
-        c, g = p1["claim_peak"], gr["claim_peak"]
-        rows.append(f"| {PAPER} | proxy rises while gold peaks and falls: held-out gold at the last step - at its "
-                    f"peak (step {c['peak_step']}), single RM, N small, no KL, {seeds['rm_small']} seeds; proxy "
-                    f"{np.mean(c['proxy_peak']):.2f} -> {np.mean(c['proxy_last']):.2f} | "
-                    f"{cell(c['gold_last_minus_peak'])} | greedy: {cell(g['gold_last_minus_peak'])} | "
-                    f"{c['verdict']} |")
-    for ens in ("wco_large_kl", "uwo_large_kl"):
-        key = f"claim_{ens}_vs_rm_large"
-        if key in p1:
-            rows.append(f"| {PAPER} | {ens.split('_')[0].upper()} ensemble + KL {KL} keeps gold higher at the end "
-                        f"than a single RM (N large, {seeds[ens]} vs {seeds['rm_large']} seeds) | {cell(p1[key])} | "
-                        f"greedy: {cell(gr[key])} | {p1[key]['verdict']} |")
-    if "claim_more_data_later_peak" in p1:
-        c = p1["claim_more_data_later_peak"]
-        rows.append(f"| {PAPER} | more preference data delays the gold peak (single RM, no KL) | peak step per "
-                    f"seed, N small {c['peak_small']} vs N large {c['peak_large']} (pass@1) | - | {c['verdict']} |")
-    return rows
-
-
-def upsert_rows(path: Path, rows: list[str]) -> None:
-    """Replace this experiment's rows of the Reproductions table (those naming ``PAPER``) with ``rows``."""
-    lines = [ln for ln in path.read_text().splitlines() if PAPER not in ln]
-    end = max(i for i, ln in enumerate(lines) if ln.startswith("|")) + 1
-    path.write_text("\n".join([*lines[:end], *rows, *lines[end:]]) + "\n")
-
-
-def plot(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    """Proxy and gold (train samples; held-out greedy at saved steps) against RL steps, per arm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for n, (arm, recs) in enumerate(runs.items()):
-        c = f"C{n}"
-        for ax, key in ((axes[0], "proxy"), (axes[1], "train_gold")):
-            y = np.array([r[key] for r in recs], dtype=float)  # [seeds, steps]
-            k = 5  # moving mean over 5 steps (one step is 128 samples)
-            sm = np.array([np.convolve(row, np.ones(k) / k, mode="valid") for row in y])
-            x = np.arange(k, y.shape[1] + 1)
-            ax.plot(x, sm.mean(0), color=c, label=arm)
-            ax.fill_between(x, sm.min(0), sm.max(0), color=c, alpha=0.15)
-        st = sorted(recs[0]["heldout"], key=int)
-        g = np.array([[np.mean([v["greedy"] for v in r["heldout"][s].values()]) for s in st] for r in recs])
-        axes[2].plot([int(s) for s in st], g.mean(0), marker="o", color=c, label=arm)
-        axes[2].fill_between([int(s) for s in st], g.min(0), g.max(0), color=c, alpha=0.15)
-    for ax, t in zip(axes, ("proxy reward (rl log, 5-step mean)", "gold on the step's samples (verifier)",
-                            "gold held out (greedy, eval split)"), strict=True):
-        ax.set_title(t, fontsize=9)
-        ax.set_xlabel("rl step")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.suptitle("reward over-optimisation: seed mean, band = min..max over seeds", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, default=Path("/tmp/overopt"))
@@ -287,7 +156,6 @@ def main() -> None:
     a = ap.parse_args()
     common = ["runtime.progress=false", "evaluate.samples_per_prompt=4", "evaluate.ks=[1,4]",
               "evaluate.sample_prompts=null", *a.overrides]
-    t0 = time.time()
     base = base_run(a.root, {"small": a.n_small, "large": a.n_large}, a.rm_steps, common)
     runs: dict[str, list[dict[str, Any]]] = {}
     for seed in a.seeds:  # arms alternate within each seed
@@ -299,9 +167,17 @@ def main() -> None:
             rec["heldout"] = {"0": base["sft"], **rec["heldout"]}  # step 0: the SFT policy every arm starts from
             runs.setdefault(arm, []).append(rec)
             print(f"{arm} s{seed}: {rec['seconds']}", flush=True)
-    res = {"settings": vars(a) | {"root": str(a.root), "out": str(a.out), "kl": KL}, "base": base,
-           "greedy": analyse(runs, "greedy"), "pass@1": analyse(runs, "pass@1"), "runs": runs,
-           "total_s": round(time.time() - t0, 1)}
+    def summary(r: dict[str, Any]) -> dict[str, Any]:  # per saved step the held-out means (per problem: in --root)
+        return {**{k: v for k, v in r.items() if k != "heldout"},
+                "heldout": {s: {m: float(np.mean([v[m] for v in per.values()])) for m in ("greedy", "pass@1")}
+                            for s, per in r["heldout"].items()}}
+
+    res = {"settings": vars(a) | {"root": str(a.root), "out": str(a.out), "kl": KL},
+           "base": {k: v for k, v in base.items() if k != "sft"},
+           "greedy": analyse(runs, "greedy"), "pass@1": analyse(runs, "pass@1"),
+           "runs": {arm: [summary(r) for r in recs] for arm, recs in runs.items()},
+           "compute_s": round(sum(base["seconds"].values()) + sum(sum(r["seconds"].values()) for recs in
+                                                                     runs.values() for r in recs), 1)}
     res["rows"] = table_rows(res, {arm: len(recs) for arm, recs in runs.items()})
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=1) + "\n")
