@@ -189,7 +189,7 @@ def main() -> None:
         for arm, c in res[key]["heldout_curve"].items():
             print(f"  {arm:14s} " + "  ".join(f"{s}:{100 * v:.1f}" for s, v in c.items()))
         for k, v in res[key].items():
-            if k.startswith("claim"):
+            if k.startswith(("claim", "ablation")):
                 print(f"  {k}: {json.dumps(v)}")
 
 
