@@ -181,6 +181,7 @@ def test_a_learned_rewards_model_loads_as_each_worker_starts_not_within_a_sample
     assert [r for r, _ in cold] == [None] * 4 and cold[0][1][ERROR_KEY] == "timeout after 0.5s"
 
 
+@pytest.mark.slow  # 12.6 s of the fast suite's 111 s alone (pebble's SIGTERM grace before its SIGKILL)
 def test_a_hung_worker_is_killed_and_its_sample_unscorable(plugin, tmp_path):
     """A reward stuck where SIGTERM cannot reach it (C code): the sample times out, its worker is SIGKILLed and
     replaced, and the samples after it are scored. (40 samples on 2 workers go in chunks of 5: the chunk with
