@@ -16,7 +16,7 @@ table, paired-bootstrap intervals over held-out problems, seed means):
 2. an ensemble (WCO or UWO) + small KL keeps gold higher at the end than a single RM (no KL), same N;
 3. more preference data delays the peak: the single RM's gold peak step at large N vs small N (per seed).
 
-    python experiments/overopt.py --root /tmp/overopt --seeds 0 1 2 --out benchmarks/results/overopt.json
+    python experiments/overopt.py --root /tmp/overopt --seeds 0 1 2 --out experiments/results/overopt.json
 
 Run from a snapshot of the repo (``git archive``): the stages run as ``python -m stages.X`` from here. Prints a
 table, writes the JSON and ``<out>.png`` (proxy and gold against steps, seed mean and min..max band per arm).
@@ -36,12 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from experiments.overopt_report import KL, analyse, plot, table_rows, upsert_rows  # noqa: E402
+from experiments.overopt_report import KL, analyse, heldout_mean, plot, table_rows, upsert_rows  # noqa: E402
 from posttrain.config.overrides import parse_overrides, render_overrides  # noqa: E402
 
 # proxy models: name -> (N key, members)
@@ -169,8 +167,7 @@ def main() -> None:
             print(f"{arm} s{seed}: {rec['seconds']}", flush=True)
     def summary(r: dict[str, Any]) -> dict[str, Any]:  # per saved step the held-out means (per problem: in --root)
         return {**{k: v for k, v in r.items() if k != "heldout"},
-                "heldout": {s: {m: float(np.mean([v[m] for v in per.values()])) for m in ("greedy", "pass@1")}
-                            for s, per in r["heldout"].items()}}
+                "heldout": {s: {m: heldout_mean(r, s, m) for m in ("greedy", "pass@1")} for s in r["heldout"]}}
 
     res = {"settings": vars(a) | {"root": str(a.root), "out": str(a.out), "kl": KL},
            "base": {k: v for k, v in base.items() if k != "sft"},
