@@ -139,7 +139,7 @@ def lineage(target: str = typer.Argument(..., help="a DVC output path (or a file
     from posttrain import lineage as L
     from posttrain import tracking
     from posttrain.errors import StageError
-    from posttrain.lineage.verify import verify as verify_tree
+    from posttrain.lineage.check import verify as verify_tree
 
     p = _params(params)
     root = params.resolve().parent

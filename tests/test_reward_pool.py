@@ -181,6 +181,17 @@ def test_a_learned_rewards_model_loads_as_each_worker_starts_not_within_a_sample
     assert [r for r, _ in cold] == [None] * 4 and cold[0][1][ERROR_KEY] == "timeout after 0.5s"
 
 
+def test_a_reward_that_cannot_be_loaded_in_a_worker_fails_its_samples_not_the_pool():
+    """Found by the review: ``warm`` resolved each reward outside its try, so a plug-in that failed to import in a
+    worker failed pebble's initializer, every worker exited and the pool broke (BrokenProcessPool): a crash, not
+    an unscorable sample."""
+    specs = [Spec("correct", 1.0, {}), Spec("no_such_module_xyz:fn", 1.0, {})]
+    with RewardPool(2, timeout_s=5, warm=specs) as pool:
+        got = pool.score([Sample("answer: 5", "5", "arith", 5, 80)] * 2, specs)
+    assert [r for r, _ in got] == [None, None]
+    assert all("no_such_module_xyz:fn" in parts[ERROR_KEY] for _, parts in got), got
+
+
 @pytest.mark.slow  # 12.6 s of the fast suite's 111 s alone (pebble's SIGTERM grace before its SIGKILL)
 def test_a_hung_worker_is_killed_and_its_sample_unscorable(plugin, tmp_path):
     """A reward stuck where SIGTERM cannot reach it (C code): the sample times out, its worker is SIGKILLed and

@@ -436,7 +436,7 @@ def test_lineage_reaches_a_reward_model_a_reward_kwarg_names_and_its_pairs(tmp_p
     The lineage follows the params dvc.lock records: rl -> reward_model@rm (refs) -> reward (its pairs)."""
     import yaml
 
-    from posttrain.lineage import trace
+    from posttrain.lineage import consumers, trace
 
     rm_reward = [{"name": "reward_model", "weight": 1.0, "kwargs": {"path": "./models/reward_model/rm/"}},
                  {"name": "correct", "weight": 0.0}]
@@ -456,3 +456,14 @@ def test_lineage_reaches_a_reward_model_a_reward_kwarg_names_and_its_pairs(tmp_p
     rm = tree.parents[0]
     assert rm.refs == {"reward_model.models.rm": "data/reward"} and [p.stage for p in rm.parents] == ["reward"]
     assert tree.to_dict()["parents"][0]["parents"][0]["stage"] == "reward" and tree.sources == ["models/sft"]
+    assert consumers(tmp_path, "models/reward_model/rm") == ["rl"]  # read through a param, not a dep
+
+    # a params link back up (the reward stage naming the model trained on its own output, here by an absolute
+    # path inside the repo): the tree is finite, the JSON marks the repeat
+    lock["stages"]["reward"]["params"] = {"params.yaml": {"reward": {"rewards": [
+        {"name": "reward_model", "kwargs": {"path": str(tmp_path / "models/reward_model/rm")}}]}}}
+    (tmp_path / "dvc.lock").write_text(yaml.safe_dump(lock))
+    d = trace(tmp_path, "models/rl").to_dict()
+    rm = d["parents"][0]
+    assert rm["parents"][0]["refs"] == {"reward.rewards[0].kwargs.path": "models/reward_model/rm"}
+    assert rm["parents"][0]["parents"] == [{"stage": "reward_model@rm", "above": True}]

@@ -39,7 +39,9 @@ class Judge(Section):
     served_model_name: str = Field("judge", min_length=1, description="the name the server gives the model")
     args: list[str] = Field(default_factory=list, description="extra arguments of the server (e.g. [--dtype, "
                             "float32, --max-model-len, 4096], [--tensor-parallel-size, 2]); part of the judge's "
-                            "identity in the call cache (a judgement cached under other arguments is asked again)")
+                            "identity in the call cache: every argument counts, also those that do not change "
+                            "answers (--max-model-len, --tensor-parallel-size), and a judgement cached under other "
+                            "arguments is asked again")
     startup_timeout_s: float = Field(900.0, gt=0, le=86400, json_schema_extra=NOT_RESULT,
                                      description="seconds the server may take to answer /health")
 
@@ -80,7 +82,8 @@ class LlmJudgeKwargs(Section):
     def worst_case_s(self) -> float:
         """Seconds one request may take before it is failed: every try runs to ``timeout_s``, with the client's
         backoff between tries (0.5 s doubling, at most 8 s; ``openai``'s, without its jitter, which only
-        shortens it)."""
+        shortens it). A lower bound: a server's ``Retry-After`` (the client honours up to 60 s) and a process's
+        first ``/v1/models`` lookup (when no digest names the judge) are not counted."""
         return (self.retries + 1) * self.timeout_s + sum(min(0.5 * 2**i, 8.0) for i in range(self.retries))
 
     @field_validator("verdict")

@@ -1,5 +1,6 @@
 """The rules across ``params.yaml``'s sections (``Params._cross`` calls :func:`check`; each section's own rules
-are in its ``_rules``): what one section asks of another, refused at load naming the key (exit 2)."""
+are in its ``_rules``): what one section asks of another, refused at load naming the key (exit 2). ``p`` is
+the validated ``Params``, typed ``Any``: params.py imports this module (an import back would be a cycle)."""
 
 from __future__ import annotations
 

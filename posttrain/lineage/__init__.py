@@ -17,7 +17,7 @@ md5, or for a folder each file's md5 against DVC's ``.dir`` manifest in the cach
 changed, missing or extra file (without the manifest, DVC's folder hash is compared as a whole).
 
 Run: ``posttrain lineage models/student [--verify] [--json]``; ``verify`` lives in
-:mod:`posttrain.lineage.verify`.
+:mod:`posttrain.lineage.check`.
 """
 
 from __future__ import annotations
@@ -57,11 +57,16 @@ class Node:
     pins: dict[str, Any] = field(default_factory=dict)  # external inputs named in params: hub ids and revisions
     refs: dict[str, str] = field(default_factory=dict)  # params naming another stage's output: key -> path
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, _seen: frozenset[str] = frozenset()) -> dict[str, Any]:
+        """The tree as JSON; a stage already on the path from the root is ``{"stage": s, "above": true}`` (params
+        links, unlike DVC's deps, can point back up)."""
+        if self.stage in _seen:
+            return {"stage": self.stage, "above": True}
+        seen = _seen | {self.stage}
         return {"stage": self.stage, "outs": [o.__dict__ for o in self.outs], "params_digest": self.params_digest,
                 "metrics": self.metrics, "mlflow_run_id": self.run_id, "commit": self.commit,
                 "decontamination": self.verdict, "sources": self.sources, "pins": self.pins, "refs": self.refs,
-                "parents": [p.to_dict() for p in self.parents]}
+                "parents": [p.to_dict(seen) for p in self.parents]}
 
 
 NAMES = ("base", "hub_id", "student")  # params that name a model or dataset outside the repo
@@ -96,13 +101,16 @@ def _leaves(params: Any, prefix: str = "") -> Iterator[tuple[str, str]]:
         yield prefix, params
 
 
-def refs(lock: dict[str, Any], stage: str) -> dict[str, str]:
+def refs(lock: dict[str, Any], stage: str, root: Path | None = None) -> dict[str, str]:
     """The params of ``stage`` (as dvc.lock records them, whatever the params file) whose value is an output of
-    another stage (or a path inside one): param key -> that path."""
+    another stage (or a path inside one), relative or absolute under ``root``: param key -> that path."""
     out: dict[str, str] = {}
+    base = str(root.resolve()) if root is not None else None
     for _, params in sorted(lock[stage].get("params", {}).items()):
         for key, v in _leaves(params):
             path = os.path.normpath(v) if v.strip() else v
+            if base is not None and os.path.isabs(path) and path.startswith(base + os.sep):
+                path = os.path.relpath(path, base)
             if (hit := producer(lock, path)) is not None and hit[0] != stage:
                 out[key] = path
     return out
@@ -250,7 +258,7 @@ def trace(root: Path, target: str, metrics_dir: str = "metrics", tracking_uri: s
                 n.sources.append(d["path"])
             elif up[0] != stage:
                 parents[up[0]] = None
-        n.refs = refs(lock, stage)
+        n.refs = refs(lock, stage, root)
         for path in n.refs.values():
             parents[producer(lock, path)[0]] = None  # type: ignore[index]  # (refs holds produced paths only)
         n.parents = [node(p) for p in parents]
@@ -260,7 +268,8 @@ def trace(root: Path, target: str, metrics_dir: str = "metrics", tracking_uri: s
 
 
 def consumers(root: Path, path: str) -> list[str]:
-    """Stages downstream of ``path`` (that read it, or read what was made from it), in DAG order."""
+    """Stages downstream of ``path`` (that read it, a dep or a param naming it, or read what was made from it), in
+    DAG order."""
     lock = load_lock(root)
     found: list[str] = []
     frontier = [path]
@@ -269,7 +278,8 @@ def consumers(root: Path, path: str) -> list[str]:
         for stage, e in lock.items():
             if stage in found:
                 continue
-            if any(_under(d["path"], p) or _under(p, d["path"]) for d in e.get("deps", [])):
+            read = [d["path"] for d in e.get("deps", [])] + list(refs(lock, stage, root).values())
+            if any(_under(r, p) or _under(p, r) for r in read):
                 found.append(stage)
                 frontier += [o["path"] for o in e.get("outs", [])]
     order = list(lock)

@@ -52,12 +52,13 @@ def warm(specs: Sequence[Spec]) -> None:
     """Prepare what each reward keeps per process (its function's ``warm(**kwargs)``: the reward model's
     weights), before the first batch. A failure is left for that batch's call to record, sample by sample."""
     for s in specs:
-        prepare = getattr(resolve(s.name), "warm", None)
-        if prepare is not None:
-            try:
+        try:  # (resolve too: a plug-in that fails to import here must not fail pebble's initializer, which would
+            # end every worker and break the pool; its batch call records the error per sample instead)
+            prepare = getattr(resolve(s.name), "warm", None)
+            if prepare is not None:
                 prepare(**s.kwargs)
-            except Exception:  # the first call raises it again, and records it per sample
-                pass
+        except Exception:  # noqa: S112
+            continue
 
 
 def is_learned(name: str) -> bool:
