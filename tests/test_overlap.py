@@ -274,6 +274,59 @@ def test_a_crashed_async_run_resumes_with_no_prompt_skipped_or_repeated(upstream
         assert len(set(keys(out_r, step))) == len(keys(out_r, step))
 
 
+@pytest.mark.slow  # 7 s
+def test_stale_steps_replay_from_their_shards_to_the_trainers_weights(upstream, tmp_path, monkeypatch):
+    """Under rl.overlap a step's shard holds what its update needs (the behaviour policy's log-probs and version);
+    the trainer's own weights at the step's start are the proximal policy. Steps 2 and 3 of a k = 1 run (sampled
+    by a generator one version behind, or not), replayed from their persisted shards on the trainer's state at
+    the step's start (weights and optimizer, captured in the run), give the trainer's weights after the step,
+    bit for bit (with a TIS correction, so the shard's behaviour log-probs enter the update)."""
+    import copy
+
+    from posttrain import modeling, training
+    from posttrain.rl import collect, update
+    from posttrain.rollout import chat_prompt_ids
+
+    raw = {**upstream, "rl": {**upstream["rl"], "steps": 3, "dynamic_sampling": "off",
+                              "overlap": {"max_staleness": 1, "generators": 1},
+                              # a TIS correction weighs by pi_trainer / pi_behaviour: the shard's log-probs count
+                              "correction": {"name": "tis_token", "kwargs": {"cap": 2.0}}},
+           "distill": {**upstream["distill"], "grpo_steps": 0}}
+    real, seen = update.update_from_groups, []
+
+    def capture(model, opt, sb, *a, **kw):  # the trainer's state around each update, as the run had it
+        before = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+        got = real(model, opt, sb, *a, **kw)
+        seen.append((before, copy.deepcopy(model.state_dict()), kw["seed"]))
+        return got
+
+    monkeypatch.setattr(update, "update_from_groups", capture)
+    _, out = _run_rl(raw, tmp_path / "a")
+    monkeypatch.undo()
+    p = parse_params(raw)
+    policy = raw["paths"]["sft_model"]
+    tok = modeling.load_tokenizer(policy)
+    torch.set_num_threads(p.rl.overlap.trainer_threads)  # as the trainer ran
+    versions = []
+    for step in (2, 3):
+        rows = read_parquet(out["rl_dir"] / "shards" / f"step_{step:05d}.parquet")
+        versions.append({r["version"] for r in rows})
+        (w0, o0), w1, seed = seen[step - 1]
+        model = modeling.load_policy(policy, p.model, torch.device("cpu"))
+        model.load_state_dict(w0)
+        opt = training.adamw(model, p.rl.lr, p.rl.weight_decay, training.ONLINE_BETAS)
+        opt.load_state_dict(o0)
+        prompts = {r["prompt_id"]: r["prompt"] for r in rows}
+        prompt_ids = dict(zip(prompts, chat_prompt_ids(tok, list(prompts.values())), strict=True))
+        model.train()
+        real(model, opt, collect.StepBatch.from_rows(rows, p.rl.samples_per_prompt), p.rl, prompt_ids,
+             tok.pad_token_id, None, seed=seed)
+        got = model.state_dict()
+        assert all(torch.equal(got[k], w1[k]) for k in w1), f"step {step}: the replay moved other weights"
+        assert any(not torch.equal(w0[k], w1[k]) for k in w1)  # the step did update
+    assert all(len(v) == 1 for v in versions) and versions[0] | versions[1] <= {0, 1, 2}
+
+
 def test_the_loops_correction_call_site_is_decoupled_ppo_under_overlap():
     """Under rl.overlap the update's old log-probs are the trainer's weights at the step's start (the proximal
     policy) and the sampler's are the behaviour policy's, k versions older: ppo_clip against the first times a
