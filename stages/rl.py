@@ -102,8 +102,12 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
             lambda: modeling.empty_model(str(inputs["policy"]), dtype=params.model.dtype), device)
     model = d.wrap(model)  # the training handle (the model itself in one process)
     opt = training.adamw(model, cfg.lr, cfg.weight_decay, training.ONLINE_BETAS)
-    backend = with_tools(BACKENDS[params.rollout.backend](d.plain(model), tok, cfg.generate_batch_size,
-                                                         params.vllm_options()), tok, params.tools, params.sandbox)
+
+    def make_backend() -> Any:
+        return with_tools(BACKENDS[params.rollout.backend](d.plain(model), tok, cfg.generate_batch_size,
+                                                          params.vllm_options()), tok, params.tools, params.sandbox)
+
+    backend = make_backend() if ov is None else None  # under rl.overlap the generators sample (and build their own)
     tools = params.tools.enabled  # multi-turn tool rollouts: loss masks in the shards, tool calls in the log
     policy0 = modeling.checkpoint_digest(inputs["policy"])
     prompt_ids = dict(zip([p["id"] for p in prompts], chat_prompt_ids(tok, [p["prompt"] for p in prompts]),
@@ -141,7 +145,10 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
         torch.set_num_threads(ov.trainer_threads)
 
         def regenerate(s: int) -> collect.StepBatch:  # a dropped step, sampled again with the trainer's weights
+            nonlocal backend
+            backend = backend or make_backend()  # built only if a step is ever dropped
             model.eval()
+            backend.load_weights(d.plain(model), overlap.version_name(spec, s))
             sb = overlap.sample_step(backend, tok, spec, s, s, pool)
             model.train()
             return sb

@@ -164,8 +164,6 @@ REFUSALS = {
     "a `tool_cost` reward with a nonzero weight while `tools.enabled` is false":
         ({"reward": {"rewards": [{"name": "correct"}, {"name": "tool_cost", "weight": 0.05}]}},
          "reward.rewards[1].weight"),
-    "`rl.overlap` with `rollout.backend: vllm`": ({"rl": {"overlap": {}}, "rollout": {"backend": "vllm"}},
-                                                  "rollout.backend"),
     "`rl.overlap` with `runtime.distributed` of more than one process":
         ({"rl": {"overlap": {}}, "runtime": {"distributed": {"nproc_per_node": 2}}},
          "runtime.distributed.nproc_per_node"),

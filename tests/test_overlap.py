@@ -128,7 +128,6 @@ def test_weight_store_publishes_versions_whole_and_loads_the_newest_allowed(tmp_
 @pytest.mark.parametrize("edit,key", [
     ({"rl": {"dynamic_sampling": "refill"}}, "rl.dynamic_sampling"),
     ({"rl": {"advantage": "prior_fused", "prior_budget": 8, "dynamic_sampling": "off"}}, "rl.prior_budget"),
-    ({"rollout": {"backend": "vllm"}}, "rollout.backend"),
     ({"runtime": {"distributed": {"nproc_per_node": 2}}}, "runtime.distributed.nproc_per_node"),
     ({"tools": {"enabled": True}, "distill": {"warmup": {"steps": 0}, "on_policy": {"steps": 0}, "grpo_steps": 0}},
      "tools.enabled"),

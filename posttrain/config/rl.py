@@ -87,8 +87,8 @@ class RlOverlap(Section):
     max_staleness: int = Field(0, ge=0, le=64, description="k: step s trains on samples generated with weights of "
                                "version >= s - k (version = updates applied); 0: each step waits for its own "
                                "weights (the synchronous loop's samples, generated in another process)")
-    generators: int = Field(1, ge=1, le=64, description="generator processes (hf backend), each sampling and "
-                            "scoring whole steps (step s goes to generator s mod N)")
+    generators: int = Field(1, ge=1, le=64, description="generator processes (rollout.backend: hf, or one vLLM "
+                            "engine each), each sampling and scoring whole steps (step s goes to generator s mod N)")
     generator_threads: int = Field(1, ge=1, le=MAX_THREADS, description="torch threads of each generator process",
                                    json_schema_extra=NOT_RESULT)
     trainer_threads: int = Field(1, ge=1, le=MAX_THREADS, description="torch threads of the trainer (replaces "

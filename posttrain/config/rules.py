@@ -24,12 +24,9 @@ def check(p: Any) -> None:
 
 
 def overlap(p: Any) -> None:
-    """``rl.overlap`` runs hf generator processes beside one trainer process: what it does not build is
-    refused, naming the key that asks for it."""
-    why = {"rollout.backend": (p.rollout.backend != "hf", "'vllm' with rl.overlap: only hf generator "
-                               "processes are built (a vLLM generator needs vllm_sync's weight sync across "
-                               "processes); use rollout.backend: hf or rl.overlap: null"),
-           "runtime.distributed.nproc_per_node": (p.runtime.distributed.world_size > 1, "x nnodes > 1 with "
+    """``rl.overlap`` runs generator processes (``rollout.backend``: hf, or a vLLM engine each) beside one
+    trainer process: what it does not build is refused, naming the key that asks for it."""
+    why = {"runtime.distributed.nproc_per_node": (p.runtime.distributed.world_size > 1, "x nnodes > 1 with "
                                                   "rl.overlap: the asynchronous trainer is one process; set "
                                                   "rl.overlap: null"),
            "tools.enabled": (p.tools.enabled, "true with rl.overlap: generators sample single-turn "

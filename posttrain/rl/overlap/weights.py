@@ -1,4 +1,5 @@
-"""Policy weights by version, as files: the hf backend's transport from the trainer to generator processes.
+"""Policy weights by version, as files: the transport from the trainer to generator processes (a vLLM
+generator loads a version into its staging model, then copies it into its engine: ``worker.generator_main``).
 
 ``v_NNNNNN.pt`` in one folder, each written whole (a temp file renamed in, so a reader never sees half of
 one); the trainer publishes a version after every update and removes the ones older than the previous, and a

@@ -1,6 +1,8 @@
 """Generator processes and the trainer's handle on them.
 
-``generator_main`` (spawned, one per ``rl.overlap.generators``) loads the policy folder once, then per assigned
+``generator_main`` (spawned, one per ``rl.overlap.generators``) loads the policy folder once and builds its
+``rollout.backend`` on it (hf: samples with that model; vLLM: its own engine, into which each acquired version is
+copied through ``WeightSync``, so the version a step records is the one the engine served), then per assigned
 step acquires the newest allowed weights (``WeightStore``), samples and scores the whole step with
 ``sample_step`` (the rl loop's own ``collect.collect_step``: the same seeds, prompts and dynamic sampling as the
 synchronous loop; every row carries its ``version``) and queues it pickled. Scoring happens in the generator:
@@ -53,6 +55,11 @@ class Spec:
     start: int
 
 
+def version_name(spec: Spec, version: int) -> str:
+    """The rows' ``policy`` and the engine's weight version: the synchronous loop's name for the same weights."""
+    return f"{spec.policy0}@step{version}"
+
+
 def sample_step(backend: RolloutBackend, tokenizer: Any, spec: Spec, step: int, version: int,
                 pool: RewardPool | None) -> collect.StepBatch:
     """Step ``step``'s samples, scored, from the weights of ``version`` the backend holds: its prompts are the
@@ -63,7 +70,7 @@ def sample_step(backend: RolloutBackend, tokenizer: Any, spec: Spec, step: int, 
     device = modeling.resolve_device(p.runtime.device)
     with modeling.autocast(p.model.dtype, device):
         sb = collect.collect_step(backend, tokenizer, spec.prompts, cursor, cfg, p.reward.rewards,
-                                  seeds.rl_step(spec.rl_seed, step), policy=f"{spec.policy0}@step{version}",
+                                  seeds.rl_step(spec.rl_seed, step), policy=version_name(spec, version),
                                   pool=pool)
     for rows in sb.rows.values():
         for row in rows:
@@ -76,9 +83,12 @@ def generator_main(index: int, spec: Spec, out: Any, stop: Any, parent: int) -> 
     try:
         p, o = spec.params, spec.params.rl.overlap
         torch.set_num_threads(o.generator_threads)
-        model = modeling.load_policy(spec.policy, p.model, modeling.resolve_device(p.runtime.device)).eval()
+        # hf samples with this model; vLLM's engine loads its own copy, and this one (on the CPU) only stages
+        # each version's weights for the engine (a LoRA policy's merged as they stream in)
+        where = p.runtime.device if p.rollout.backend == "hf" else "cpu"
+        model = modeling.load_policy(spec.policy, p.model, modeling.resolve_device(where)).eval()
         tok = modeling.load_tokenizer(spec.policy)
-        backend = BACKENDS["hf"](model, tok, p.rl.generate_batch_size)
+        backend = BACKENDS[p.rollout.backend](model, tok, p.rl.generate_batch_size, p.vllm_options())
         store, loaded = WeightStore(spec.weights), None
 
         def stopped() -> bool:
@@ -87,6 +97,8 @@ def generator_main(index: int, spec: Spec, out: Any, stop: Any, parent: int) -> 
         def acquire(need: int) -> int | None:
             nonlocal loaded
             loaded = store.acquire(need, model, loaded, stopped)
+            if loaded is not None:  # vLLM: the engine serves the version just loaded (hf: nothing to do)
+                backend.load_weights(model, version_name(spec, loaded))
             return loaded
 
         def put(item: Item) -> None:
