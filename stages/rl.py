@@ -71,7 +71,7 @@ log = logging.getLogger("rl")
 LOG_FIELDS = ["step", "updated", "reward_mean", "pass_rate", "zero_var_frac", "groups_used", "refill_rounds", "loss",
               "clipfrac", "kl", "entropy", "ratio_max", "grad_norm", "logprob_gap", "tis_capped", "is_masked",
               "pg_tokens", "response_len", "samples",
-              "samples_per_s", "gen_s", "reward_s", "update_s"]
+              "samples_per_s", "gen_s", "reward_s", "update_s", "elapsed_s"]
 
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
@@ -134,6 +134,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
             stale.unlink()
 
     t_run = time.time()
+    before = float(log_rows[-1].get("elapsed_s") or 0.0) if log_rows else 0.0  # a resumed run's clock goes on
     idle = 0  # steps in a row with nothing to update
     amp = functools.partial(modeling.autocast, params.model.dtype, device)  # mixed precision (no-op in fp32)
     feed = None
@@ -211,6 +212,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
             "response_len": round(float(np.mean(first[:, collect.LENGTH])), 2),
             "samples": n_samples, "samples_per_s": round(n_samples / step_s, 1), "gen_s": round(sb.gen_s, 3),
             "reward_s": round(sb.reward_s, 3), "update_s": round(update_s, 3),
+            "elapsed_s": round(before + time.time() - t_run, 2),  # the loop's wall clock at this step's end
             **({"tool_calls": round(float(np.mean(first[:, collect.TOOL_CALLS])), 4)} if tools else {}),
             **(overlap.step_metrics(item, feed, n_samples) if feed is not None else {})})
         bar.set_postfix(reward=log_rows[-1]["reward_mean"], zero_var=sb.zero_var_frac)

@@ -1,6 +1,7 @@
 """Asynchronous RL (rl.overlap): the scheduler under random timings, the refusals at load, and the stage with
 generator processes (k = 0 against the synchronous loop, bit for bit; k = 1 with two generators)."""
 
+import csv
 import random
 import threading
 import time
@@ -184,7 +185,7 @@ def _weights(out) -> dict[str, torch.Tensor]:
     return load_file(str(out["model"] / "model.safetensors"))
 
 
-TIMING = {"samples_per_s", "gen_s", "reward_s", "update_s"}
+TIMING = {"samples_per_s", "gen_s", "reward_s", "update_s", "elapsed_s"}
 
 
 @pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
@@ -233,6 +234,8 @@ def test_two_generators_one_version_ahead_with_the_techniques_that_work_under_ov
     rows = [dict(zip(head, r.split(","), strict=True)) for r in log[1:]]
     assert {"staleness", "stale_0", "stale_1", "dropped", "wait_s", "logprob_gap", "is_masked"} <= set(head)
     assert all(int(r["stale_0"]) + int(r["stale_1"]) == int(r["samples"]) for r in rows)
+    clock = [float(r["elapsed_s"]) for r in rows]  # the loop's wall clock at each step's end
+    assert clock == sorted(clock) and clock[0] > 0
     assert all(0.2 <= float(r["pg_tokens"]) < 0.3 for r in rows if r["updated"] == "1")
     assert sum("reference reset" in r.message for r in caplog.records) == 3
     assert not multiprocessing.active_children()
@@ -271,6 +274,8 @@ def test_a_crashed_async_run_resumes_with_no_prompt_skipped_or_repeated(upstream
     for step in range(1, 6):
         assert keys(out_r, step) == keys(out_s, step)
         assert len(set(keys(out_r, step))) == len(keys(out_r, step))
+    clock = [float(r["elapsed_s"]) for r in csv.DictReader((out_r["report_dir"] / "train_log.csv").open())]
+    assert clock == sorted(clock) and clock[0] > 0  # the resumed run's wall clock goes on from the checkpoint's
 
 
 @pytest.mark.slow  # 7 s
