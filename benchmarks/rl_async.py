@@ -14,8 +14,12 @@ the stage's own ``seconds`` (first step to last, the generators' start-up inside
 samples / loop_s; ``step_samples_per_s``: the median of the per-step figures of the train log after the first
 step (steady state), and the medians of its ``gen_s``, ``reward_s``, ``update_s`` and (under rl.overlap) ``wait_s``.
 
+``--backend vllm`` runs every arm with ``rollout.backend: vllm`` (run it with ``.venv-vllm``'s python): the
+synchronous arms with the colocated engine, the overlap arms with one engine per generator process; each arm
+then runs in its own process (one vLLM engine per process lifetime).
+
     python benchmarks/rl_async.py [--root /work/main] [--params params.yaml] [--steps 8] [--repeats 2] \\
-        [--json benchmarks/results/rl_async.json]
+        [--backend hf] [--json benchmarks/results/rl_async.json]
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +47,16 @@ ARMS = {"sync": None, "sync1": None, "k0": 0, "k1": 1, "k2": 2, "k4": 4}  # sync
 
 
 def run_arm(root: Path, raw: dict[str, Any], arm: str, generators: int, work: Path) -> dict[str, Any]:
+    """One arm: here (hf), or under vLLM in a fresh process (one engine per process lifetime)."""
+    if raw["rollout"]["backend"] != "vllm":
+        return run_arm_here(root, raw, arm, generators, work)
+    spec = work / "arm.json"
+    spec.write_text(json.dumps({"root": str(root), "raw": raw, "arm": arm, "generators": generators}))
+    subprocess.run([sys.executable, __file__, "--one-arm", str(spec)], check=True)
+    return json.loads((work / "result.json").read_text())
+
+
+def run_arm_here(root: Path, raw: dict[str, Any], arm: str, generators: int, work: Path) -> dict[str, Any]:
     k = ARMS[arm]
     raw = json.loads(json.dumps(raw))
     if arm == "sync1":
@@ -77,12 +92,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--generators", type=int, default=1)
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--backend", default="hf", choices=["hf", "vllm"])
     ap.add_argument("--json", default="benchmarks/results/rl_async.json")
+    ap.add_argument("--one-arm", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.one_arm:  # a vLLM arm in its own process (run_arm)
+        spec, work = json.loads(Path(args.one_arm).read_text()), Path(args.one_arm).parent
+        res = run_arm_here(Path(spec["root"]), spec["raw"], spec["arm"], spec["generators"], work)
+        (work / "result.json").write_text(json.dumps(res))
+        return
     root = Path(args.root).resolve()
     raw = read_yaml(Path(args.params).read_text())
     raw["rl"].update({"steps": args.steps, "checkpoint_every": args.steps, "save_steps": []})
     raw["runtime"]["progress"] = False
+    raw["rollout"]["backend"] = args.backend
     rows, load_start = [], os.getloadavg()
     print(f"{'repeat':>6} {'arm':>5} {'wall_s':>7} {'loop_s':>7} {'samples':>7} {'samples/s':>9} {'step s/s':>8} "
           f"{'gen_s':>6} {'upd_s':>6} {'wait_s':>6}  staleness")
@@ -100,7 +123,8 @@ def main() -> None:
     print("median per arm:", json.dumps(summary))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({
-        "command": " ".join([Path(sys.executable).name, *sys.argv]), "steps": args.steps, "repeats": args.repeats,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]), "backend": args.backend, "steps": args.steps,
+        "repeats": args.repeats,
         "generators": args.generators, "cpus": os.cpu_count(), "machine": platform.machine(),
         "load_avg_start_end": [load_start, os.getloadavg()], "rows": rows, "median": summary}, indent=2) + "\n")
 

@@ -19,7 +19,12 @@ when TRL's loop passes our arm's wall time in the same repeat).
 Needs the default pipeline up to ``reward`` (``dvc repro reward``) and the ``bench`` extra
 (``pip install -e ".[bench]"``, which adds trl).
 
-    python benchmarks/rl_vs_trl.py [--steps 40] [--repeats 2] [--json benchmarks/results/rl_vs_trl.json]
+Arms: ``ours`` (the synchronous loop, ``runtime`` threads as in params), ``ours_k1`` (``rl.overlap`` with
+``max_staleness`` 1: one generator process of 1 torch thread beside a trainer of 1 thread) and ``trl``; they run
+in that order within each repeat, and each of ours is compared with TRL in the same repeat.
+
+    python benchmarks/rl_vs_trl.py [--steps 40] [--repeats 2] [--arms ours ours_k1 trl] \\
+        [--json benchmarks/results/rl_vs_trl.json]
 """
 
 from __future__ import annotations
@@ -53,11 +58,19 @@ from posttrain.runner import setup  # noqa: E402
 from posttrain.schema import read_parquet, read_problems  # noqa: E402
 from stages import rl  # noqa: E402
 
+OVERLAP = {"ours": None, "ours_k1": {"max_staleness": 1, "generators": 1, "generator_threads": 1,
+                                     "trainer_threads": 1}}
 
-def bench_params(path: str, steps: int) -> Params:
-    """params.yaml with the benchmark's settings: ``steps``, dynamic sampling off, no resumable checkpoints."""
+
+def bench_params(path: str, steps: int, arm: str = "ours") -> Params:
+    """params.yaml with the benchmark's settings: ``steps``, dynamic sampling off, no resumable checkpoints
+    (and the arm's ``rl.overlap``)."""
+    from posttrain.config.rl import RlOverlap
+
     base = load_params(path)
-    cfg = base.rl.model_copy(update={"steps": steps, "dynamic_sampling": "off", "checkpoint_every": steps + 1})
+    ov = OVERLAP.get(arm)
+    cfg = base.rl.model_copy(update={"steps": steps, "dynamic_sampling": "off", "checkpoint_every": steps + 1,
+                                     "overlap": None if ov is None else RlOverlap(**ov)})
     return base.model_copy(update={"rl": cfg, "runtime": base.runtime.model_copy(update={"progress": False})})
 
 
@@ -101,7 +114,7 @@ def arm_ours(params: Params, args: argparse.Namespace, out: Path) -> dict[str, A
     model = modeling.load_model(str(outs["model"]), params.model.dtype, torch.device("cpu"))
     tok = modeling.load_tokenizer(str(outs["model"]))
     ev = heldout_pass1(model, tok, params, args.eval_prompts, args.eval_samples)
-    return {"arm": "ours", "steps": n, "loop_s": loop_s, "samples_per_s": n * b * g / loop_s,
+    return {"arm": args.worker, "steps": n, "loop_s": loop_s, "samples_per_s": n * b * g / loop_s,
             "tokens_per_s": tokens / loop_s, "step_s": step, "gen_s": gen, "reward_s": rew, "logprob_s": 0.0,
             "update_s": upd, "other_s": step - gen - rew - upd, "peak_rss_mb": rss,
             "pass1_same_steps": ev, "pass1_same_time": ev, "steps_at_same_time": n,
@@ -195,10 +208,10 @@ def arm_trl(params: Params, args: argparse.Namespace, out: Path) -> dict[str, An
 
 
 def worker(args: argparse.Namespace) -> None:
-    params = bench_params(args.params, args.steps)
+    params = bench_params(args.params, args.steps, args.worker)
     setup(params)
     with tempfile.TemporaryDirectory() as d:
-        res = (arm_ours if args.worker == "ours" else arm_trl)(params, args, Path(d))
+        res = (arm_trl if args.worker == "trl" else arm_ours)(params, args, Path(d))
     Path(args.out).write_text(json.dumps(res))
 
 
@@ -214,7 +227,8 @@ def main() -> None:
     ap.add_argument("--eval-prompts", type=int, default=200)
     ap.add_argument("--eval-samples", type=int, default=8)
     ap.add_argument("--json", default="benchmarks/results/rl_vs_trl.json")
-    ap.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--arms", nargs="+", default=["ours", "ours_k1", "trl"], choices=["ours", "ours_k1", "trl"])
+    ap.add_argument("--worker", choices=["ours", "ours_k1", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--snapshot-s", type=float, default=float("inf"), help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -226,7 +240,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for rep in range(args.repeats):
             ours_s = None
-            for arm in ("ours", "trl"):
+            for arm in args.arms:
                 out = Path(d) / f"{arm}_{rep}.json"
                 cmd = [sys.executable, __file__, "--worker", arm, "--out", str(out), "--params", args.params,
                        "--steps", str(args.steps), "--eval-prompts", str(args.eval_prompts),
@@ -241,7 +255,7 @@ def main() -> None:
                 print(f"repeat {rep} {arm}: {res['samples_per_s']:.1f} samples/s, "
                       f"pass@1 {res['pass1_same_steps']['pass@1']:.3f}", file=sys.stderr, flush=True)
 
-    by = {a: [r for r in results if r["arm"] == a] for a in ("ours", "trl")}
+    by = {a: [r for r in results if r["arm"] == a] for a in args.arms}
     print(f"\nRL loop vs trl.GRPOTrainer: B={p.rl.prompts_per_step} G={p.rl.samples_per_prompt} "
           f"max_new_tokens={p.rl.sampling.max_new_tokens} steps={args.steps} repeats={args.repeats} "
           f"(torch threads {torch.get_num_threads()}, CPU)")
@@ -258,14 +272,17 @@ def main() -> None:
               f"| {statistics.median(r['logprob_s'] for r in rs):.3f} "
               f"| {statistics.median(r['update_s'] + r['other_s'] for r in rs):.3f} "
               f"| {max(r['peak_rss_mb'] for r in rs):.0f} | {same_n} | {same_t} |")
-    ratios = [o["samples_per_s"] / t["samples_per_s"] for o, t in zip(by["ours"], by["trl"], strict=True)]
-    print(f"\nours/trl samples/s: median {statistics.median(ratios):.2f}x (per repeat: "
-          f"{', '.join(f'{x:.2f}' for x in ratios)})")
+    ratios = {a: [o["samples_per_s"] / t["samples_per_s"] for o, t in zip(by[a], by["trl"], strict=True)]
+              for a in args.arms if a != "trl" and "trl" in by}
+    for a, rs in ratios.items():
+        print(f"\n{a}/trl samples/s: median {statistics.median(rs):.2f}x (per repeat: "
+              f"{', '.join(f'{x:.2f}' for x in rs)})")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"settings": {"steps": args.steps, "repeats": args.repeats,
                                                         "B": p.rl.prompts_per_step, "G": p.rl.samples_per_prompt,
                                                         "max_new_tokens": p.rl.sampling.max_new_tokens},
-                                           "runs": results, "ratio_samples_per_s": ratios}, indent=2))
+                                           "arms": args.arms, "runs": results,
+                                           "ratio_samples_per_s": ratios}, indent=2))
 
 
 if __name__ == "__main__":
