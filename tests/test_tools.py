@@ -104,6 +104,20 @@ def test_qwen_format_parses_and_renders_as_its_chat_template_does():
                                 "<|im_start|>assistant\n")
 
 
+def test_qwen_parallel_calls_parse_every_call_and_answer_them_in_one_user_turn():
+    f = FORMATS["qwen"]
+    turn = ('<tool_call>\n{"name": "calc", "arguments": {"expression": "1+2"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "python", "arguments": {"code": "print(3)"}}\n</tool_call><|im_end|>')
+    assert f.parse_all(turn) == [Call("calc", "1+2"), Call("python", "print(3)")]
+    assert f.parse_all("the answer is 3<|im_end|>") == []  # no call: the turn is the answer
+    assert f.parse_all("a stray </tool_call>") == [Call(None, "", "no <tool_call> before </tool_call>")]
+    # Qwen2.5's template for two consecutive tool messages, after the assistant turn's <|im_end|>
+    assert f.render_all(["3", "3"]) == ("\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n"
+                                        "<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert f.render("3") == "<|im_end|>" + f.render_all(["3"])  # one call: the turn closed by the observation
+    assert FORMATS["tag"].parse_all is None
+
+
 # ------------------------------------------------------------------------------------------------ the config
 def test_tools_are_off_by_default_and_the_default_schema_is_unchanged():
     p = parse_params(repo_params())
@@ -124,6 +138,7 @@ def _tools_on(raw: dict) -> dict:
     (lambda r: r["tools"].update(max_turns=0), "tools.max_turns: Input should be greater than or equal to 1"),
     (lambda r: r["tools"].update(names=["python", "shell"]), "tools.names: Value error, unknown tool 'shell'"),
     (lambda r: r["tools"].update(format="json"), "tools.format: Input should be 'tag' or 'qwen'"),
+    (lambda r: r["tools"].update(parallel_calls=True), "tools.parallel_calls: Value error, true with format 'tag'"),
 ])
 def test_bad_tools_config_names_the_key(edit, expected):
     raw = repo_params()
@@ -231,6 +246,28 @@ def test_turns_stop_at_max_turns_and_the_budget(tiny):
         1.0, 1.0, 26, 0))[0][0]
     assert len(c.token_ids) == 26 and c.loss_mask == [1] * 21 + [0] * 5 and c.finish_reason == "length"
     assert len(inner.calls) == 1
+
+
+def test_parallel_calls_run_every_call_of_a_turn_and_answer_them_in_one_masked_observation(tiny):
+    """tools.parallel_calls (qwen): the turn is not stopped at its first closing tag but at the model's end of turn
+    (here the tiny tokenizer's EOS, Qwen's <|im_end|>); both calls run and one observation, Qwen's rendering of two
+    tool messages, is appended as ids and masked; the next turn continues from exactly those ids."""
+    _, tok = tiny
+    prompt = chat_prompt_ids(tok, ["1+2 and 3*4?"])[0]
+    calls = ('<tool_call>{"name": "calc", "arguments": {"expression": "1+2"}}</tool_call>\n'
+             '<tool_call>{"name": "calc", "arguments": {"expression": "3*4"}}</tool_call>')
+    turn1, turn2 = [*_enc(tok, calls), tok.eos_token_id], [*_enc(tok, "3 and 12"), tok.eos_token_id]
+    inner = Scripted([turn1, turn2], tok)
+    cfg = ToolsCfg(enabled=True, names=["calc"], format="qwen", parallel_calls=True, max_turns=1)
+    c = ToolBackend(inner, tok, cfg, ToolContext(sandbox=lambda: None)).generate([prompt], 1, SamplingParams(
+        1.0, 1.0, 400, 3))[0][0]
+    obs = _enc(tok, "\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n12\n"
+                    "</tool_response><|im_end|>\n<|im_start|>assistant\n")  # 1+2 = 3, 3*4 = 12, in call order
+    assert c.token_ids == turn1 + obs + turn2 and inner.calls[1][0] == [prompt + turn1 + obs]
+    assert c.loss_mask == [1] * len(turn1) + [0] * len(obs) + [1] * len(turn2)
+    assert c.logprobs[len(turn1) : len(turn1) + len(obs)] == [0.0] * len(obs)
+    assert c.tool_calls == 2 and c.finish_reason == "stop"
+    assert inner.calls[0][2].stop == () == inner.calls[1][2].stop  # no closing tag ends a turn
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm") 
 BACKENDS = ("hf", "vllm")  # posttrain.rollout.BACKENDS
 TOOLS = ("python", "calc")  # posttrain.tools.TOOLS
 TOOL_FORMATS = ("tag", "qwen")  # posttrain.tools.formats.FORMATS
+PARALLEL_TOOL_FORMATS = ("qwen",)  # the formats with Format.parse_all (tools.parallel_calls)
 TOOL_DEMOS = {"arith": "calc"}  # task -> the tool its SFT tool demos call (posttrain.tasks.TASKS[kind].tool_call)
 DEDUP_METHODS = ("ngram", "minhash")  # posttrain.dedup.METHODS (params may also say "auto")
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from posttrain.config.base import Section, registered
-from posttrain.config.names import TOOL_FORMATS, TOOLS
+from posttrain.config.base import Refusal, Section, registered
+from posttrain.config.names import PARALLEL_TOOL_FORMATS, TOOL_FORMATS, TOOLS
 
 
 class ToolsCfg(Section):
@@ -25,8 +25,13 @@ class ToolsCfg(Section):
         "tag", description="tag: <tool=NAME>ARG</tool> answered by <obs>OUT</obs> (models without a tool-calling "
         "chat template; short, for the tiny model's context); qwen: <tool_call>{json}</tool_call> answered by a "
         "<tool_response> user turn (Qwen2.5/Qwen3 chat templates)")
-    max_turns: int = Field(2, ge=1, le=64, description="tool calls per completion at most; after the last one "
-                           "the model generates once more without the call tags as stop strings")
+    max_turns: int = Field(2, ge=1, le=64, description="turns that call tools per completion at most (one call "
+                           "each, or several with parallel_calls); after the last one the model generates once "
+                           "more and its calls are not run")
+    parallel_calls: bool = Field(False, description="several calls in one turn (qwen format): a turn ends at the "
+                                 "model's end of turn instead of its first closing tag, every call in it runs, and "
+                                 "the outputs come back in one tool message, as Qwen's chat template renders "
+                                 "parallel calls")
     max_obs_chars: int = Field(32, ge=1, le=100_000, description="characters of a tool's output kept in the "
                                "observation (cut at the end)")
 
@@ -38,3 +43,10 @@ class ToolsCfg(Section):
         if len(set(v)) != len(v):
             raise ValueError(f"a tool is named twice: {v}")
         return v
+
+    @model_validator(mode="after")
+    def _rules(self) -> ToolsCfg:
+        if self.parallel_calls and self.format not in PARALLEL_TOOL_FORMATS:
+            raise Refusal("parallel_calls", f"true with format {self.format!r}: only {list(PARALLEL_TOOL_FORMATS)} "
+                          "has an end of turn that closes several calls; set parallel_calls: false")
+        return self

@@ -8,7 +8,9 @@ turn's text -> the :class:`Call` in it), ``render(output)`` (the observation tex
   template (the tiny default: 28 characters of tags per call and observation in its 128-character context).
 - ``qwen``: Qwen2.5/Qwen3's ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, answered as their chat
   templates render a tool message: the assistant turn closed, a user turn with ``<tool_response>``, a new
-  assistant turn opened. The arguments' one value is the tool's argument (``{"code": "print(1)"}``)."""
+  assistant turn opened. The arguments' one value is the tool's argument (``{"code": "print(1)"}``). With
+  ``tools.parallel_calls`` a turn ends at the model's ``<|im_end|>`` and may hold several calls, answered by one
+  user turn with a ``<tool_response>`` each (``parse_all``, ``render_all``)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,10 @@ class Format:
     parse: Callable[[str], Call | None]  # None: the text holds no complete call
     render: Callable[[str], str]  # tool output -> observation text
     call: Callable[[str, str], str] = _tag_call  # (tool name, argument) -> the call's text, closing tag included
+    # tools.parallel_calls: every call of a turn that ended at the model's end of turn, and the one observation
+    # answering them all (appended after that end-of-turn token); None: the format has no such turn
+    parse_all: Callable[[str], list[Call]] | None = None
+    render_all: Callable[[list[str]], str] | None = None
 
 
 TAG_RE = re.compile(r"<tool=([^>\s]*)>([\s\S]*?)</tool>")
@@ -57,10 +63,20 @@ def _parse_qwen(text: str) -> Call | None:
     if "</tool_call>" not in text:
         return None
     m = next(reversed(list(QWEN_RE.finditer(text))), None)
-    if m is None:
-        return Call(None, "", "no <tool_call> before </tool_call>")
+    return _qwen_body(m.group(1)) if m else Call(None, "", "no <tool_call> before </tool_call>")
+
+
+def _parse_qwen_all(text: str) -> list[Call]:
+    """Every ``<tool_call>`` of a turn, in order ([]: none, the turn is an answer)."""
+    if "</tool_call>" not in text:
+        return []
+    return [_qwen_body(m.group(1)) for m in QWEN_RE.finditer(text)] or [
+        Call(None, "", "no <tool_call> before </tool_call>")]
+
+
+def _qwen_body(body: str) -> Call:
     try:
-        obj = json.loads(m.group(1))
+        obj = json.loads(body)
     except ValueError:
         return Call(None, "", "the call is not JSON")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -85,9 +101,15 @@ def _qwen_call(name: str, arg: str) -> str:
     return "<tool_call>" + json.dumps({"name": name, "arguments": {ARG_KEYS.get(name, "input"): arg}}) + "</tool_call>"
 
 
+def _qwen_responses(outs: list[str]) -> str:
+    """Qwen2.5's template for consecutive tool messages, after the assistant turn's ``<|im_end|>``: one user turn
+    holding a ``<tool_response>`` per call, in the calls' order, then the assistant's turn opened."""
+    return ("\n<|im_start|>user" + "".join(f"\n<tool_response>\n{o}\n</tool_response>" for o in outs)
+            + "<|im_end|>\n<|im_start|>assistant\n")
+
+
 FORMATS: dict[str, Format] = {
     "tag": Format("</tool>", _parse_tag, lambda out: f"<obs>{out}</obs>", _tag_call),
-    "qwen": Format("</tool_call>", _parse_qwen,
-                   lambda out: ("<|im_end|>\n<|im_start|>user\n<tool_response>\n" + out
-                                + "\n</tool_response><|im_end|>\n<|im_start|>assistant\n"), _qwen_call),
+    "qwen": Format("</tool_call>", _parse_qwen, lambda out: "<|im_end|>" + _qwen_responses([out]), _qwen_call,
+                   _parse_qwen_all, _qwen_responses),
 }

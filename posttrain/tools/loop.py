@@ -7,8 +7,12 @@ runs (:func:`observe`), its observation text is tokenized once (``add_special_to
 ids, and every such row continues in one call of the backend from prompt ids + every token so far (turn ``k`` seeded
 ``seeds.tool_turn(seed, k)``), n=1. The conversation is never re-tokenized: the ids a turn generated are the ids the
 next turn is conditioned on and the ids the trainer scores (re-tokenizing decoded text can merge or split tokens at
-turn boundaries, the drift of verl#6501 and NeMo-RL#2821). After ``max_turns`` calls the model generates once more
-without the call tag as a stop string.
+turn boundaries, the drift of verl#6501 and NeMo-RL#2821). After ``max_turns`` calling turns the model generates once
+more without the call tag as a stop string.
+
+With ``tools.parallel_calls`` (formats with an end of turn: ``qwen``) no closing tag is a stop string: a turn ends
+at the model's end-of-turn token, every call in it runs (``Format.parse_all``), and one observation answers them
+all (``Format.render_all``: Qwen's rendering of consecutive tool messages); a turn without a call is the answer.
 
 A row's tokens, model and observation together, stay within ``max_new_tokens`` (so the context check of the config
 holds): a turn is cut at the row's remaining budget, an observation too (finish ``length``).
@@ -52,7 +56,12 @@ def observe(call: Call, names: list[str], ctx: ToolContext, max_chars: int) -> s
 def observation_ids(tok: Any, fmt: Format, out: str) -> list[int]:
     """The token ids of the observation of tool output ``out``, exactly as the loop appends them (the format's
     rendering tokenized once, ``add_special_tokens=False``); a tool-use SFT demo shows these same ids."""
-    return list(tok(fmt.render(out), add_special_tokens=False)["input_ids"])
+    return text_ids(tok, fmt.render(out))
+
+
+def text_ids(tok: Any, text: str) -> list[int]:
+    """An observation's text as the ids appended: tokenized once, no special tokens added."""
+    return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
 @dataclasses.dataclass
@@ -65,7 +74,7 @@ class _Row:
     head: str = ""  # the transcript before the current turn
     text: str = ""
     finish: str = "length"
-    call: Call | None = None  # the call the last turn ended with, not run yet
+    pending: list[Call] = dataclasses.field(default_factory=list)  # the last turn's calls, not run yet
 
     def add_turn(self, c: Completion, budget: int, tok: Any, parse: Any) -> None:
         """Append one generated turn, cut to ``budget`` tokens (then finish ``length``, no call)."""
@@ -76,16 +85,16 @@ class _Row:
         self.logprobs += lps
         self.mask += [1] * len(ids)
         self.finish = finish
-        self.call = parse(tok.decode(ids)) if finish == "stop" else None
+        self.pending = parse(tok.decode(ids)) if finish == "stop" else []
         self.text = self.head + (c.text if len(ids) == len(c.token_ids) else tok.decode(ids, skip_special_tokens=True))
 
     def add_obs(self, ids: list[int], text: str) -> None:
         self.tokens += ids
         self.logprobs += [0.0] * len(ids)
         self.mask += [0] * len(ids)
-        self.calls += 1
+        self.calls += len(self.pending)
         self.head = self.text = self.text + text
-        self.call = None
+        self.pending = []
 
 
 class ToolBackend:
@@ -96,7 +105,12 @@ class ToolBackend:
                  workers: int = 4) -> None:
         self.inner, self.tok, self.cfg = inner, tokenizer, cfg
         self.ctx, self.workers = ctx or ToolContext(), workers
-        self.fmt = FORMATS[cfg.format]
+        self.fmt = fmt = FORMATS[cfg.format]
+        if cfg.parallel_calls:  # a turn ends at the model's end of turn; all its calls, one observation
+            self.parse, self.render, self.stop = fmt.parse_all, fmt.render_all, ()
+        else:  # a turn ends at its first call's closing tag
+            self.parse = lambda text: [c] if (c := fmt.parse(text)) is not None else []
+            self.render, self.stop = lambda outs: fmt.render(outs[0]), (fmt.stop,)
 
     def load_weights(self, model: Any, version: str) -> None:
         self.inner.load_weights(model, version)
@@ -106,13 +120,13 @@ class ToolBackend:
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
         cap = sampling.max_new_tokens
-        with_stop = dataclasses.replace(sampling, stop=(*sampling.stop, self.fmt.stop))
+        with_stop = dataclasses.replace(sampling, stop=(*sampling.stop, *self.stop))
         rows = [_Row(list(p)) for p in prompt_ids for _ in range(n)]
         first = [c for group in self.inner.generate(prompt_ids, n, with_stop) for c in group]
         for r, c in zip(rows, first, strict=True):
-            r.add_turn(c, cap, self.tok, self.fmt.parse)
+            r.add_turn(c, cap, self.tok, self.parse)
         for turn in range(1, self.cfg.max_turns + 1):
-            live = [r for r in rows if r.call is not None]
+            live = [r for r in rows if r.pending]
             if not live:
                 break
             self._run_tools(live, cap)
@@ -124,18 +138,19 @@ class ToolBackend:
                                      seed=seeds.tool_turn(sampling.seed, turn))
             outs = self.inner.generate([r.prompt + r.tokens for r in live], 1, sp)
             for r, group in zip(live, outs, strict=True):
-                r.add_turn(group[0], cap - len(r.tokens), self.tok, self.fmt.parse)
+                r.add_turn(group[0], cap - len(r.tokens), self.tok, self.parse)
         done = [Completion(r.text, r.tokens, r.logprobs, r.finish, r.mask, r.calls) for r in rows]
         return [done[i * n : (i + 1) * n] for i in range(len(prompt_ids))]
 
     def _run_tools(self, live: list[_Row], cap: int) -> None:
-        """Run every live row's call (``workers`` at a time), append each observation's ids (cut to the row's
-        budget: then finish ``length``)."""
-        calls = [r.call for r in live]
+        """Run every live row's calls (``workers`` at a time, across rows), append each row's observation ids (one
+        observation answering all its calls; cut to the row's budget: then finish ``length``)."""
+        calls = [c for r in live for c in r.pending]
         with ThreadPoolExecutor(self.workers, thread_name_prefix="tool") as ex:
-            outs = list(ex.map(lambda c: observe(c, self.cfg.names, self.ctx, self.cfg.max_obs_chars), calls))
-        for r, out in zip(live, outs, strict=True):
-            ids = observation_ids(self.tok, self.fmt, out)  # tokenized once; kept as ids
+            outs = iter(ex.map(lambda c: observe(c, self.cfg.names, self.ctx, self.cfg.max_obs_chars), calls))
+        for r in live:
+            text = self.render([next(outs) for _ in r.pending])
+            ids = text_ids(self.tok, text)  # tokenized once; kept as ids
             room = cap - len(r.tokens)
             if len(ids) >= room:
                 ids, r.finish = ids[:room], "length"
