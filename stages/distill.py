@@ -45,7 +45,8 @@ from posttrain.logprobs import Seq
 from posttrain.outputs import as_one_set, atomic_path
 from posttrain.rewards import RewardPool, is_correct, score_rows
 from posttrain.rl import collect, select, update
-from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids, generator, sample_rows
+from posttrain.rl.prompts import PromptPool, PromptTokens
+from posttrain.rollout import BACKENDS, SamplingParams, generator, sample_rows
 from posttrain.runner import stage_main
 from posttrain.schema import read_problems, write_json
 from posttrain.tools import with_tools
@@ -145,14 +146,13 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     sft_seconds = res["seconds"]
 
     # A, B, C: one global step counter, one optimizer (lr set per phase), resumable
-    prompts = read_problems(inputs["train"])
-    prompt_ids = dict(zip([p["id"] for p in prompts], chat_prompt_ids(tok, [p["prompt"] for p in prompts]),
-                          strict=True))
+    prompts = PromptPool.read(inputs["train"])  # an Arrow table: rows become dicts only when a step draws them
+    prompt_ids = PromptTokens(prompts, tok)  # tokenized when first asked for, not all up front
     phases = ["warmup"] * cfg.warmup.steps + ["on_policy"] * cfg.on_policy.steps + ["grpo"] * cfg.grpo_steps
     opt = training.adamw(student, cfg.warmup.lr, training.DISTILL_WEIGHT_DECAY, training.ONLINE_BETAS)
     tools = params.tools.enabled  # multi-turn tool rollouts: both samplers through the tool loop
     fp = checkpoint.fingerprint(cfg, params.rl, params.reward, params.seed, fp0,
-                              modeling.checkpoint_digest(inputs["teacher"]), sorted(prompt_ids),
+                              modeling.checkpoint_digest(inputs["teacher"]), prompts.digest(),
                               *([] if params.rollout.backend == "hf" else [params.sampler_id()]),
                               *([params.tools] if tools else []))
     d_seed = params.seed + cfg.seed  # distill.seed: seeds of a distillation arm (the cold start stays fixed)

@@ -52,13 +52,12 @@ from posttrain.errors import StageError
 from posttrain.outputs import as_one_set, atomic_path
 from posttrain.rewards import RewardPool
 from posttrain.rl import collect, overlap, select, shards, update
-from posttrain.rollout import BACKENDS, chat_prompt_ids, generator
+from posttrain.rl.prompts import PromptPool, PromptTokens, read_rates
+from posttrain.rollout import BACKENDS, generator
 from posttrain.runner import stage_main
 from posttrain.schema import (
     PROBLEM_SCHEMA,
     SHARD_SCHEMA,
-    read_parquet,
-    read_problems,
     with_tool_fields,
     with_version_field,
     write_json,
@@ -86,9 +85,10 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     cfg, g, ov = params.rl, params.rl.samples_per_prompt, params.rl.overlap
     rt, d = params.runtime, distributed.current()
     device = modeling.resolve_device(rt.device)
-    problems, rates = read_problems(inputs["train"]), read_parquet(inputs["pass_rates"])
-    prompts = select.PROMPT_SELECTIONS[cfg.select.strategy](problems, rates, cfg.select)
-    if not prompts:
+    train = PromptPool.read(inputs["train"])  # an Arrow table: rows become dicts only when a step draws them
+    prompts = select.PROMPT_SELECTIONS[cfg.select.strategy](train, read_rates(inputs["pass_rates"], train), cfg.select)
+    del train
+    if not len(prompts):
         raise StageError(f"no prompt has an SFT pass rate in [{cfg.select.min_pass_rate}, "
                          f"{cfg.select.max_pass_rate}] (rl.select); see the reward audit")
     log.info("%d prompts selected (rl.select.strategy %s)", len(prompts), cfg.select.strategy)
@@ -110,17 +110,17 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     backend = make_backend() if ov is None else None  # under rl.overlap the generators sample (and build their own)
     tools = params.tools.enabled  # multi-turn tool rollouts: loss masks in the shards, tool calls in the log
     policy0 = modeling.checkpoint_digest(inputs["policy"])
-    prompt_ids = dict(zip([p["id"] for p in prompts], chat_prompt_ids(tok, [p["prompt"] for p in prompts]),
-                          strict=True))
+    prompt_ids = PromptTokens(prompts, tok)  # tokenized when an update first asks, not all up front
 
     ckpt_dir, shard_tmp = out["checkpoints"], out["checkpoints"] / "shards"
     m = params.model  # what changes the result: not rl.steps, save_steps, max_idle_steps (config.NOT_RESULT)
     fp = checkpoint.fingerprint(cfg, params.reward, params.sampler_id(), m.lora, m.dtype, m.attn_implementation,
-                                params.seed, policy0, sorted(prompt_ids), *([params.tools] if tools else []))
+                                params.seed, policy0, prompts.digest(), *([params.tools] if tools else []))
     rl_seed = params.seed + cfg.seed  # rl.seed: seeds of an RL arm on the same upstream (curate, sft)
     cursor = select.PromptCursor(len(prompts), rl_seed)
     moving_ref = ref if cfg.ref_reset is not None else None  # a reference that resets is checkpointed too
-    prior = select.PriorState.from_rates(rates)  # per-prompt priors (rl.advantage prior_fused), checkpointed
+    prior = select.PriorState.from_rates(read_rates(inputs["pass_rates"], prompts))  # per selected prompt:
+    # its prior (rl.advantage prior_fused), checkpointed
     saved: dict[str, Any] = {}
     start, restored, cursor.pos = checkpoint.restore_loop_state(ckpt_dir, fp, model, opt, moving_ref, saved)
     train_log = TrainLog(out["report_dir"] / "train_log.csv" if d.main else None,

@@ -3,6 +3,7 @@
 import math
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from conftest import GradCapture
@@ -11,6 +12,7 @@ from posttrain import checkpoint, logprobs
 from posttrain.config import Rl, TinyModel
 from posttrain.modeling import build_char_tokenizer, build_tiny_model
 from posttrain.rl import collect, select, update
+from posttrain.rl.prompts import PromptPool, PromptTokens, read_rates
 from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids
 
 
@@ -368,13 +370,43 @@ def test_entropy_token_selection_restricts_the_policy_gradient_to_the_chosen_tok
                                                                           model_top.parameters(), strict=True))
 
 
+def test_the_prompt_pool_is_a_table_read_by_row_searched_by_id_and_tokenized_on_demand(tmp_path):
+    """PromptPool: rows by position (as dicts, the order of the file), ids found by binary search, a digest of
+    the id set that ignores order; PromptTokens: the same ids as tokenizing the whole pool up front, one prompt at
+    a time, only those asked for; read_rates: the pass-rate columns, of the pool's prompts only."""
+    import pyarrow.parquet as pq
+
+    from posttrain.schema import PROBLEM_SCHEMA
+
+    rows = [{"id": f"q{i}", "source": "t", "task": "arith", "prompt": f"{i}+{7 - i}=", "answer": "7",
+             "solution": None} for i in (3, 0, 2, 1)]
+    pq.write_table(pa.Table.from_pylist(rows, schema=PROBLEM_SCHEMA), tmp_path / "train.parquet")
+    pool = PromptPool.read(tmp_path / "train.parquet")
+    assert len(pool) == 4 and pool[0] == rows[0] and pool[-1] == rows[3] and list(pool) == rows
+    assert [pool.index(f"q{i}") for i in range(4)] == [1, 3, 2, 0]
+    with pytest.raises(KeyError):
+        pool.index("q9")
+    assert pool.digest() == PromptPool.of(rows[::-1]).digest() != PromptPool.of(rows[:3]).digest()
+    tok = build_char_tokenizer()
+    want = dict(zip([r["id"] for r in rows], chat_prompt_ids(tok, [r["prompt"] for r in rows]), strict=True))
+    got = PromptTokens(pool, tok)
+    assert {k: got[k] for k in want} == want and sorted(got) == sorted(want)
+    pq.write_table(pa.Table.from_pylist([{"prompt_id": "q2", "n": 4, "scorable": 4, "n_correct": 1,
+                                          "pass_rate": 0.25, "mean_reward": 0.25},
+                                         {"prompt_id": "other", "n": 4, "scorable": 4, "n_correct": 4,
+                                          "pass_rate": 1.0, "mean_reward": 1.0}]), tmp_path / "rates.parquet")
+    assert read_rates(tmp_path / "rates.parquet", pool).column("prompt_id").to_pylist() == ["q2"]
+    with pytest.raises(ValueError, match="missing columns"):
+        PromptPool.read(tmp_path / "rates.parquet")
+
+
 def test_1_shot_prompt_selection_by_reward_variance_by_hand():
     from posttrain.config import RlSelect
 
-    problems = [{"id": f"p{i}"} for i in range(5)]
-    rates = [{"prompt_id": "p0", "pass_rate": 0.5}, {"prompt_id": "p1", "pass_rate": 0.9},
-             {"prompt_id": "p2", "pass_rate": 0.3}, {"prompt_id": "p3", "pass_rate": None},
-             {"prompt_id": "p4", "pass_rate": 0.0}]
+    problems = PromptPool.of([{"id": f"p{i}"} for i in range(5)])
+    rates = pa.Table.from_pylist([{"prompt_id": "p0", "pass_rate": 0.5}, {"prompt_id": "p1", "pass_rate": 0.9},
+                                  {"prompt_id": "p2", "pass_rate": 0.3}, {"prompt_id": "p3", "pass_rate": None},
+                                  {"prompt_id": "p4", "pass_rate": 0.0}])
     band = RlSelect(min_pass_rate=0.01, max_pass_rate=0.99)
     assert [p["id"] for p in select.PROMPT_SELECTIONS["pass_band"](problems, rates, band)] == ["p0", "p1", "p2"]
     # variances p(1 - p): p0 0.25, p1 0.09, p2 0.21 (p3 unmeasured, p4 outside the band)
@@ -427,9 +459,9 @@ def test_reference_reset_needs_a_reference_and_no_lora():
 
 def test_prior_state_starts_from_the_reward_stage_and_is_updated_each_step(tmp_path):
 
-    prior = select.PriorState.from_rates([{"prompt_id": "a", "mean_reward": 0.5, "scorable": 8},
-                                        {"prompt_id": "b", "mean_reward": 0.1, "scorable": 20},
-                                        {"prompt_id": "c", "mean_reward": None, "scorable": 0}])
+    prior = select.PriorState.from_rates(pa.Table.from_pylist([
+        {"prompt_id": "a", "mean_reward": 0.5, "scorable": 8}, {"prompt_id": "b", "mean_reward": 0.1, "scorable": 20},
+        {"prompt_id": "c", "mean_reward": None, "scorable": 0}]))
     r = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 1], [1, 0, 1, 0]])
     adv = update.group_advantages(r, torch.ones(3, 4, dtype=torch.bool), ["a", "b", "c"], None, "prior_fused", prior)
     assert adv[0].tolist() == pytest.approx([7 / 12, -5 / 12, -5 / 12, -5 / 12], abs=1e-6)  # test_algos: by hand

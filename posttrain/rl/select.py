@@ -1,7 +1,7 @@
 """Which prompts RL trains on, in what order, and what it believes of each before sampling.
 
 - ``PROMPT_SELECTIONS``: registry of prompt selections by the reward stage's pass rates of the SFT policy, one
-  signature ``fn(problems, rates, cfg: config.RlSelect) -> problems``.
+  signature ``fn(pool, rates, cfg: config.RlSelect) -> pool`` (``prompts.PromptPool``, the rates a table).
 - ``PromptCursor``: prompts in seeded per-epoch permutations; its position is part of the checkpoint.
 - ``PriorState``: a per-prompt prior of the mean reward for ``algos.prior_fused`` (V0.5-style), started from
   the reward stage's measurement and updated after every step; checkpointed.
@@ -14,9 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from posttrain import algos
+from posttrain.rl.prompts import PromptPool
 
 
 @dataclass
@@ -40,34 +43,36 @@ class PromptCursor:
 
 
 # ----------------------------------------------------------------------------------- prompt selection
-# Which training prompts RL uses (one signature): fn(problems, rates, cfg: config.RlSelect) -> problems, where
-# ``rates`` are the reward stage's per-prompt rows (pass_rate of the SFT policy over its G samples).
+# Which training prompts RL uses (one signature): fn(pool, rates, cfg: config.RlSelect) -> pool, where ``pool`` is
+# the train split (``prompts.PromptPool``) and ``rates`` the reward stage's per-prompt rows as a table (pass_rate
+# of the SFT policy over its G samples; ``prompts.read_rates``). Vectorised over the table: no row becomes a dict.
 
 
-def _in_band(problems: list[dict[str, Any]], rates: Sequence[dict[str, Any]], cfg: Any
-             ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    rate = {r["prompt_id"]: float(r["pass_rate"]) for r in rates if r["pass_rate"] is not None}
-    return [p for p in problems if cfg.min_pass_rate <= rate.get(p["id"], -1.0) <= cfg.max_pass_rate], rate
+def _in_band(pool: PromptPool, rates: pa.Table, cfg: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The pool's rows whose pass rate lies in [min_pass_rate, max_pass_rate] (in pool order), and their rates."""
+    at = pc.index_in(pool.ids, value_set=rates.column("prompt_id").combine_chunks())  # null: not measured
+    rate = pc.take(rates.column("pass_rate"), at).to_numpy(zero_copy_only=False).astype(float)  # NaN: unknown
+    rows = np.flatnonzero((rate >= cfg.min_pass_rate) & (rate <= cfg.max_pass_rate))
+    return rows, rate[rows]
 
 
-def pass_band(problems: list[dict[str, Any]], rates: Sequence[dict[str, Any]], cfg: Any) -> list[dict[str, Any]]:
+def pass_band(pool: PromptPool, rates: pa.Table, cfg: Any) -> PromptPool:
     """Every prompt whose SFT pass rate lies in [min_pass_rate, max_pass_rate] (unmeasured ones dropped): the
     band where a group of samples can disagree (DAPO-style filtering)."""
-    return _in_band(problems, rates, cfg)[0]
+    return PromptPool(pool.table.take(_in_band(pool, rates, cfg)[0]))
 
 
-def top_variance(problems: list[dict[str, Any]], rates: Sequence[dict[str, Any]], cfg: Any
-                 ) -> list[dict[str, Any]]:
+def top_variance(pool: PromptPool, rates: pa.Table, cfg: Any) -> PromptPool:
     """1-shot RLVR (Wang et al. 2025): the ``top_k`` prompts of the band with the largest reward variance
     p (1 - p), p the SFT policy's pass rate (the paper ranks by the variance of each example's accuracy over a
     full RL run; the pass rate the pipeline already measured stands in for that history). Ties keep the
     problems' order. E.g. rates 0.5, 0.9, 0.3 -> variances 0.25, 0.09, 0.21 -> top 2: the first and third."""
-    band, rate = _in_band(problems, rates, cfg)
-    ranked = sorted(range(len(band)), key=lambda i: -rate[band[i]["id"]] * (1 - rate[band[i]["id"]]))
-    return [band[i] for i in sorted(ranked[: cfg.top_k])]
+    rows, rate = _in_band(pool, rates, cfg)
+    top = np.argsort(-(rate * (1 - rate)), kind="stable")[: cfg.top_k]
+    return PromptPool(pool.table.take(rows[np.sort(top)]))
 
 
-PROMPT_SELECTIONS: dict[str, Callable[[list[dict[str, Any]], Sequence[dict[str, Any]], Any], list[dict[str, Any]]]] = {
+PROMPT_SELECTIONS: dict[str, Callable[[PromptPool, pa.Table, Any], PromptPool]] = {
     "pass_band": pass_band, "top_variance": top_variance,
 }
 
@@ -88,10 +93,13 @@ class PriorState:
     MAX_COUNT = 64.0
 
     @classmethod
-    def from_rates(cls, rates: Sequence[dict[str, Any]]) -> PriorState:
-        ok = [x for x in rates if x.get("mean_reward") is not None and x.get("scorable")]
-        return cls({x["prompt_id"]: float(x["mean_reward"]) for x in ok}, {x["prompt_id"]: float(x["scorable"])
-                                                                          for x in ok})
+    def from_rates(cls, rates: pa.Table) -> PriorState:
+        """From the pass-rate rows (``prompts.read_rates``) with a mean reward over at least one scorable sample."""
+        if "mean_reward" not in rates.column_names:
+            return cls()
+        ok = rates.filter(pc.and_(pc.is_valid(rates.column("mean_reward")), pc.greater(rates.column("scorable"), 0)))
+        ids, mean, n = (ok.column(c).to_pylist() for c in ("prompt_id", "mean_reward", "scorable"))
+        return cls(dict(zip(ids, map(float, mean), strict=True)), dict(zip(ids, map(float, n), strict=True)))
 
     def tensor(self, ids: Sequence[str]) -> torch.Tensor:
         """[N, 2] (p, n) of ``ids``; (0, 0) for a prompt without a prior."""
