@@ -12,7 +12,10 @@ alternating the arms' order from size to size on this noisy machine:
   (after: ``streaming.PartialParquet`` as the stage runs it by default: a part every 30 s or 8,192 rows), so the
   data path's memory is measured at sizes the model cannot reach on CPU;
 - reward: N synthetic rollouts (one per prompt, 12-16 tokens, half correct), written once per size and shared by
-  the arms, so reward scales past what rollout reaches on CPU.
+  the arms, so reward scales past what rollout reaches on CPU;
+- rl: the rl stage on curate's train split of N prompts, every one selected (synthetic pass rates of 0.5), the
+  tiny policy, 2 steps of 4 prompts x 2 samples: what the stage costs before and around its steps (reading and
+  selecting the pool, tokenizing, the checkpoint fingerprint, the outputs) as the pool grows.
 
 Each stage runs as ``python -m stages.<name> --params ...`` in the arm's checkout; its peak RSS is the child's
 ``ru_maxrss`` from ``os.wait4`` (that process alone). A stage past ``--timeout`` seconds is killed and recorded.
@@ -107,6 +110,17 @@ def synthetic_rows(start: int, stop: int) -> list[dict[str, Any]]:
     return rows
 
 
+def synthetic_rates(train: Path, folder: Path) -> None:
+    """pass_rates.parquet for every prompt of ``train``: 4 samples, 2 correct (pass rate and mean reward 0.5)."""
+    ids = pq.read_table(train, columns=["id"]).column("id")
+    n = len(ids)
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"prompt_id": ids, "n": pa.array([4] * n, pa.int32()),
+                             "scorable": pa.array([4] * n, pa.int32()), "n_correct": pa.array([2] * n, pa.int32()),
+                             "pass_rate": pa.array([0.5] * n, pa.float32()),
+                             "mean_reward": pa.array([0.5] * n, pa.float32())}), folder / "pass_rates.parquet")
+
+
 def synthetic_rollouts(path: Path, n: int) -> None:
     """``n`` scorable rollout rows, written a batch at a time."""
     with pq.ParquetWriter(path, SCHEMA) as w:
@@ -166,7 +180,7 @@ def main() -> None:
     # the policy: the tiny default model after one sft step (this checkout), shared by every run
     pol_root = work / "policy"
     pol_root.mkdir(parents=True, exist_ok=True)
-    needs_policy = "rollout" in a.stages
+    needs_policy = "rollout" in a.stages or "rl" in a.stages
     pp = params(arms["after"], pol_root, 1000, a.new_tokens, pol_root / "models" / "sft", True)
     (pol_root / "params.yaml").write_text(yaml.safe_dump(pp))
     for name in ("curate", "sft") if needs_policy else ():
@@ -196,7 +210,16 @@ def main() -> None:
                     results.append({"stage": name, "arm": arm, "n": n, "rows": n if r["rc"] == 0 else None, **r})
                     print(json.dumps(results[-1]), flush=True)
                     continue
-                if name == "reward":  # the shared synthetic rollouts, in place of this arm's rollout output
+                if name == "rl":
+                    rp = copy.deepcopy(p)
+                    rp["paths"]["reward_dir"] = str(root / "synthetic_rates")
+                    synthetic_rates(root / "data" / "curated" / "train.parquet", root / "synthetic_rates")
+                    rp["rl"].update({"steps": 2, "prompts_per_step": 4, "samples_per_prompt": 2, "checkpoint_every": 10,
+                                     "save_steps": [], "select": {"min_pass_rate": 0.0, "max_pass_rate": 1.0}})
+                    rp["rl"]["sampling"]["max_new_tokens"] = a.new_tokens
+                    (root / "params-rl.yaml").write_text(yaml.safe_dump(rp))
+                    r = stage(arms[arm], name, root / "params-rl.yaml", a.timeout)
+                elif name == "reward":  # the shared synthetic rollouts, in place of this arm's rollout output
                     rp = copy.deepcopy(p)
                     rp["paths"]["rollout_dir"] = str(root / "synthetic")
                     (root / "synthetic").mkdir(exist_ok=True)
@@ -210,7 +233,7 @@ def main() -> None:
                 m = root / "metrics" / f"{name}.json"
                 info = json.loads(m.read_text()) if m.exists() and r["rc"] == 0 else {}
                 rows = {"curate": info.get("train"), "rollout": info.get("samples"),
-                        "reward": info.get("samples")}[name]
+                        "reward": info.get("samples"), "rl": info.get("selected_prompts")}[name]
                 results.append({"stage": name, "arm": arm, "n": n, "rows": rows, **r})
                 print(json.dumps(results[-1]), flush=True)
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -315,6 +315,18 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z" if Path(f"/proc/{pid}").exists() else True
 
 
+def test_reward_workers_are_the_machines_shared_by_its_torchrun_ranks(monkeypatch):
+    """8 ranks on a machine with reward.workers 8: one scoring process each would be 1 -> in-process; 16: 2 each."""
+    from posttrain.config import Reward
+
+    for workers, ranks, each in ((8, None, 8), (8, "8", 1), (16, "8", 2), (4, "2", 2), (0, "4", 0)):
+        if ranks is None:
+            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        assert RewardPool.of(Reward(rewards=[{"name": "correct"}], workers=workers)).workers == each
+
+
 def test_workers_param_is_bounded_and_not_part_of_the_result():
     from posttrain.config.base import NOT_RESULT
     from posttrain.config.reward import Reward

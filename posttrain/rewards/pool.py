@@ -107,8 +107,11 @@ class RewardPool:
 
     @classmethod
     def of(cls, reward: Any) -> RewardPool:
-        """The pool of a stage's ``params.reward`` (its workers, timeout and specs)."""
-        return cls(reward.workers, reward.timeout_s, reward.rewards)
+        """The pool of a stage's ``params.reward`` (its timeout and specs). ``reward.workers`` are the machine's:
+        under torchrun each of its ``LOCAL_WORLD_SIZE`` ranks starts its share (``workers // ranks``; fewer than
+        2: it scores in-process), so 8 ranks with workers 8 run 8 scoring processes, not 64."""
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return cls(reward.workers // ranks, reward.timeout_s, reward.rewards)
 
     def __enter__(self) -> RewardPool:
         if self.workers >= 2:
