@@ -56,12 +56,10 @@ from posttrain.rl.prompts import PromptPool, PromptTokens, read_rates
 from posttrain.rollout import BACKENDS, generator
 from posttrain.runner import stage_main
 from posttrain.schema import (
-    PROBLEM_SCHEMA,
     SHARD_SCHEMA,
     with_tool_fields,
     with_version_field,
     write_json,
-    write_parquet,
 )
 from posttrain.tools import with_tools
 from posttrain.trainlog import TrainLog
@@ -128,7 +126,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     train_log.resume(restored)
     log_rows = train_log.rows
     if "prior" in saved:
-        prior = select.PriorState(**saved["prior"])
+        prior = select.PriorState(**saved["prior"], base=prior.base)  # the updates over the reward stage's
     for stale in shard_tmp.glob("step_*.parquet") if d.main else []:  # shards after the checkpoint are redone
         if int(stale.stem.split("_")[1]) > start:
             stale.unlink()
@@ -235,7 +233,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
         modeling.save_checkpoint(final, tok, tmp, params.model.dtype)
     with atomic_path(out["rl_dir"]) as tmp:
         tmp.mkdir()
-        write_parquet(tmp / "selected_prompts.parquet", prompts, PROBLEM_SCHEMA)
+        prompts.write_selected(tmp / "selected_prompts.parquet")
         shutil.copytree(shard_tmp, tmp / "shards")
         if (ckpt_dir / "saved").is_dir():
             shutil.copytree(ckpt_dir / "saved", tmp / "checkpoints")

@@ -371,31 +371,42 @@ def test_entropy_token_selection_restricts_the_policy_gradient_to_the_chosen_tok
 
 
 def test_the_prompt_pool_is_a_table_read_by_row_searched_by_id_and_tokenized_on_demand(tmp_path):
-    """PromptPool: rows by position (as dicts, the order of the file), ids found by binary search, a digest of
-    the id set that ignores order; PromptTokens: the same ids as tokenizing the whole pool up front, one prompt at
-    a time, only those asked for; read_rates: the pass-rate columns, of the pool's prompts only."""
+    """PromptPool: the loop's columns by position (as dicts, the file's order), a selection a view on them, ids
+    found by binary search, a digest of the id set that ignores order, the selection written back with every
+    column of the file; PromptTokens: the same ids as tokenizing the whole pool up front, one prompt at a time;
+    read_rates: the pass-rate columns, of the pool's prompts only."""
     import pyarrow.parquet as pq
 
-    from posttrain.schema import PROBLEM_SCHEMA
+    from posttrain.rl.prompts import COLUMNS
+    from posttrain.schema import PROBLEM_SCHEMA, read_problems
 
     rows = [{"id": f"q{i}", "source": "t", "task": "arith", "prompt": f"{i}+{7 - i}=", "answer": "7",
-             "solution": None} for i in (3, 0, 2, 1)]
+             "solution": f"{i} and {7 - i}"} for i in (3, 0, 2, 1)]
+    loop = [{c: r[c] for c in COLUMNS} for r in rows]
     pq.write_table(pa.Table.from_pylist(rows, schema=PROBLEM_SCHEMA), tmp_path / "train.parquet")
     pool = PromptPool.read(tmp_path / "train.parquet")
-    assert len(pool) == 4 and pool[0] == rows[0] and pool[-1] == rows[3] and list(pool) == rows
-    assert [pool.index(f"q{i}") for i in range(4)] == [1, 3, 2, 0]
-    with pytest.raises(KeyError):
-        pool.index("q9")
+    assert len(pool) == 4 and pool[0] == loop[0] and pool[-1] == loop[3] and list(pool) == loop
+    assert [pool.index.find(f"q{i}") for i in range(5)] == [1, 3, 2, 0, -1]
     assert pool.digest() == PromptPool.of(rows[::-1]).digest() != PromptPool.of(rows[:3]).digest()
+    sub = pool.subset(np.array([0, 2, 3]))  # q3, q2, q1
+    assert list(sub) == [loop[0], loop[2], loop[3]] and sub[1] == loop[2] and sub.index.find("q1") == 2
+    assert list(sub.subset(np.array([2]))) == [loop[3]]
+    sub.write_selected(tmp_path / "selected.parquet")
+    assert read_problems(tmp_path / "selected.parquet") == [rows[0], rows[2], rows[3]]  # every column, file order
     tok = build_char_tokenizer()
     want = dict(zip([r["id"] for r in rows], chat_prompt_ids(tok, [r["prompt"] for r in rows]), strict=True))
     got = PromptTokens(pool, tok)
     assert {k: got[k] for k in want} == want and sorted(got) == sorted(want)
+    with pytest.raises(KeyError):
+        got["q9"]
     pq.write_table(pa.Table.from_pylist([{"prompt_id": "q2", "n": 4, "scorable": 4, "n_correct": 1,
                                           "pass_rate": 0.25, "mean_reward": 0.25},
                                          {"prompt_id": "other", "n": 4, "scorable": 4, "n_correct": 4,
                                           "pass_rate": 1.0, "mean_reward": 1.0}]), tmp_path / "rates.parquet")
     assert read_rates(tmp_path / "rates.parquet", pool).column("prompt_id").to_pylist() == ["q2"]
+    prior = select.PriorState.from_rates(read_rates(tmp_path / "rates.parquet"))
+    assert (prior.get("q2"), prior.get("other"), prior.get("q0")) == ((0.25, 4.0), (1.0, 4.0), (0.0, 0.0))
+    assert prior.p == {} and prior.n == {}  # read from the columns: nothing copied (or checkpointed) until updated
     with pytest.raises(ValueError, match="missing columns"):
         PromptPool.read(tmp_path / "rates.parquet")
 
@@ -474,7 +485,7 @@ def test_prior_state_starts_from_the_reward_stage_and_is_updated_each_step(tmp_p
     checkpoint.save_loop_state(tmp_path, 1, "fp", 0, model, opt, [], extra={"prior": {"p": prior.p, "n": prior.n}})
     saved: dict = {}
     checkpoint.restore_loop_state(tmp_path, "fp", model, opt, extra=saved)
-    assert select.PriorState(**saved["prior"]) == prior  # a resumed run continues from the same priors
+    assert select.PriorState(**saved["prior"], base=prior.base) == prior  # a resumed run continues from them
 
 
 def test_adaptive_budget_refreshes_rejected_priors_with_fresh_samples():

@@ -174,7 +174,7 @@ def refresh_priors(prior: PriorState, ids: Sequence[str], r: torch.Tensor, valid
     ``valid`` [N, G]) rejects, at most ``max_prompts`` of them, get G fresh samples (``sample(ids)`` -> their
     rewards and valid [n, G]), whose mean reward replaces the prior. Returns the refreshed prompts."""
     _, accepted = algos.fuse(r, valid, prior.tensor(ids))
-    stale = [i for k, i in enumerate(ids) if not accepted[k] and prior.n.get(i, 0.0) > 0][:max_prompts]
+    stale = [i for k, i in enumerate(ids) if not accepted[k] and prior.get(i)[1] > 0][:max_prompts]
     if not stale:
         return []
     er, ev = sample(stale)

@@ -1,11 +1,13 @@
 """The prompt pool of the rl and distill loops as an Arrow table, not a list of dicts.
 
 At 10^6 prompts a list of Python dicts is about a GB of objects on every rank, and tokenizing every prompt up
-front takes minutes before the first step. ``PromptPool`` keeps the train split's columns in Arrow buffers (about
-the file's bytes); a row becomes a dict only when a step draws it (``pool[i]``); the ids are searchable through
-one sorted array (``index``, a binary search); ``PromptTokens`` tokenizes a prompt when an update first asks for
-it (an LRU of recent ones), never the whole pool. The selections (``select.PROMPT_SELECTIONS``) filter the table
-with Arrow compute, and the pass rates are read as columns (``read_rates``).
+front takes minutes before the first step. ``PromptPool`` reads only the columns a loop uses (``COLUMNS``: about
+the file's bytes of them, no solutions) and a selection is a view on it (row positions, no copy); a row becomes a
+dict only when a step draws it (``pool[i]``); ids are found by a binary search of one sorted copy of the id column
+(``IdIndex``); ``PromptTokens`` tokenizes a prompt when an update first asks for it (an LRU of recent ones), never
+the whole pool. The selections (``select.PROMPT_SELECTIONS``) work on the table with Arrow compute, the pass
+rates are read as columns (``read_rates``), and the selected prompts are written by filtering the split's file a
+batch at a time (``write_selected``).
 
 Written here rather than with ``datasets``: a ``Dataset`` would do the storage, but the loops need a positional
 row, an id search and a digest of the id set for the resume fingerprint, each a few lines over the table.
@@ -24,16 +26,47 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from posttrain.outputs import atomic_path
 from posttrain.schema import PROBLEM_SCHEMA
 
+COLUMNS = ("id", "task", "prompt", "answer")  # what a loop reads of a problem (rollout rows, rewards)
+SCHEMA = pa.schema([PROBLEM_SCHEMA.field(c) for c in COLUMNS])
 RATE_COLUMNS = ("prompt_id", "pass_rate", "mean_reward", "scorable")
 
 
-class PromptPool(Sequence[dict[str, Any]]):
-    """Problems (``schema.PROBLEM_SCHEMA`` columns) by position: ``pool[i]`` is row ``i`` as a dict."""
+class IdIndex:
+    """Ids -> their position, by a binary search of one sorted copy of the ids (an Arrow string array: the
+    ids' bytes plus 8 a row, where a dict of a million Python strings would be ~100 MB)."""
 
-    def __init__(self, table: pa.Table) -> None:
-        self.table = table.select(PROBLEM_SCHEMA.names).cast(PROBLEM_SCHEMA).combine_chunks()
+    def __init__(self, ids: pa.Array) -> None:
+        self.order = pc.sort_indices(ids).to_numpy()
+        self.sorted = ids.take(pa.array(self.order))
+
+    def find(self, key: str) -> int:
+        """The position of ``key`` (-1: absent)."""
+        lo, hi = 0, len(self.sorted)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.sorted[mid].as_py() < key:
+                lo = mid + 1
+            else:
+                hi = mid
+        return int(self.order[lo]) if lo < len(self.sorted) and self.sorted[lo].as_py() == key else -1
+
+    def digest(self) -> str:
+        """sha256 of the sorted ids, one a line: which ids these are, in any order."""
+        h = hashlib.sha256()
+        for k in range(0, len(self.sorted), 65536):
+            h.update(("\n".join(self.sorted.slice(k, 65536).to_pylist()) + "\n").encode())
+        return h.hexdigest()
+
+
+class PromptPool(Sequence[dict[str, Any]]):
+    """Problems by position: ``pool[i]`` is row ``i`` as a dict of ``COLUMNS``. ``table``: the split's columns;
+    ``rows``: the positions of this pool in it (None: every row; a selection is ``subset``, not a copy)."""
+
+    def __init__(self, table: pa.Table, rows: np.ndarray | None = None, source: str | Path | None = None) -> None:
+        self.table, self.rows, self.source = table, rows, source
 
     @classmethod
     def read(cls, path: str | Path) -> PromptPool:
@@ -41,49 +74,56 @@ class PromptPool(Sequence[dict[str, Any]]):
         missing = set(PROBLEM_SCHEMA.names) - set(pq.read_schema(path).names)
         if missing:
             raise ValueError(f"{path}: not a problems file (missing columns {sorted(missing)})")
-        return cls(pq.read_table(path, columns=PROBLEM_SCHEMA.names))
+        return cls(pq.read_table(path, columns=list(COLUMNS)).cast(SCHEMA), source=path)
 
     @classmethod
     def of(cls, rows: Sequence[dict[str, Any]]) -> PromptPool:
-        return cls(pa.Table.from_pylist(list(rows), schema=PROBLEM_SCHEMA))
+        return cls(pa.Table.from_pylist([{c: r.get(c) for c in COLUMNS} for r in rows], schema=SCHEMA))
+
+    def subset(self, rows: np.ndarray) -> PromptPool:
+        """The pool of this pool's rows ``rows`` (positions in this pool), in that order."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return PromptPool(self.table, rows if self.rows is None else self.rows[rows], self.source)
 
     def __len__(self) -> int:
-        return self.table.num_rows
+        return self.table.num_rows if self.rows is None else len(self.rows)
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
         if not -len(self) <= i < len(self):
             raise IndexError(i)
-        return self.table.slice(i % len(self), 1).to_pylist()[0]
+        i %= len(self)
+        return self.table.slice(i if self.rows is None else int(self.rows[i]), 1).to_pylist()[0]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        for batch in self.table.to_batches(max_chunksize=4096):
-            yield from batch.to_pylist()
-
-    @property
-    def ids(self) -> pa.Array:
-        return self.table.column("id").combine_chunks()
+        for k in range(0, len(self), 4096):
+            part = self.table.slice(k, 4096) if self.rows is None else self.table.take(self.rows[k : k + 4096])
+            yield from part.to_pylist()
 
     @functools.cached_property
-    def _sorted(self) -> tuple[np.ndarray, np.ndarray]:
-        order = pc.sort_indices(self.ids).to_numpy()
-        return self.ids.take(order).to_numpy(zero_copy_only=False).astype(str), order
+    def ids(self) -> pa.Array:
+        ids = self.table.column("id").combine_chunks()
+        return ids if self.rows is None else ids.take(pa.array(self.rows))
 
-    def index(self, pid: str) -> int:
-        """The row of prompt ``pid`` (a KeyError if none): a binary search of the sorted ids."""
-        keys, order = self._sorted
-        k = int(np.searchsorted(keys, pid))
-        if k == len(keys) or keys[k] != pid:
-            raise KeyError(pid)
-        return int(order[k])
+    @functools.cached_property
+    def index(self) -> IdIndex:
+        return IdIndex(self.ids)
 
     def digest(self) -> str:
-        """sha256 of the sorted ids, one a line: which prompts the pool holds (the resume fingerprint's part)."""
-        h = hashlib.sha256()
-        for part in np.array_split(self._sorted[0], max(1, len(self) // 65536)):
-            h.update(("\n".join(part.tolist()) + "\n").encode())
-        return h.hexdigest()
+        """Which prompts the pool holds (the resume fingerprint's part): ``IdIndex.digest``."""
+        return self.index.digest()
+
+    def write_selected(self, dst: str | Path) -> None:
+        """This pool's problems, every column of the split file it was read from, in the file's order (a
+        selection keeps it), replaced whole: the file filtered a batch at a time."""
+        wanted = self.ids
+        f = pq.ParquetFile(self.source)
+        parts = [b.filter(pc.is_in(b.column("id"), value_set=wanted))
+                 for b in f.iter_batches(batch_size=65536, columns=PROBLEM_SCHEMA.names)]
+        table = pa.Table.from_batches(parts, schema=PROBLEM_SCHEMA).combine_chunks()
+        with atomic_path(dst) as tmp:
+            pq.write_table(table, tmp)
 
 
 class PromptTokens(Mapping[str, list[int]]):
@@ -97,8 +137,10 @@ class PromptTokens(Mapping[str, list[int]]):
 
         @functools.lru_cache(maxsize=cache)
         def tokens(pid: str) -> tuple[int, ...]:
-            text = pool.table.column("prompt")[pool.index(pid)].as_py()
-            return tuple(chat_prompt_ids(tokenizer, [text])[0])
+            i = pool.index.find(pid)
+            if i < 0:
+                raise KeyError(pid)
+            return tuple(chat_prompt_ids(tokenizer, [pool[i]["prompt"]])[0])
 
         self._tokens = tokens
 

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import torch
 
 from posttrain import algos
-from posttrain.rl.prompts import PromptPool
+from posttrain.rl.prompts import IdIndex, PromptPool
 
 
 @dataclass
@@ -59,7 +59,7 @@ def _in_band(pool: PromptPool, rates: pa.Table, cfg: Any) -> tuple[np.ndarray, n
 def pass_band(pool: PromptPool, rates: pa.Table, cfg: Any) -> PromptPool:
     """Every prompt whose SFT pass rate lies in [min_pass_rate, max_pass_rate] (unmeasured ones dropped): the
     band where a group of samples can disagree (DAPO-style filtering)."""
-    return PromptPool(pool.table.take(_in_band(pool, rates, cfg)[0]))
+    return pool.subset(_in_band(pool, rates, cfg)[0])
 
 
 def top_variance(pool: PromptPool, rates: pa.Table, cfg: Any) -> PromptPool:
@@ -69,7 +69,7 @@ def top_variance(pool: PromptPool, rates: pa.Table, cfg: Any) -> PromptPool:
     problems' order. E.g. rates 0.5, 0.9, 0.3 -> variances 0.25, 0.09, 0.21 -> top 2: the first and third."""
     rows, rate = _in_band(pool, rates, cfg)
     top = np.argsort(-(rate * (1 - rate)), kind="stable")[: cfg.top_k]
-    return PromptPool(pool.table.take(rows[np.sort(top)]))
+    return pool.subset(rows[np.sort(top)])
 
 
 PROMPT_SELECTIONS: dict[str, Callable[[PromptPool, pa.Table, Any], PromptPool]] = {
@@ -87,8 +87,11 @@ class PriorState:
     moved, so older evidence weighs less), capped at ``MAX_COUNT``. E.g. (0.5, 8) then r = [1, 0, 0, 0]:
     accepted, b = 5/12 -> (0.4167, min(8 + 4, 64) * 0.5 = 6)."""
 
-    p: dict[str, float] = field(default_factory=dict)
+    p: dict[str, float] = field(default_factory=dict)  # the priors updated since the start (checkpointed)
     n: dict[str, float] = field(default_factory=dict)
+    # the reward stage's priors, read from its columns (ids, mean reward, scorable count): not copied into p and n,
+    # so a pool of 10^6 prompts holds (and checkpoints) a dict entry only for the prompts trained on
+    base: tuple[IdIndex, np.ndarray, np.ndarray] | None = field(default=None, compare=False, repr=False)
     DECAY = 0.5
     MAX_COUNT = 64.0
 
@@ -98,12 +101,20 @@ class PriorState:
         if "mean_reward" not in rates.column_names:
             return cls()
         ok = rates.filter(pc.and_(pc.is_valid(rates.column("mean_reward")), pc.greater(rates.column("scorable"), 0)))
-        ids, mean, n = (ok.column(c).to_pylist() for c in ("prompt_id", "mean_reward", "scorable"))
-        return cls(dict(zip(ids, map(float, mean), strict=True)), dict(zip(ids, map(float, n), strict=True)))
+        return cls(base=(IdIndex(ok.column("prompt_id").combine_chunks()),
+                         *(ok.column(c).to_numpy().astype(float) for c in ("mean_reward", "scorable"))))
+
+    def get(self, i: str) -> tuple[float, float]:
+        """(p, n) of prompt ``i``: its latest update, else the reward stage's, else (0, 0)."""
+        if i in self.p:
+            return self.p[i], self.n[i]
+        if self.base is not None and (k := self.base[0].find(i)) >= 0:
+            return float(self.base[1][k]), float(self.base[2][k])
+        return 0.0, 0.0
 
     def tensor(self, ids: Sequence[str]) -> torch.Tensor:
         """[N, 2] (p, n) of ``ids``; (0, 0) for a prompt without a prior."""
-        return torch.tensor([[self.p.get(i, 0.0), self.n.get(i, 0.0)] for i in ids])
+        return torch.tensor([self.get(i) for i in ids])
 
     def update(self, ids: Sequence[str], r: torch.Tensor, valid: torch.Tensor) -> None:
         b, accepted = algos.fuse(r, valid, self.tensor(ids))
@@ -111,5 +122,5 @@ class PriorState:
         for k, i in enumerate(ids):
             if g[k] == 0:
                 continue
-            n = self.n.get(i, 0.0) + float(g[k]) if accepted[k] else float(g[k])
+            n = self.get(i)[1] + float(g[k]) if accepted[k] else float(g[k])
             self.p[i], self.n[i] = float(b[k]), min(n, self.MAX_COUNT) * self.DECAY
