@@ -114,16 +114,14 @@ class PromptPool(Sequence[dict[str, Any]]):
         """Which prompts the pool holds (the resume fingerprint's part): ``IdIndex.digest``."""
         return self.index.digest()
 
-    def write_selected(self, dst: str | Path) -> None:
+    def write_selected(self, dst: str | Path, batch_rows: int = 65536) -> None:
         """This pool's problems, every column of the split file it was read from, in the file's order (a
-        selection keeps it), replaced whole: the file filtered a batch at a time."""
+        selection keeps it), replaced whole: the file filtered and written a batch (a row group) at a time."""
         wanted = self.ids
-        f = pq.ParquetFile(self.source)
-        parts = [b.filter(pc.is_in(b.column("id"), value_set=wanted))
-                 for b in f.iter_batches(batch_size=65536, columns=PROBLEM_SCHEMA.names)]
-        table = pa.Table.from_batches(parts, schema=PROBLEM_SCHEMA).combine_chunks()
-        with atomic_path(dst) as tmp:
-            pq.write_table(table, tmp)
+        with atomic_path(dst) as tmp, pq.ParquetWriter(tmp, PROBLEM_SCHEMA) as w:
+            for b in pq.ParquetFile(self.source).iter_batches(batch_size=batch_rows, columns=PROBLEM_SCHEMA.names):
+                w.write_table(pa.Table.from_batches([b.filter(pc.is_in(b.column("id"), value_set=wanted))])
+                              .cast(PROBLEM_SCHEMA))
 
 
 class PromptTokens(Mapping[str, list[int]]):
