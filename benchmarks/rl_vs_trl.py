@@ -50,12 +50,13 @@ import torch  # noqa: E402
 
 from posttrain import metrics as M  # noqa: E402
 from posttrain import modeling  # noqa: E402
-from posttrain.config import Params, load_params  # noqa: E402
+from posttrain.config import Params, parse_params  # noqa: E402
 from posttrain.rewards import Sample, correct  # noqa: E402
 from posttrain.rl import select  # noqa: E402
+from posttrain.rl.prompts import PromptPool, read_rates  # noqa: E402
 from posttrain.rollout import BACKENDS, SamplingParams, sample_rows  # noqa: E402
 from posttrain.runner import setup  # noqa: E402
-from posttrain.schema import read_parquet, read_problems  # noqa: E402
+from posttrain.schema import read_problems  # noqa: E402
 from stages import rl  # noqa: E402
 
 OVERLAP = {"ours": None, "ours_k1": {"max_staleness": 1, "generators": 1, "generator_threads": 1,
@@ -65,13 +66,13 @@ OVERLAP = {"ours": None, "ours_k1": {"max_staleness": 1, "generators": 1, "gener
 def bench_params(path: str, steps: int, arm: str = "ours") -> Params:
     """params.yaml with the benchmark's settings: ``steps``, dynamic sampling off, no resumable checkpoints
     (and the arm's ``rl.overlap``)."""
-    from posttrain.config.rl import RlOverlap
+    from posttrain.config.params import read_yaml
 
-    base = load_params(path)
-    ov = OVERLAP.get(arm)
-    cfg = base.rl.model_copy(update={"steps": steps, "dynamic_sampling": "off", "checkpoint_every": steps + 1,
-                                     "overlap": None if ov is None else RlOverlap(**ov)})
-    return base.model_copy(update={"rl": cfg, "runtime": base.runtime.model_copy(update={"progress": False})})
+    raw = read_yaml(Path(path).read_text())
+    raw["rl"].update({"steps": steps, "dynamic_sampling": "off", "checkpoint_every": steps + 1,
+                      "overlap": OVERLAP.get(arm)})
+    raw["runtime"]["progress"] = False
+    return parse_params(raw)  # validated: the overlap's rules hold as in a stage
 
 
 def heldout_pass1(model: torch.nn.Module, tok: Any, params: Params, n_prompts: int, n_samples: int
@@ -129,8 +130,8 @@ def arm_trl(params: Params, args: argparse.Namespace, out: Path) -> dict[str, An
     cfg = params.rl
     g, b = cfg.samples_per_prompt, cfg.prompts_per_step
     inputs, _ = rl.paths(params)
-    prompts = select.PROMPT_SELECTIONS[cfg.select.strategy](read_problems(inputs["train"]),
-                                                          read_parquet(inputs["pass_rates"]), cfg.select)
+    train = PromptPool.read(inputs["train"])
+    prompts = select.PROMPT_SELECTIONS[cfg.select.strategy](train, read_rates(inputs["pass_rates"], train), cfg.select)
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": p["prompt"]}], "answer": p["answer"],
                              "task": p["task"]} for p in prompts])
     counts = {"tokens": 0, "samples": 0}

@@ -60,7 +60,7 @@ def run(upstream: Path, root: Path, arm: str, seed: int, steps: int, every: int,
         ) -> dict[str, Any]:
     folder = root / arm / f"s{seed}"
     done = folder / "done.json"
-    if done.is_file():
+    if done.is_file() and (not every or json.loads(done.read_text()).get("curve")):  # else a run without a curve
         return json.loads(done.read_text())
     subprocess.run(["rm", "-rf", str(folder)], check=True)
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -68,7 +68,7 @@ def run(upstream: Path, root: Path, arm: str, seed: int, steps: int, every: int,
     k = ARMS[arm]
     overlap = "null" if k is None else (f"{{max_staleness: {k}, generators: 1, generator_threads: 1, "
                                         "trainer_threads: 1}")
-    saved = list(range(every, steps + 1, every)) if every else []
+    saved = sorted({*range(every, steps + 1, every), steps}) if every else []  # the final policy always
     models = "{" + ", ".join(f"s{k}: data/rl/checkpoints/step_{k}" for k in saved) + "}"
     edits = [*common, f"rl.seed={seed}", f"rl.steps={steps}", f"rl.overlap={overlap}", "report.compare=[]",
              f"rl.save_steps={saved}", *([f"evaluate.models={models}"] if saved else [])]

@@ -113,12 +113,14 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     ckpt_dir, shard_tmp = out["checkpoints"], out["checkpoints"] / "shards"
     m = params.model  # what changes the result: not rl.steps, save_steps, max_idle_steps (config.NOT_RESULT)
     fp = checkpoint.fingerprint(cfg, params.reward, params.sampler_id(), m.lora, m.dtype, m.attn_implementation,
-                                params.seed, policy0, prompts.digest(), *([params.tools] if tools else []))
+                                params.seed, policy0, prompts.digest(),
+                                checkpoint.file_digest(inputs["pass_rates"]), *([params.tools] if tools else []))
     rl_seed = params.seed + cfg.seed  # rl.seed: seeds of an RL arm on the same upstream (curate, sft)
     cursor = select.PromptCursor(len(prompts), rl_seed)
     moving_ref = ref if cfg.ref_reset is not None else None  # a reference that resets is checkpointed too
-    prior = select.PriorState.from_rates(read_rates(inputs["pass_rates"], prompts))  # per selected prompt:
-    # its prior (rl.advantage prior_fused), checkpointed
+    # per selected prompt its prior (rl.advantage prior_fused): the reward stage's, read from its columns; the
+    # updated ones are checkpointed (the file's bytes are in the fingerprint)
+    prior = select.PriorState.from_rates(read_rates(inputs["pass_rates"], prompts))
     saved: dict[str, Any] = {}
     start, restored, cursor.pos = checkpoint.restore_loop_state(ckpt_dir, fp, model, opt, moving_ref, saved)
     train_log = TrainLog(out["report_dir"] / "train_log.csv" if d.main else None,
@@ -147,8 +149,9 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
             nonlocal backend
             backend = backend or make_backend()  # built only if a step is ever dropped
             model.eval()
-            backend.load_weights(d.plain(model), overlap.version_name(spec, s))
+            backend.load_weights(d.plain(model), collect.policy_name(policy0, s))
             sb = overlap.sample_step(backend, tok, spec, s, s, pool)
+            backend.release()  # vLLM: its memory back to the trainer
             model.train()
             return sb
 
@@ -162,10 +165,10 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
             model.eval()
             # the generation engine samples from this step's weights: FSDP2's full copy is refreshed from the
             # shards, vLLM's engine gets them copied in (the hf backend samples with the model itself: nothing to do)
-            backend.load_weights(d.plain(model), f"{policy0}@step{step}")
+            backend.load_weights(d.plain(model), collect.policy_name(policy0, step))
             with amp():
                 sb = collect.collect_step(backend, tok, prompts, cursor, cfg, params.reward.rewards, seed,
-                                          policy=f"{policy0}@step{step}", prior=prior, pool=pool)
+                                          policy=collect.policy_name(policy0, step), prior=prior, pool=pool)
             torch.set_num_threads(rt.train_threads)
             backend.release()  # vLLM: its memory goes back to the trainer for the update
         else:

@@ -161,6 +161,10 @@ REFUSALS = {
     "`rl.overlap` with `rl.prior_budget` > 0":
         ({"rl": {"overlap": {}, "advantage": "prior_fused", "dynamic_sampling": "off", "prior_budget": 8}},
          "rl.prior_budget"),
+    "`tools.parallel_calls` with `tools.format: tag`": ({"tools": {"parallel_calls": True}}, "tools.parallel_calls"),
+    "`tools.parallel_calls` with SFT tool demos (`sft.phases[*].tool_frac` > 0)":
+        ({"tools": {"parallel_calls": True, "format": "qwen"},
+          "sft": {"phases": [{"steps": 1, "cot_frac": 0.5, "tool_frac": 0.3}]}}, "tools.parallel_calls"),
     "a `tool_cost` reward with a nonzero weight while `tools.enabled` is false":
         ({"reward": {"rewards": [{"name": "correct"}, {"name": "tool_cost", "weight": 0.05}]}},
          "reward.rewards[1].weight"),

@@ -316,10 +316,11 @@ def _alive(pid: int) -> bool:
 
 
 def test_reward_workers_are_the_machines_shared_by_its_torchrun_ranks(monkeypatch):
-    """8 ranks on a machine with reward.workers 8: one scoring process each would be 1 -> in-process; 16: 2 each."""
+    """reward.workers split over a machine's torchrun ranks, never below 2 a rank when a pool was asked for (its
+    per-sample timeout and isolation): 8 ranks with 16 -> 2 each; with 8 -> still 2 each; 0 or 1 -> in-process."""
     from posttrain.config import Reward
 
-    for workers, ranks, each in ((8, None, 8), (8, "8", 1), (16, "8", 2), (4, "2", 2), (0, "4", 0)):
+    for workers, ranks, each in ((8, None, 8), (16, "8", 2), (8, "8", 2), (9, "2", 4), (1, "4", 1), (0, "4", 0)):
         if ranks is None:
             monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
         else:

@@ -409,6 +409,11 @@ def test_the_prompt_pool_is_a_table_read_by_row_searched_by_id_and_tokenized_on_
     assert prior.p == {} and prior.n == {}  # read from the columns: nothing copied (or checkpointed) until updated
     with pytest.raises(ValueError, match="missing columns"):
         PromptPool.read(tmp_path / "rates.parquet")
+    with pytest.raises(ValueError, match="built in memory"):
+        PromptPool.of(rows).write_selected(tmp_path / "x.parquet")
+    pq.write_table(pa.Table.from_pylist([{"prompt_id": "q2", "pass_rate": 0.25}] * 2), tmp_path / "dup.parquet")
+    with pytest.raises(ValueError, match="more than one row"):
+        read_rates(tmp_path / "dup.parquet")
 
 
 def test_1_shot_prompt_selection_by_reward_variance_by_hand():
@@ -472,7 +477,8 @@ def test_prior_state_starts_from_the_reward_stage_and_is_updated_each_step(tmp_p
 
     prior = select.PriorState.from_rates(pa.Table.from_pylist([
         {"prompt_id": "a", "mean_reward": 0.5, "scorable": 8}, {"prompt_id": "b", "mean_reward": 0.1, "scorable": 20},
-        {"prompt_id": "c", "mean_reward": None, "scorable": 0}]))
+        {"prompt_id": "c", "mean_reward": None, "scorable": 0},
+        {"prompt_id": "d", "mean_reward": 0.75, "scorable": 4}]))
     r = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 1], [1, 0, 1, 0]])
     adv = update.group_advantages(r, torch.ones(3, 4, dtype=torch.bool), ["a", "b", "c"], None, "prior_fused", prior)
     assert adv[0].tolist() == pytest.approx([7 / 12, -5 / 12, -5 / 12, -5 / 12], abs=1e-6)  # test_algos: by hand
@@ -485,7 +491,9 @@ def test_prior_state_starts_from_the_reward_stage_and_is_updated_each_step(tmp_p
     checkpoint.save_loop_state(tmp_path, 1, "fp", 0, model, opt, [], extra={"prior": {"p": prior.p, "n": prior.n}})
     saved: dict = {}
     checkpoint.restore_loop_state(tmp_path, "fp", model, opt, extra=saved)
-    assert select.PriorState(**saved["prior"], base=prior.base) == prior  # a resumed run continues from them
+    restored = select.PriorState(**saved["prior"], base=prior.base)  # a resumed run continues from them: the
+    ids = ["a", "b", "c", "d"]  # updated priors from the checkpoint, d's (never trained on) from the reward stage's
+    assert restored == prior and torch.equal(restored.tensor(ids), prior.tensor(ids)) and prior.get("d") == (0.75, 4.0)
 
 
 def test_adaptive_budget_refreshes_rejected_priors_with_fresh_samples():

@@ -76,6 +76,7 @@ def test_tools_and_formats_are_the_config_names():
 
     assert names.TOOLS == tuple(TOOLS)
     assert names.TOOL_FORMATS == tuple(FORMATS)
+    assert names.PARALLEL_TOOL_FORMATS == tuple(k for k, f in FORMATS.items() if f.parse_all is not None)
 
 
 # ---------------------------------------------------------------------------------------------- the formats
@@ -248,25 +249,29 @@ def test_turns_stop_at_max_turns_and_the_budget(tiny):
     assert len(inner.calls) == 1
 
 
-def test_parallel_calls_run_every_call_of_a_turn_and_answer_them_in_one_masked_observation(tiny):
+@pytest.mark.parametrize("turn_end", ["<|im_end|>", "</s>"])
+def test_parallel_calls_run_every_call_of_a_turn_and_answer_them_in_one_masked_observation(tiny, turn_end):
     """tools.parallel_calls (qwen): the turn is not stopped at its first closing tag but at the model's end of turn
-    (here the tiny tokenizer's EOS, Qwen's <|im_end|>); both calls run and one observation, Qwen's rendering of two
-    tool messages, is appended as ids and masked; the next turn continues from exactly those ids."""
+    (here written as text, or the tiny tokenizer's EOS standing in for a Qwen model's other EOS, <|endoftext|>);
+    both calls run and one observation, Qwen's rendering of two tool messages (preceded by <|im_end|> when the
+    turn did not end with it), is appended as ids and masked; the next turn continues from exactly those ids."""
     _, tok = tiny
     prompt = chat_prompt_ids(tok, ["1+2 and 3*4?"])[0]
     calls = ('<tool_call>{"name": "calc", "arguments": {"expression": "1+2"}}</tool_call>\n'
              '<tool_call>{"name": "calc", "arguments": {"expression": "3*4"}}</tool_call>')
-    turn1, turn2 = [*_enc(tok, calls), tok.eos_token_id], [*_enc(tok, "3 and 12"), tok.eos_token_id]
+    end = _enc(tok, turn_end) if turn_end == "<|im_end|>" else [tok.eos_token_id]
+    turn1, turn2 = [*_enc(tok, calls), *end], [*_enc(tok, "3 and 12"), tok.eos_token_id]
     inner = Scripted([turn1, turn2], tok)
     cfg = ToolsCfg(enabled=True, names=["calc"], format="qwen", parallel_calls=True, max_turns=1)
     c = ToolBackend(inner, tok, cfg, ToolContext(sandbox=lambda: None)).generate([prompt], 1, SamplingParams(
         1.0, 1.0, 400, 3))[0][0]
-    obs = _enc(tok, "\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n12\n"
-                    "</tool_response><|im_end|>\n<|im_start|>assistant\n")  # 1+2 = 3, 3*4 = 12, in call order
+    obs = _enc(tok, ("" if turn_end == "<|im_end|>" else "<|im_end|>")
+               + "\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n12\n"
+               "</tool_response><|im_end|>\n<|im_start|>assistant\n")  # 1+2 = 3, 3*4 = 12, in call order
     assert c.token_ids == turn1 + obs + turn2 and inner.calls[1][0] == [prompt + turn1 + obs]
     assert c.loss_mask == [1] * len(turn1) + [0] * len(obs) + [1] * len(turn2)
     assert c.logprobs[len(turn1) : len(turn1) + len(obs)] == [0.0] * len(obs)
-    assert c.tool_calls == 2 and c.finish_reason == "stop"
+    assert c.tool_calls == 2
     assert inner.calls[0][2].stop == () == inner.calls[1][2].stop  # no closing tag ends a turn
 
 

@@ -3,9 +3,10 @@ each weight version the trainer publishes into it (``WeightSync`` through the ve
 
 The upstream (curate, sft, rollout, reward) runs once with the hf backend; then the ``rl`` stage (as a process,
 as ``dvc repro`` runs it) three ways on hard-linked copies: the synchronous loop with its colocated engine,
-``max_staleness: 0`` (one generator: every step waits for its own weights, so the final weights and every shard
-must equal the synchronous loop's bit for bit), and ``max_staleness: 1`` with two generators (two engines: each
-step's samples come from one version within the bound, named in the rows). Skipped where vLLM is not installed
+``max_staleness: 0`` with two generators (every step waits for its own weights, so the final weights and every
+shard must equal the synchronous loop's bit for bit: each engine's copy of every version it served is checked,
+steps alternating between them), and ``max_staleness: 1`` with two generators (each step's samples come from one
+version within the bound, named in the rows). Skipped where vLLM is not installed
 (``make test-vllm`` runs it)."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from conftest import copy_repo, tiny_raw  # noqa: E402
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1",
        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
-ARMS = {"sync": None, "k0": {"max_staleness": 0}, "k1": {"max_staleness": 1, "generators": 2}}
+ARMS = {"sync": None, "k0": {"max_staleness": 0, "generators": 2}, "k1": {"max_staleness": 1, "generators": 2}}
 
 
 def _stage(repo, name: str) -> str:

@@ -129,7 +129,8 @@ class Reward(Section):
     max_unscorable_frac: float = Field(0.05, ge=0, le=1, description="fail the stage above this unscorable share")
     workers: int = Field(0, ge=0, le=MAX_THREADS, json_schema_extra=NOT_RESULT,
                          description="scoring processes (per machine: under torchrun each rank starts workers // "
-                         "its ranks on the machine): 0 or 1 = in this process, each reward once over the "
+                         "its ranks on the machine, at least 2; under rl.overlap each generator process starts its "
+                         "own): 0 or 1 = in this process, each reward once over the "
                          "batch (no timeout beyond math-verify's own); >= 2 = a process pool of batches of up to 16 "
                          "samples (results equal to in-process unless a sample times out; a learned reward's may "
                          "differ in the last bits, its batches padded differently). A learned reward's model is "

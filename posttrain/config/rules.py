@@ -50,7 +50,8 @@ def judge(p: Any) -> None:
 
 def tools(p: Any) -> None:
     """A priced ``tool_cost`` needs tool rollouts (else it is 0 for every sample: a price nobody pays); tool-use
-    SFT demos (``sft.phases[*].tool_frac``) need a task that has them and their tool in ``tools.names``."""
+    SFT demos (``sft.phases[*].tool_frac``) need a task that has them, their tool in ``tools.names`` and one call
+    a turn (no ``tools.parallel_calls``)."""
     for i, s in enumerate(p.reward.rewards):
         if s.name == "tool_cost" and s.weight != 0 and not p.tools.enabled:
             raise Refusal(f"reward.rewards[{i}].weight", f"{s.weight:g} for tool_cost with tools.enabled: false: "
@@ -64,6 +65,10 @@ def tools(p: Any) -> None:
     if tool not in p.tools.names:
         raise Refusal("tools.names", f"{p.tools.names} lacks {tool!r}, the tool the {p.task.kind} "
                       "task's SFT tool demos call (sft.phases.tool_frac > 0)")
+    if p.tools.parallel_calls:
+        raise Refusal("tools.parallel_calls", "true with SFT tool demos (sft.phases.tool_frac > 0): a demo shows "
+                      "one call closed by its tag and answered at once, not a turn ended by the model's end of "
+                      "turn; set parallel_calls: false or tool_frac: 0")
 
 
 def reward_models(p: Any) -> None:

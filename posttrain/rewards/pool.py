@@ -108,10 +108,12 @@ class RewardPool:
     @classmethod
     def of(cls, reward: Any) -> RewardPool:
         """The pool of a stage's ``params.reward`` (its timeout and specs). ``reward.workers`` are the machine's:
-        under torchrun each of its ``LOCAL_WORLD_SIZE`` ranks starts its share (``workers // ranks``; fewer than
-        2: it scores in-process), so 8 ranks with workers 8 run 8 scoring processes, not 64."""
+        under torchrun each of its ``LOCAL_WORLD_SIZE`` ranks (torchrun's variable) starts its share,
+        ``workers // ranks`` but at least 2 when ``workers`` >= 2, so a pool's per-sample timeout and isolation
+        are never traded away: 8 ranks with workers 16 run 16 scoring processes (not 128), with workers 8 run 16."""
         ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        return cls(reward.workers // ranks, reward.timeout_s, reward.rewards)
+        workers = reward.workers if reward.workers < 2 else max(2, reward.workers // ranks)
+        return cls(workers, reward.timeout_s, reward.rewards)
 
     def __enter__(self) -> RewardPool:
         if self.workers >= 2:

@@ -115,6 +115,13 @@ def _correct(row: Row) -> float:
     return math.nan if c is None else float(c)
 
 
+def policy_name(policy0: str, version: int) -> str:
+    """The rows' ``policy`` and a vLLM engine's weight version for the weights after ``version`` updates of the
+    policy whose folder digest is ``policy0``: one spelling for the synchronous loop and the overlap generators
+    (k = 0 writes the same shards only while they agree)."""
+    return f"{policy0}@step{version}"
+
+
 def collect_step(backend: RolloutBackend, tokenizer: Any, prompts: Sequence[dict[str, Any]], cursor: PromptCursor,
                  cfg: Rl, reward_specs: Sequence[Any], seed: int, policy: str, prior: PriorState | None = None,
                  pool: RewardPool | None = None) -> StepBatch:

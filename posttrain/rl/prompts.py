@@ -27,7 +27,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from posttrain.outputs import atomic_path
-from posttrain.schema import PROBLEM_SCHEMA
+from posttrain.rollout import chat_prompt_ids
+from posttrain.schema import PROBLEM_SCHEMA, parquet_file, read_columns
 
 COLUMNS = ("id", "task", "prompt", "answer")  # what a loop reads of a problem (rollout rows, rewards)
 SCHEMA = pa.schema([PROBLEM_SCHEMA.field(c) for c in COLUMNS])
@@ -70,11 +71,13 @@ class PromptPool(Sequence[dict[str, Any]]):
 
     @classmethod
     def read(cls, path: str | Path) -> PromptPool:
-        """A curated split's problems; a file without the problem columns is a ValueError naming them."""
-        missing = set(PROBLEM_SCHEMA.names) - set(pq.read_schema(path).names)
+        """A curated split's problems; a missing or unreadable file is a StageError (one line), a file without
+        the problem columns a ValueError naming them."""
+        f = parquet_file(path)
+        missing = set(PROBLEM_SCHEMA.names) - set(f.schema_arrow.names)
         if missing:
             raise ValueError(f"{path}: not a problems file (missing columns {sorted(missing)})")
-        return cls(pq.read_table(path, columns=list(COLUMNS)).cast(SCHEMA), source=path)
+        return cls(f.read(columns=list(COLUMNS)).cast(SCHEMA), source=path)
 
     @classmethod
     def of(cls, rows: Sequence[dict[str, Any]]) -> PromptPool:
@@ -117,6 +120,8 @@ class PromptPool(Sequence[dict[str, Any]]):
     def write_selected(self, dst: str | Path, batch_rows: int = 65536) -> None:
         """This pool's problems, every column of the split file it was read from, in the file's order (a
         selection keeps it), replaced whole: the file filtered and written a batch (a row group) at a time."""
+        if self.source is None:
+            raise ValueError("write_selected: this pool was built in memory (PromptPool.of), not read from a split")
         wanted = self.ids
         with atomic_path(dst) as tmp, pq.ParquetWriter(tmp, PROBLEM_SCHEMA) as w:
             for b in pq.ParquetFile(self.source).iter_batches(batch_size=batch_rows, columns=PROBLEM_SCHEMA.names):
@@ -129,8 +134,6 @@ class PromptTokens(Mapping[str, list[int]]):
     the ``cache`` most recent are kept (a step asks for each of its prompts once per sample)."""
 
     def __init__(self, pool: PromptPool, tokenizer: Any, cache: int = 4096) -> None:
-        from posttrain.rollout import chat_prompt_ids
-
         self.pool = pool
 
         @functools.lru_cache(maxsize=cache)
@@ -153,7 +156,10 @@ class PromptTokens(Mapping[str, list[int]]):
 
 
 def read_rates(path: str | Path, pool: PromptPool | None = None) -> pa.Table:
-    """The reward stage's pass rates (its ``RATE_COLUMNS`` only), of ``pool`` 's prompts when given."""
-    names = pq.read_schema(path).names
-    rates = pq.read_table(path, columns=[c for c in RATE_COLUMNS if c in names])
+    """The reward stage's pass rates (its ``RATE_COLUMNS`` only), of ``pool`` 's prompts when given; a prompt
+    with two rows is a ValueError (the reward stage writes one a prompt: which one to trust is not guessed)."""
+    names = parquet_file(path).schema_arrow.names
+    rates = read_columns(path, ["prompt_id", *(c for c in RATE_COLUMNS[1:] if c in names)])
+    if pc.count_distinct(rates.column("prompt_id")).as_py() != rates.num_rows:
+        raise ValueError(f"{path}: a prompt_id appears in more than one row")
     return rates if pool is None else rates.filter(pc.is_in(rates.column("prompt_id"), value_set=pool.ids))

@@ -21,7 +21,9 @@ prefect's, so it lives in its own environment. The same ``RolloutBackend`` contr
   too, kept in the text (``include_stop_str_in_output``) as the hf backend keeps them; the text is still cut
   before the model's own stop strings, as without them.
 
-Inside the RL loop the engine is colocated: it lives in the stage process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``;
+Inside the synchronous RL loop the engine is colocated (under ``rl.overlap`` each generator process builds its own
+instead, without sleep mode, and copies each weight version it loads into it: ``posttrain/rl/overlap/worker.py``): it
+lives in the stage process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``;
 under torchrun, ``distributed_executor_backend="external_launcher"``, one engine per rank on that rank's
 device, vLLM's world group built over the trainer's) and after every optimizer step the trainer's weights
 are reloaded into it in place (``vllm_sync.py``). Platform facts are read from vLLM's platform API, not

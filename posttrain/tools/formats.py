@@ -44,6 +44,7 @@ class Format:
     # answering them all (appended after that end-of-turn token); None: the format has no such turn
     parse_all: Callable[[str], list[Call]] | None = None
     render_all: Callable[[list[str]], str] | None = None
+    turn_end: str = ""  # the text that closes a turn (qwen: <|im_end|>), put before render_all's when missing
 
 
 TAG_RE = re.compile(r"<tool=([^>\s]*)>([\s\S]*?)</tool>")
@@ -111,5 +112,5 @@ def _qwen_responses(outs: list[str]) -> str:
 FORMATS: dict[str, Format] = {
     "tag": Format("</tool>", _parse_tag, lambda out: f"<obs>{out}</obs>", _tag_call),
     "qwen": Format("</tool_call>", _parse_qwen, lambda out: "<|im_end|>" + _qwen_responses([out]), _qwen_call,
-                   _parse_qwen_all, _qwen_responses),
+                   _parse_qwen_all, _qwen_responses, "<|im_end|>"),
 }

@@ -150,6 +150,9 @@ class ToolBackend:
             outs = iter(ex.map(lambda c: observe(c, self.cfg.names, self.ctx, self.cfg.max_obs_chars), calls))
         for r in live:
             text = self.render([next(outs) for _ in r.pending])
+            end = self.fmt.turn_end if self.cfg.parallel_calls else ""
+            if end and not self.tok.decode(r.tokens[-4 * len(end):]).endswith(end):  # stopped on another EOS
+                text = end + text  # (Qwen's <|endoftext|>): the turn is closed as the template closes it
             ids = text_ids(self.tok, text)  # tokenized once; kept as ids
             room = cap - len(r.tokens)
             if len(ids) >= room:

@@ -12,7 +12,7 @@ weights at most ``max_staleness`` versions old, connected to it by a bounded que
 
 from posttrain.rl.overlap.schedule import Feed, Item, assigned_steps, generator_loop, min_version
 from posttrain.rl.overlap.weights import WeightStore
-from posttrain.rl.overlap.worker import Generators, Spec, histogram, log_fields, sample_step, step_metrics, version_name
+from posttrain.rl.overlap.worker import Generators, Spec, histogram, log_fields, sample_step, step_metrics
 
 __all__ = ["Feed", "Generators", "Item", "Spec", "WeightStore", "assigned_steps", "generator_loop", "histogram",
-           "log_fields", "min_version", "sample_step", "step_metrics", "version_name"]
+           "log_fields", "min_version", "sample_step", "step_metrics"]

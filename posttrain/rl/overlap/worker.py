@@ -34,6 +34,7 @@ from posttrain.rewards import RewardPool
 from posttrain.rl import collect
 from posttrain.rl.overlap.schedule import Feed, Item, assigned_steps, generator_loop
 from posttrain.rl.overlap.weights import WeightStore
+from posttrain.rl.prompts import PromptPool
 from posttrain.rl.select import PromptCursor
 from posttrain.rollout import BACKENDS, RolloutBackend
 
@@ -47,17 +48,12 @@ class Spec:
     its digest, for the rows' ``policy``), the weight store's folder, the RL seed and the first step."""
 
     params: Params
-    prompts: list[dict[str, Any]]
+    prompts: PromptPool
     policy: str
     policy0: str
     weights: str
     rl_seed: int
     start: int
-
-
-def version_name(spec: Spec, version: int) -> str:
-    """The rows' ``policy`` and the engine's weight version: the synchronous loop's name for the same weights."""
-    return f"{spec.policy0}@step{version}"
 
 
 def sample_step(backend: RolloutBackend, tokenizer: Any, spec: Spec, step: int, version: int,
@@ -70,7 +66,7 @@ def sample_step(backend: RolloutBackend, tokenizer: Any, spec: Spec, step: int, 
     device = modeling.resolve_device(p.runtime.device)
     with modeling.autocast(p.model.dtype, device):
         sb = collect.collect_step(backend, tokenizer, spec.prompts, cursor, cfg, p.reward.rewards,
-                                  seeds.rl_step(spec.rl_seed, step), policy=version_name(spec, version),
+                                  seeds.rl_step(spec.rl_seed, step), policy=collect.policy_name(spec.policy0, version),
                                   pool=pool)
     for rows in sb.rows.values():
         for row in rows:
@@ -88,7 +84,9 @@ def generator_main(index: int, spec: Spec, out: Any, stop: Any, parent: int) -> 
         where = p.runtime.device if p.rollout.backend == "hf" else "cpu"
         model = modeling.load_policy(spec.policy, p.model, modeling.resolve_device(where)).eval()
         tok = modeling.load_tokenizer(spec.policy)
-        backend = BACKENDS[p.rollout.backend](model, tok, p.rl.generate_batch_size, p.vllm_options())
+        # a generator's engine never gives its memory back (it samples while the trainer updates): no sleep mode
+        options = p.vllm_options().model_copy(update={"sleep_level": 0})
+        backend = BACKENDS[p.rollout.backend](model, tok, p.rl.generate_batch_size, options)
         store, loaded = WeightStore(spec.weights), None
 
         def stopped() -> bool:
@@ -98,7 +96,7 @@ def generator_main(index: int, spec: Spec, out: Any, stop: Any, parent: int) -> 
             nonlocal loaded
             loaded = store.acquire(need, model, loaded, stopped)
             if loaded is not None:  # vLLM: the engine serves the version just loaded (hf: nothing to do)
-                backend.load_weights(model, version_name(spec, loaded))
+                backend.load_weights(model, collect.policy_name(spec.policy0, loaded))
             return loaded
 
         def put(item: Item) -> None:
