@@ -33,7 +33,6 @@ ACCEPTED = {
                         "rl.clip_eps_high", "rl.clip_eps_low", "rl.entropy_coef", "rl.kl_coef", "rl.kl_reward_coef",
                         "rl.max_refill_rounds", "rl.prior_budget", "rl.select.max_pass_rate",
                         "rl.select.min_pass_rate", "rollout.vllm.enforce_eager", "tools.enabled",
-                        "tools.parallel_calls",  # false: one call a turn (the default)
                         "curate.dedup.numbers_must_match", "runtime.progress", "sft.phases[0].cot_frac",
                         "sft.warmup_steps", "sft.weight_decay", "task.min_multiplier", "tracking.enabled",
                         "evaluate.sampling.temperature", "rollout.sampling.temperature",  # 0 = greedy
