@@ -75,6 +75,31 @@ def evals(folder: Path) -> dict[str, Any]:
     return out
 
 
+def pooled(root: Path, arm: str, seeds: list[int]) -> dict[str, Any]:
+    """RL minus SFT over the seeds: per held-out problem the seed mean of RL's metric minus SFT's, its mean and a
+    95% paired bootstrap over problems (the seeds' spread is listed beside it)."""
+    import numpy as np
+
+    from posttrain import metrics as M
+
+    def per(seed: int, model: str) -> dict[str, Any]:
+        f = root / arm / f"s{seed}" / "reports" / "evaluate" / "models" / model / "per_problem.json"
+        return json.loads(f.read_text())["eval"]
+
+    sft = per(seeds[0], "sft")
+    rls = [per(s, "rl") for s in seeds]
+    out: dict[str, Any] = {"arm": arm, "rl_seeds": seeds}
+    for k in ("greedy", "pass@1", "pass@16"):
+        ids = [i for i in sft if sft[i].get(k) is not None and all(r[i].get(k) is not None for r in rls)]
+        a = [sft[i][k] for i in ids]
+        b = [float(np.mean([r[i][k] for r in rls])) for i in ids]
+        lo, hi = M.paired_bootstrap_ci(a, b, 2000, 0)
+        out[k] = {"diff": round(float(np.mean(b) - np.mean(a)), 4), "ci": [round(lo, 4), round(hi, 4)],
+                  "n": len(ids), "per_seed": [round(float(np.mean([r[i][k] for i in ids]) - np.mean(a)), 4)
+                                              for r in rls]}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--upstream", type=Path, required=True)
@@ -86,8 +111,16 @@ def main() -> None:
     ap.add_argument("--rl-seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--reeval", action="store_true", help="evaluate the upstream's models/rl, no training")
     ap.add_argument("--threads", type=int, default=2, help="runtime.*_threads, reward.workers, sandbox.workers")
+    ap.add_argument("--pool", action="store_true", help="only pool the arm's --rl-seeds already run into --out")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
+    if a.pool:
+        rec = pooled(a.root, a.arm, a.rl_seeds)
+        res = json.loads(a.out.read_text()) if a.out.exists() else {}
+        res.setdefault("pooled", {})[a.arm] = rec
+        a.out.write_text(json.dumps(res, indent=1) + "\n")
+        print(json.dumps(rec))
+        return
     base_p = a.params.resolve()
     t = a.threads
     common = [*EVAL, *a.common, f"runtime.train_threads={t}", f"runtime.generate_threads={t}",
