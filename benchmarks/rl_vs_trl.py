@@ -75,6 +75,12 @@ def bench_params(path: str, steps: int, arm: str = "ours") -> Params:
     return parse_params(raw)  # validated: the overlap's rules hold as in a stage
 
 
+def verified(s: Sample) -> float:
+    """The ``correct`` reward of one sample (a batch reward: one call, one value), 0.0 when unscorable."""
+    v = correct([s])[0]
+    return float(v) if isinstance(v, float | int) else 0.0
+
+
 def heldout_pass1(model: torch.nn.Module, tok: Any, params: Params, n_prompts: int, n_samples: int
                   ) -> dict[str, Any]:
     """Sampled pass@1 (T=1) on the first ``n_prompts`` held-out problems, with a 95% bootstrap interval."""
@@ -86,8 +92,8 @@ def heldout_pass1(model: torch.nn.Module, tok: Any, params: Params, n_prompts: i
                                                                             seed=12345), policy="bench")
     per_problem: dict[str, list[float]] = {}
     for r in rows:
-        ok = correct(Sample(r["completion"], r["answer"], r["task"], len(r["token_ids"]), r["max_new_tokens"]))
-        per_problem.setdefault(r["prompt_id"], []).append(float(ok or 0.0))
+        ok = verified(Sample(r["completion"], r["answer"], r["task"], len(r["token_ids"]), r["max_new_tokens"]))
+        per_problem.setdefault(r["prompt_id"], []).append(ok)
     vals = [float(np.mean(v)) for v in per_problem.values()]
     lo, hi = M.bootstrap_ci(vals, 1000, 0)
     return {"pass@1": round(float(np.mean(vals)), 4), "ci": [round(lo, 4), round(hi, 4)]}
@@ -139,7 +145,7 @@ def arm_trl(params: Params, args: argparse.Namespace, out: Path) -> dict[str, An
     def correctness(completions: list, answer: list, task: list, completion_ids: list, **_: Any) -> list[float]:
         counts["tokens"] += sum(len(c) for c in completion_ids)
         counts["samples"] += len(completions)
-        return [float(correct(Sample(c[0]["content"], a, t, len(ids), cfg.sampling.max_new_tokens)) or 0.0)
+        return [verified(Sample(c[0]["content"], a, t, len(ids), cfg.sampling.max_new_tokens))
                 for c, a, t, ids in zip(completions, answer, task, completion_ids, strict=True)]
 
     model = modeling.load_model(str(inputs["policy"]), params.model.dtype, torch.device("cpu"))
