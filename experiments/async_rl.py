@@ -173,9 +173,11 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=0, help="save and evaluate every N steps (0: the end only)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--plot", type=Path, default=None, help="pass@1 against wall time (with --every)")
+    ap.add_argument("--set", nargs="*", default=[], help="more key=value overrides for every arm (e.g. "
+                    "rollout.backend=vllm, run with .venv-vllm's python: vLLM generators)")
     a = ap.parse_args()
     common = ["runtime.progress=false", "evaluate.samples_per_prompt=4", "evaluate.ks=[1,4]",
-              "evaluate.sample_prompts=null"]
+              "evaluate.sample_prompts=null", *a.set]
     runs: dict[str, list[dict[str, Any]]] = {}
     for seed in a.seeds:
         for arm in a.arms[seed % len(a.arms):] + a.arms[: seed % len(a.arms)]:  # the order rotates per seed
