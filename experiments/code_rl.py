@@ -20,33 +20,19 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from experiments.overopt import stage  # noqa: E402
 from posttrain.config.overrides import parse_overrides, render_overrides  # noqa: E402
 
 EVAL = ["runtime.progress=false", "evaluate.models={sft: models/sft, rl: models/rl}", "report.compare=[[sft, rl]]",
         "evaluate.benchmarks=[]"]
-
-
-def stage(folder: Path, params: str, *args: str, env: dict[str, str]) -> float:
-    """``python -m stages.<args>`` in ``folder`` with its params file; seconds taken."""
-    env = {**os.environ, **env, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
-           "MLFLOW_TRACKING_URI": f"sqlite:///{folder}/mlflow.db"}
-    t = time.time()
-    with open(folder / "log.txt", "a") as log:
-        rc = subprocess.run([sys.executable, "-m", f"stages.{args[0]}", "--params", params, *args[1:]], cwd=folder,
-                            env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    if rc:
-        raise SystemExit(f"{folder}: {' '.join(args)} exited {rc} (see {folder}/log.txt)")
-    return time.time() - t
 
 
 def write_params(folder: Path, name: str, base: Path, overrides: list[str]) -> str:

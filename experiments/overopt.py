@@ -51,9 +51,9 @@ ARMS = {"rm_small": ("rm_small", "mean", 0.0), "rm_large": ("rm_large", "mean", 
         "uwo_large": ("ens_large", "uwo", 0.0)}
 
 
-def stage(folder: Path, params: str, *args: str) -> float:
-    """``python -m stages.<args>`` in ``folder`` with its params file; seconds taken."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
+def stage(folder: Path, params: str, *args: str, env: dict[str, str] | None = None) -> float:
+    """``python -m stages.<args>`` in ``folder`` with its params file (``env``: more variables); seconds taken."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
            "MLFLOW_TRACKING_URI": f"sqlite:///{folder}/mlflow.db"}
     t = time.time()
     with open(folder / "log.txt", "a") as log:
