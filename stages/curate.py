@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import shutil
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
@@ -45,10 +45,11 @@ from posttrain.schema import (
     PROBLEM_SCHEMA,
     Column,
     Problem,
+    batches,
     iter_rows,
     json_line,
+    parquet_file,
     parquet_sink,
-    read_columns,
     write_json,
     write_jsonl,
     write_parquet,
@@ -110,25 +111,27 @@ def _collect(sources: list[Any], task: Any, task_kind: str, v: Validation, seed:
     return pool, complaints
 
 
-def duplicates(prompts: Texts, cfg: Dedup) -> tuple[np.ndarray, list[dedup_mod.Dup]]:
+def duplicates(prompts: Texts, cfg: Dedup, scratch: Path | None = None) -> tuple[np.ndarray, dedup_mod.Found]:
     """A mask of the rows that are exact or near duplicates (``posttrain.dedup``, first occurrence kept) and
-    the duplicates found (each naming the row it repeats)."""
-    _, found = dedup_mod.find_duplicates(prompts, cfg)
+    the duplicates found (each naming the row it repeats); the MinHash index spills under ``scratch``."""
+    _, found = dedup_mod.find_duplicates(prompts, cfg, scratch)
     gone = np.zeros(len(prompts), dtype=bool)
-    gone[[d.row for d in found]] = True
+    gone[found.row] = True
     return gone, found
 
 
-def records(found: Iterable[dedup_mod.Dup], ids: Sequence[str]) -> Iterator[dict[str, Any]]:
-    """duplicates.jsonl's rows: each duplicate's id, the id of the row it repeats, the method and score."""
+def records(found: dedup_mod.Found, name: Callable[[int], str]) -> Iterator[dict[str, Any]]:
+    """duplicates.jsonl's rows: each duplicate's id, the id of the row it repeats, the method and score
+    (``name``: row index -> id)."""
     for d in found:
-        yield {"id": ids[d.row], "duplicate_of": ids[d.of], "method": d.method, "score": d.score}
+        yield {"id": name(d.row), "duplicate_of": name(d.of), "method": d.method, "score": d.score}
 
 
 def dedup(rows: list[Problem], cfg: Dedup) -> tuple[list[Problem], list[dict[str, Any]]]:
     """Exact and near duplicates removed from a list of rows, first occurrence kept."""
     gone, found = duplicates([r["prompt"] for r in rows], cfg)
-    return [r for i, r in enumerate(rows) if not gone[i]], list(records(found, [r["id"] for r in rows]))
+    return ([r for i, r in enumerate(rows) if not gone[i]],
+            list(records(found, lambda i: rows[i]["id"])))
 
 
 def decontaminate(rows: list[Problem], benchmarks: dict[str, list[tuple[str, str]]], cfg: Any
@@ -167,14 +170,14 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
         eval_src = cfg.eval.source or SyntheticSource(name="arith_eval", num_rows=cfg.eval.rows * 2)
         ev_pool, complaints = _collect([eval_src], task, kind, v, seeds.eval_draw(params.seed), prog, "eval",
                                        cfg.max_quarantined_frac, scratch)
-        gone, _ = duplicates(Column(ev_pool.rows, "prompt"), cfg.dedup)
+        gone, _ = duplicates(Column(ev_pool.rows, "prompt"), cfg.dedup, scratch)
         ev = list(islice(_kept_rows(ev_pool, gone), cfg.eval.rows))
 
         # 2. training pool: read + validate -> dedup -> decontaminate (eval split always, then benchmarks)
         pool, train_complaints = _collect(cfg.sources, task, kind, v, params.seed, prog, "train",
                                           cfg.max_quarantined_frac, scratch)
         complaints += train_complaints
-        gone, dups = duplicates(Column(pool.rows, "prompt"), cfg.dedup)
+        gone, dups = duplicates(Column(pool.rows, "prompt"), cfg.dedup, scratch)
         bench: dict[str, list[tuple[str, str]]] = {"eval_split": [(r["id"], r["prompt"]) for r in ev]}
         for b in cfg.decontam.benchmarks:
             read = list(read_source(b, task, params.seed))
@@ -206,7 +209,7 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
             for part in (pool.quarantine, ev_pool.quarantine):
                 with part.open("rb") as src:
                     shutil.copyfileobj(src, f)
-        write_jsonl(tmp / "duplicates.jsonl", records(dups, _Ids(pool)))
+        write_jsonl(tmp / "duplicates.jsonl", records(dups, _ids(pool, np.union1d(dups.row, dups.of))))
     report = dc.report()
 
     counts = {"in": pool.n_in, "kept": n["kept"], "quarantined": pool.n_bad, "duplicates": len(dups),
@@ -231,14 +234,17 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
     return counts
 
 
-class _Ids:
-    """Row index -> id of a pool's row, from its id column read as Arrow (a few bytes a row, no Python string)."""
-
-    def __init__(self, pool: Pool) -> None:
-        self.col = read_columns(pool.rows, ["id"]).column("id")
-
-    def __getitem__(self, i: int) -> str:
-        return self.col[i].as_py()
+def _ids(pool: Pool, want: np.ndarray) -> Callable[[int], str]:
+    """Row index -> id for the rows ``want`` (sorted; the duplicates and the rows they repeat) of a pool: their
+    ids taken from the id column a record batch at a time, kept as one Arrow array (no Python string a row)."""
+    taken, start = [], 0
+    for batch in batches(parquet_file(pool.rows), BATCH_ROWS, ["id"]):
+        end = start + batch.num_rows
+        taken.append(batch.column(0).take(pa.array(want[np.searchsorted(want, start):np.searchsorted(want, end)]
+                                                   - start)))
+        start = end
+    ids = pa.concat_arrays(taken) if taken else pa.array([], pa.string())
+    return lambda i: ids[int(np.searchsorted(want, i))].as_py()
 
 
 @contextmanager

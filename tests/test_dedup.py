@@ -140,3 +140,58 @@ def test_auto_method_and_config():
     raw["curate"]["dedup"].update(method="minhash", num_perm=8)
     with pytest.raises(ConfigError, match="curate.dedup.num_perm"):
         parse_params(raw)
+
+
+def test_spill_partitions_group_equal_keys_by_hand(tmp_path):
+    """5 records, 2 a partition -> 3 partitions; key % 3: 5->2, 6->0, 7->1, 8->2, 9->0, so the partitions read
+    back in order are [6, 9], [7], [5, 8] (order kept within one), each file removed once read."""
+    import numpy as np
+
+    from posttrain.dedup.spill import Partitions
+
+    dt = np.dtype([("key", "<u8"), ("row", "<u4")])
+    parts = Partitions(tmp_path, dt, records=5, per_part=2)
+    rec = np.zeros(5, dt)
+    rec["key"], rec["row"] = [5, 6, 7, 8, 9], [0, 1, 2, 3, 4]
+    parts.add(rec[:3], rec["key"][:3])
+    parts.add(rec[3:], rec["key"][3:])
+    assert [p["key"].tolist() for p in parts] == [[6, 9], [7], [5, 8]]
+    assert not list(tmp_path.iterdir())
+
+
+def _corpus() -> list[str]:
+    base = [f"A shop sells {i} red pens and {i + 3} blue pens on day {i}. How many pens does it sell?"
+            for i in range(40)]
+    near = [t.replace("How many pens", "What number of pens") for t in base[5:40:7]]  # 5 near copies
+    exact = [t.upper() for t in base[::9]]  # 5 exact copies (case is normalised)
+    return base + near + exact + [near[0]]  # and an exact copy of a near duplicate
+
+
+def test_minhash_gives_the_same_duplicates_over_many_partitions(monkeypatch):
+    """The spilled index grouped in 1 partition or in dozens (4 records a partition) finds the same duplicates:
+    equal keys always meet, whatever the partition count."""
+    from posttrain.dedup import spill
+
+    cfg = Dedup(method="minhash", boilerplate_frac=1.0)
+    _, one = find_duplicates(_corpus(), cfg)
+    monkeypatch.setattr(spill, "PER_PART", 4)
+    _, many = find_duplicates(_corpus(), cfg)
+    got = [(d.row, d.of, d.method) for d in many]
+    assert got == [(d.row, d.of, d.method) for d in one]
+    assert [(r, o) for r, o, m in got if m == "exact"] == [(45, 0), (46, 9), (47, 18), (48, 27), (49, 36), (50, 5)]
+    assert [(r, o) for r, o, m in got if m == "minhash"] == [(40, 5), (41, 12), (42, 19), (43, 26), (44, 33)]
+
+
+def test_minhash_buckets_spend_their_cap_on_rows_with_the_same_numbers():
+    """300 rows share three long sentences and differ only in their numbers, so they fill the same LSH buckets;
+    a reworded copy of row 250 still meets row 250 with max_postings=4. (The numbers are in the bucket key, so a
+    bucket holds only rows with the same numbers. The code before, which paired a row with the first 4 rows of
+    its bucket whatever their numbers, also passes: the pair met in buckets keyed by their own numbered
+    n-grams. This guards the folded key against losing the pair.)"""
+    shared = ("The same long sentence about a shop that sells red and blue pens to many customers every day. The "
+              "shop opens early in the morning and closes late at night when the last customer has gone home. Its "
+              "owner keeps a careful list of every item on a shelf behind the counter near the door")
+    rows = [f"{shared}. Item {i} costs {i} dollars and weighs {i + 7} grams." for i in range(300)]
+    rows.append(f"{shared}. Item 250 is priced at 250 dollars and weighs 257 grams.")
+    _, dups = find_duplicates(rows, Dedup(method="minhash", boilerplate_frac=1.0, max_postings=4))
+    assert [(d.row, d.of, d.method) for d in dups] == [(300, 250, "minhash")]

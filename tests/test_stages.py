@@ -69,12 +69,14 @@ def test_curate_synthetic_counts_reconcile(tiny):
     assert (Path(p.paths.curate_report_dir) / "decontamination.md").read_text().startswith("# Decontamination")
 
 
-def test_curate_streams_its_rows_in_batches_with_the_same_splits(tiny, monkeypatch):
+@pytest.mark.parametrize("method", ["ngram", "minhash"])
+def test_curate_streams_its_rows_in_batches_with_the_same_splits(tiny, monkeypatch, method):
     """curate reads, dedups and splits the pool a record batch at a time: with batches of 7 rows (the SFT split,
     the duplicates and the eval split all cross batch boundaries) the splits hold the same rows in the same
-    order as with one batch."""
+    order as with one batch, and duplicates.jsonl names the same rows (ids read back a batch at a time)."""
     import posttrain.schema
 
+    tiny["curate"]["dedup"]["method"] = method
     p = parse_params(tiny)
     d = Path(p.paths.curated_dir)
     counts = curate.run(p, {}, _outs(p)["curate"])
@@ -85,6 +87,10 @@ def test_curate_streams_its_rows_in_batches_with_the_same_splits(tiny, monkeypat
     assert curate.run(p, {}, _outs(p)["curate"]) == counts
     got = [read_problems(d / f"{s}.parquet") for s in names[:3]] + [(d / f"{s}.jsonl").read_text() for s in names[3:]]
     assert got == want and counts["duplicates"] > 0
+    dups = [json.loads(line) for line in got[-1].splitlines()]
+    kept = {r["id"] for part in got[:2] for r in part}
+    assert len(dups) == counts["duplicates"] and not {d["id"] for d in dups} & kept
+    assert {d["duplicate_of"] for d in dups if d["method"] == "exact"} & kept
     assert posttrain.schema.parquet_file(d / "train.parquet").metadata.num_row_groups > 1
 
 

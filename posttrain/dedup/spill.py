@@ -1,0 +1,44 @@
+"""A group-by over more records than memory should hold: records spilled to disk in hash partitions, read back
+one partition at a time (the dedup index at 10^6-10^8 rows: the rows' digests, and their LSH band keys).
+
+Why by hand: the standard out-of-core way (Spark's shuffle, datatrove's MinHash buckets) is to partition by
+a hash of the grouping key so equal keys land in one partition, and to sort each partition in memory; no
+library of this stack does it over numpy records without a cluster (``datasets``' ``map`` and ``sort`` hold
+their indices in memory, and ``pyarrow``'s group-by is in memory too). Partition sizes are set from the
+expected record count so that one partition holds about ``per_part`` records whatever the dataset's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+PER_PART = 1 << 21  # records a partition holds on average (12-20 bytes each: 25-40 MB read back at once)
+
+
+class Partitions:
+    """Records of one numpy dtype appended to ``parts`` files by ``key % parts``; iterating reads each file
+    back whole (then deletes it), so records of equal key are always read together."""
+
+    def __init__(self, folder: Path, dtype: np.dtype, records: int, per_part: int | None = None) -> None:
+        self.dtype, self.parts = np.dtype(dtype), max(1, -(-records // (per_part or PER_PART)))
+        folder.mkdir(parents=True, exist_ok=True)
+        self.files = [folder / f"part-{p:05d}.bin" for p in range(self.parts)]
+        for f in self.files:
+            f.write_bytes(b"")
+
+    def add(self, recs: np.ndarray, key: np.ndarray) -> None:
+        """Append ``recs`` (of this dtype), each to the partition of its ``key`` (uint64, hash-like)."""
+        part = (key % np.uint64(self.parts)).astype(np.int64)
+        order = np.argsort(part, kind="stable")  # records keep their order within a partition
+        bounds = np.searchsorted(part[order], np.arange(self.parts + 1))
+        for p in np.flatnonzero(np.diff(bounds)):
+            with self.files[p].open("ab") as f:
+                recs[order[bounds[p]:bounds[p + 1]]].tofile(f)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for f in self.files:
+            yield np.fromfile(f, dtype=self.dtype)
+            f.unlink()
