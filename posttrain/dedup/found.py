@@ -24,9 +24,12 @@ class Found:
     ``score`` (float32, rounded to 3 places). Iterating yields :class:`Dup`."""
 
     def __init__(self, row: np.ndarray, of: np.ndarray, method: np.ndarray, score: np.ndarray) -> None:
-        order = np.argsort(row, kind="stable")
-        self.row, self.of = row.astype(np.int64)[order], of.astype(np.int64)[order]
-        self.method, self.score = method.astype(np.uint8)[order], score.astype(np.float32)[order]
+        cols = (row.astype(np.int64, copy=False), of.astype(np.int64, copy=False),
+                method.astype(np.uint8, copy=False), score.astype(np.float32, copy=False))
+        if len(row) > 1 and np.any(cols[0][1:] < cols[0][:-1]):  # (sorted already: no copy)
+            order = np.argsort(cols[0], kind="stable")
+            cols = tuple(c[order] for c in cols)
+        self.row, self.of, self.method, self.score = cols
 
     @classmethod
     def empty(cls) -> Found:
@@ -51,11 +54,10 @@ class Found:
             yield Dup(r, o, METHOD_CODES[m], round(s, 3))
 
     def rooted(self) -> Found:
-        """Each duplicate naming a kept row: an exact copy of a near duplicate names the row the near duplicate
-        repeats (one hop is enough: a near duplicate always names a kept row)."""
+        """Each duplicate naming a kept row (in place; returns self): an exact copy of a near duplicate names the
+        row the near duplicate repeats (one hop is enough: a near duplicate always names a kept row)."""
         at = np.searchsorted(self.row, self.of)
         hit = at < len(self.row)
         hit[hit] = self.row[at[hit]] == self.of[hit]
-        of = self.of.copy()
-        of[hit] = self.of[at[hit]]
-        return Found(self.row, of, self.method, self.score)
+        self.of[hit] = self.of[at[hit]]  # (in place: a hop's target is a kept row, never changed here)
+        return self

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-PER_PART = 1 << 21  # records a partition holds on average (12-20 bytes each: 25-40 MB read back at once)
+PER_PART = 1 << 19  # records a partition holds on average (12-20 bytes each: 6-10 MB read back at once)
 
 
 class Partitions:
