@@ -156,9 +156,10 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
     """Curate. ``inputs``: nothing beyond params (sources are named there). ``out``: curated_dir, report_dir,
     metrics. Returns the counts written to ``out['metrics']``.
 
-    Memory: a batch of rows, the dedup index (``posttrain.dedup``: a few numbers a row with MinHash), the
-    kept eval split and SFT demonstrations' ids, and one record per duplicate, contaminated or rejected row's
-    reason count; the rows themselves stream through scratch Parquet files beside the output."""
+    Memory: a batch of rows, the dedup index (``posttrain.dedup``: with MinHash on disk in the scratch
+    folder, one boolean a row in memory), the kept eval split and SFT demonstrations' ids, and one record
+    per duplicate, contaminated or rejected row's reason count; the rows themselves stream through scratch
+    Parquet files beside the output."""
     cfg: Curate = params.curate
     task, kind, v, prog = params.task, params.task.kind, cfg.validation, params.runtime.progress
     d = out["curated_dir"]

@@ -195,3 +195,26 @@ def test_minhash_buckets_spend_their_cap_on_rows_with_the_same_numbers():
     rows.append(f"{shared}. Item 250 is priced at 250 dollars and weighs 257 grams.")
     _, dups = find_duplicates(rows, Dedup(method="minhash", boilerplate_frac=1.0, max_postings=4))
     assert [(d.row, d.of, d.method) for d in dups] == [(300, 250, "minhash")]
+
+
+def test_minhash_refuses_a_pair_whose_numbers_differ_even_when_their_band_keys_collide(monkeypatch):
+    """The band key holds a 32-bit hash of the band and the numbers, so two rows with other numbers can share
+    a key. Here the numbers' hashes are forced to differ by the inverse of the key's multiplier, so every band
+    key of "sells 3" and "sells 4" is equal; the pair (Jaccard 0.75) must still be refused for its numbers.
+    Before, candidates were confirmed by their signatures alone and the two problems were merged."""
+    import posttrain.dedup.minhash as MH
+    from posttrain.dedup.text import Features
+
+    a = "A shop sells red pens and blue pens on a sunny day in the town market square. It sells 3 of them."
+    b = a.replace("sells 3", "sells 4")
+    inv = pow(int(MH._NUMS), -1, 2**64)
+    real = MH.features
+
+    def forced(t: str, n: int) -> Features:
+        f = real(t, n)
+        num = 12345 if "sells 3" in t else (12345 + inv) % 2**64
+        return Features(f.digest, f.grams, num - 2**64 if num >= 2**63 else num)
+
+    monkeypatch.setattr(MH, "features", forced)
+    _, dups = find_duplicates([a, b], Dedup(method="minhash", boilerplate_frac=1.0))
+    assert list(dups) == []

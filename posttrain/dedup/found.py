@@ -54,10 +54,11 @@ class Found:
             yield Dup(r, o, METHOD_CODES[m], round(s, 3))
 
     def rooted(self) -> Found:
-        """Each duplicate naming a kept row (in place; returns self): an exact copy of a near duplicate names the
+        """Each duplicate naming a kept row: an exact copy of a near duplicate names the
         row the near duplicate repeats (one hop is enough: a near duplicate always names a kept row)."""
         at = np.searchsorted(self.row, self.of)
         hit = at < len(self.row)
         hit[hit] = self.row[at[hit]] == self.of[hit]
-        self.of[hit] = self.of[at[hit]]  # (in place: a hop's target is a kept row, never changed here)
-        return self
+        of = self.of.copy()  # (the columns may be a caller's arrays: never written)
+        of[hit] = self.of[at[hit]]
+        return Found(self.row, of, self.method, self.score)

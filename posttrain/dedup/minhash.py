@@ -10,13 +10,15 @@ lives on disk in hash partitions (``spill.Partitions``), grouped one partition a
 - **Candidates**: each band partition (copies left out) sorted by (key, row); a row is paired with the first
   ``max_postings`` rows of its bucket. Folding the numbers into the key means a bucket only ever holds rows
   with the same numbers, so the cap is spent on rows that could be duplicates.
-- **Pass 2**: the candidate rows' signatures recomputed (none is kept from pass 1), each pair confirmed by its
-  estimated Jaccard; a row is dropped for its best-scoring earlier kept row.
+- **Pass 2**: the candidate rows' signatures and numbers recomputed (none is kept from pass 1), each pair
+  confirmed by equal numbers (exactly: the key holds only 32 bits of a hash) and its estimated Jaccard; a row
+  is dropped for its best-scoring earlier kept row.
 
-Memory: one partition (about ``spill.PER_PART`` records) and a chunk of rows at a time, two booleans a row,
+Memory: one partition (about ``spill.PER_PART`` records) and a chunk of rows at a time, one boolean a row,
 and what grows with the duplicates, not the rows: the pairs, the candidates' signatures (``num_perm x 4``
-bytes each) and the result (16 bytes a duplicate). Disk: 20 + 12 x b bytes a row (320 at the defaults),
-removed as it is read. datasketch's own ``MinHashLSH`` keeps ~6 KB a row in Python dicts (6 GB at 10^6 rows).
+bytes each) and the result (21 bytes a duplicate). Disk: 20 + 12 x b bytes a row (320 at the defaults),
+removed as it is read (``scratch``: a folder on a disk, not a tmpfs, or the index is in memory after all).
+datasketch's own ``MinHashLSH`` keeps ~6 KB a row in Python dicts (6 GB at 10^6 rows).
 """
 
 from __future__ import annotations
@@ -52,15 +54,15 @@ def near_minhash(texts: Texts, cfg: Any, common: frozenset[str], scratch: Path) 
         return m.hashvalues
 
     n = len(texts)
-    if n >= 2**32:
-        raise ValueError(f"{n} rows: the MinHash index numbers rows in 32 bits")
+    if n >= 2**31:
+        raise ValueError(f"{n} rows: the MinHash index packs a pair of row numbers into 63 bits")
     exact = Partitions(scratch / "exact", EXACT, n)
     bands = Partitions(scratch / "bands", BAND, n * lsh.b)
     digests: list[bytes] = []
     keys: list[np.ndarray] = []
     keyed: list[int] = []
 
-    def flush(end: int) -> None:
+    def flush(end: int) -> None:  # the rows end - len(digests) .. end - 1
         rec = np.zeros(len(digests), EXACT)
         d = np.frombuffer(b"".join(digests), dtype=np.uint64).reshape(-1, 2)
         rec["d0"], rec["d1"], rec["row"] = d[:, 0], d[:, 1], np.arange(end - len(digests), end)
@@ -73,9 +75,11 @@ def near_minhash(texts: Texts, cfg: Any, common: frozenset[str], scratch: Path) 
         keys.clear()
         keyed.clear()
 
+    rows = 0
     for i, t in enumerate(texts):
         f = features(t, cfg.near_ngram)
         digests.append(f.digest)
+        rows = i + 1
         if inf := f.grams - common:
             h = (signature(inf)[: lsh.b * lsh.r].reshape(lsh.b, lsh.r).astype(np.uint64) * mult).sum(axis=1)
             if cfg.numbers_must_match:
@@ -83,8 +87,8 @@ def near_minhash(texts: Texts, cfg: Any, common: frozenset[str], scratch: Path) 
             keys.append(band_ids | (h >> np.uint64(32)))
             keyed.append(i)
         if len(digests) == CHUNK:
-            flush(i + 1)
-    flush(n)
+            flush(rows)
+    flush(rows)
 
     copies = _exact_copies(exact, n)
     kept = np.ones(n, dtype=bool)
@@ -92,12 +96,17 @@ def near_minhash(texts: Texts, cfg: Any, common: frozenset[str], scratch: Path) 
     later, earlier = _candidates(bands, kept, cfg.max_postings)
     need = np.unique(np.concatenate([later, earlier]))
     sig = np.zeros((len(need), cfg.num_perm), dtype=np.uint32)  # (affine32: values < 2^32)
+    nums = np.zeros(len(need), dtype=np.int64)
     at = 0
-    for i, t in enumerate(texts):  # the candidates' signatures, recomputed (no signature was kept)
+    for i, t in enumerate(texts):  # the candidates' signatures and numbers, recomputed (none was kept)
         if at < len(need) and need[at] == i:
-            sig[at] = signature(features(t, cfg.near_ngram).grams - common)
+            f = features(t, cfg.near_ngram)
+            sig[at], nums[at] = signature(f.grams - common), f.numbers
             at += 1
     a, b = np.searchsorted(need, later), np.searchsorted(need, earlier)
+    if cfg.numbers_must_match:
+        same = nums[a] == nums[b]
+        a, b, later, earlier = a[same], b[same], later[same], earlier[same]
     score = np.concatenate([(sig[a[k:k + 65536]] == sig[b[k:k + 65536]]).mean(axis=1)
                             for k in range(0, len(a), 65536)] or [np.zeros(0)])
     ok = score >= cfg.minhash_threshold
@@ -140,6 +149,8 @@ def _candidates(parts: Partitions, usable: np.ndarray, cap: int) -> tuple[np.nda
     pairs = []
     for p in parts:
         p = p[usable[p["row"]]]
+        if not len(p):
+            continue
         p = p[np.lexsort((p["row"], p["key"]))]
         key, row = p["key"], p["row"].astype(np.int64)
         new_run = np.r_[True, key[1:] != key[:-1]]
