@@ -75,11 +75,11 @@ def near_minhash(texts: Texts, cfg: Any, common: frozenset[str], scratch: Path) 
         keys.clear()
         keyed.clear()
 
-    rows = 0
+    read = 0
     for i, t in enumerate(texts):
         f = features(t, cfg.near_ngram)
         digests.append(f.digest)
-        rows = i + 1
+        read = i + 1
         if inf := f.grams - common:
             h = (signature(inf)[: lsh.b * lsh.r].reshape(lsh.b, lsh.r).astype(np.uint64) * mult).sum(axis=1)
             if cfg.numbers_must_match:
@@ -87,10 +87,10 @@ def near_minhash(texts: Texts, cfg: Any, common: frozenset[str], scratch: Path) 
             keys.append(band_ids | (h >> np.uint64(32)))
             keyed.append(i)
         if len(digests) == CHUNK:
-            flush(rows)
-    flush(rows)
+            flush(read)
+    flush(read)
 
-    copies = _exact_copies(exact, n)
+    copies = _exact_copies(exact)
     kept = np.ones(n, dtype=bool)
     kept[copies.row] = False
     later, earlier = _candidates(bands, kept, cfg.max_postings)
@@ -124,7 +124,7 @@ def near_minhash(texts: Texts, cfg: Any, common: frozenset[str], scratch: Path) 
     return Found.concat([copies, near])
 
 
-def _exact_copies(parts: Partitions, n: int) -> Found:
+def _exact_copies(parts: Partitions) -> Found:
     """Rows whose digest an earlier row has, each naming the first row with it (per partition: a sort by
     digest, then row)."""
     rows, ofs = [], []
