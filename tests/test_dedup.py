@@ -218,3 +218,16 @@ def test_minhash_refuses_a_pair_whose_numbers_differ_even_when_their_band_keys_c
     monkeypatch.setattr(MH, "features", forced)
     _, dups = find_duplicates([a, b], Dedup(method="minhash", boilerplate_frac=1.0))
     assert list(dups) == []
+
+
+def test_found_rooted_names_kept_rows_and_leaves_the_callers_arrays_alone():
+    """Row 2 repeats row 1, which repeats row 0: rooted() names row 0 for both (one hop, by hand), and the
+    caller's `of` array is not written (it was, when rooted() rewrote the column in place)."""
+    import numpy as np
+
+    from posttrain.dedup import Found
+
+    of = np.array([0, 1], np.int64)
+    f = Found(np.array([1, 2], np.int64), of, np.array([2, 0], np.uint8), np.array([0.8, 1.0], np.float32))
+    assert [(d.row, d.of, d.method) for d in f.rooted()] == [(1, 0, "minhash"), (2, 0, "exact")]
+    assert of.tolist() == [0, 1]
