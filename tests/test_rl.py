@@ -430,6 +430,9 @@ def test_1_shot_prompt_selection_by_reward_variance_by_hand():
     assert [p["id"] for p in select.PROMPT_SELECTIONS["top_variance"](problems, rates, top2)] == ["p0", "p2"]
     top1 = RlSelect(strategy="top_variance", top_k=1)
     assert [p["id"] for p in select.PROMPT_SELECTIONS["top_variance"](problems, rates, top1)] == ["p0"]
+    # all: the whole split, the unmeasured p3 and the never-solved p4 too, in the split's order
+    every = RlSelect(strategy="all")
+    assert [p["id"] for p in select.PROMPT_SELECTIONS["all"](problems, rates, every)] == ["p0", "p1", "p2", "p3", "p4"]
 
 
 def test_reference_reset_moves_the_kl_anchor_to_the_policy_and_clears_the_optimizer(tmp_path):

@@ -21,7 +21,7 @@ ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "grpo_batch_std", "psr"
               "prior_fused")  # posttrain.algos.ADVANTAGES
 POLICY_LOSSES = ("ppo_clip", "vanilla_pg")  # posttrain.algos.POLICY_LOSSES
 TOKEN_SELECTIONS = ("all", "top_entropy", "bottom_entropy")  # posttrain.algos.TOKEN_SELECTIONS
-PROMPT_SELECTIONS = ("pass_band", "top_variance")  # posttrain.rl.select.PROMPT_SELECTIONS
+PROMPT_SELECTIONS = ("pass_band", "top_variance", "all")  # posttrain.rl.select.PROMPT_SELECTIONS
 KL_ESTIMATORS = ("k2", "k3")  # posttrain.algos.KL_ESTIMATORS
 CORRECTIONS = ("tis_token", "tis_sequence", "mis_token", "mis_sequence", "icepop")  # posttrain.corrections.CORRECTIONS
 TIS = ("token", "sequence")  # rl.tis.mode, the older spelling of rl.correction: tis_<mode>

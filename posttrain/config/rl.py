@@ -61,7 +61,7 @@ class RlSelect(Section):
 
     strategy: str = Field("pass_band", description="a key of posttrain.rl.select.PROMPT_SELECTIONS: pass_band keeps "
                           "every prompt in [min_pass_rate, max_pass_rate]; top_variance keeps the top_k of those by "
-                          "reward variance p(1 - p) (1-shot RLVR)")
+                          "reward variance p(1 - p) (1-shot RLVR); all keeps the whole train split, measured or not")
     min_pass_rate: float = Field(0.01, ge=0, le=1, description="drop prompts solved less often (never solved)")
     max_pass_rate: float = Field(0.99, ge=0, le=1, description="drop prompts solved more often (always solved)")
     top_k: int = Field(1, ge=1, le=MAX_ROWS, description="prompts kept by top_variance (1: 1-shot RLVR)")

@@ -72,8 +72,16 @@ def top_variance(pool: PromptPool, rates: pa.Table, cfg: Any) -> PromptPool:
     return pool.subset(rows[np.sort(top)])
 
 
+def every_prompt(pool: PromptPool, rates: pa.Table, cfg: Any) -> PromptPool:
+    """The whole train split, measured by the reward stage or not (the pass-rate bounds are not used): RL draws
+    from every prompt instead of the ``rollout.num_prompts`` the reward stage measured, so a run of S steps of B
+    prompts sees S x B distinct prompts while the split holds them. Prompts no group can disagree on are left to
+    ``rl.dynamic_sampling``; ``prior_fused`` starts an unmeasured prompt from no prior."""
+    return pool
+
+
 PROMPT_SELECTIONS: dict[str, Callable[[PromptPool, pa.Table, Any], PromptPool]] = {
-    "pass_band": pass_band, "top_variance": top_variance,
+    "pass_band": pass_band, "top_variance": top_variance, "all": every_prompt,
 }
 
 
