@@ -3,7 +3,8 @@
 Per size N and arm (``after``: this checkout; ``before``: another checkout, e.g. main, passed as ``--before``),
 alternating the arms' order from size to size on this noisy machine:
 
-- curate: the synthetic arithmetic source, ``num_rows = N + sft_size`` (a of 4-8 digits, so few duplicates);
+- curate: the synthetic arithmetic source, ``num_rows = N + sft_size`` (a of 4-8 digits: duplicates grow
+  faster than N, 3% of the rows at 10^5, 25% at 3x10^6; ``--digits 7 12``: almost none);
 - rollout: the tiny default model (``model.tiny`` of params.yaml, built by one sft step as the tests build
   theirs), every prompt of curate's train split, 1 sample each, ``--new-tokens`` new tokens (sizes up to
   ``--rollout-max``);
@@ -49,7 +50,8 @@ PY = sys.executable
 SFT_SIZE, EVAL_ROWS = 100, 50
 
 
-def params(repo: Path, root: Path, n: int, new_tokens: int, policy: Path, arm_has_partial: bool) -> dict[str, Any]:
+def params(repo: Path, root: Path, n: int, new_tokens: int, policy: Path, arm_has_partial: bool,
+           digits: tuple[int, int] = (4, 8)) -> dict[str, Any]:
     """The arm's own params.yaml (``repo``'s: a section another checkout lacks is an unknown key there), sized."""
     p = yaml.safe_load((repo / "params.yaml").read_text())
     p["paths"] = {k: str(root / v) for k, v in p["paths"].items()}
@@ -58,7 +60,7 @@ def params(repo: Path, root: Path, n: int, new_tokens: int, policy: Path, arm_ha
     p["paths"]["sft_model"] = str(policy)
     p["runtime"]["progress"] = False
     p["tracking"]["enabled"] = False
-    p["task"].update({"min_digits": 4, "max_digits": 8})
+    p["task"].update({"min_digits": digits[0], "max_digits": digits[1]})
     p["curate"]["sources"][0]["num_rows"] = n + SFT_SIZE
     p["curate"]["sft_size"], p["curate"]["eval"]["rows"] = SFT_SIZE, EVAL_ROWS
     p["sft"].update({"phases": [{"steps": 1, "cot_frac": 1.0}], "batch_size": 8, "micro_batch_size": 8,
@@ -171,6 +173,7 @@ def main() -> None:
     ap.add_argument("--before-max", type=int, default=10**7, help="largest size the before arm runs")
     ap.add_argument("--rollout-max", type=int, default=100_000, help="largest size rollout runs at")
     ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--digits", type=int, nargs=2, default=[4, 8], help="the curate source's a: min, max digits")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "scale.json")
@@ -200,7 +203,8 @@ def main() -> None:
                 continue
             root = work / arm / str(n)
             root.mkdir(parents=True, exist_ok=True)
-            p = params(arms[arm], root, n, a.new_tokens, policy, (arms[arm] / "posttrain" / "streaming.py").exists())
+            p = params(arms[arm], root, n, a.new_tokens, policy, (arms[arm] / "posttrain" / "streaming.py").exists(),
+                       tuple(a.digits))
             (root / "params.yaml").write_text(yaml.safe_dump(p))
             for name in a.stages:
                 if name == "rollout" and (n > a.rollout_max or not (root / "data" / "curated").exists()):
@@ -234,7 +238,8 @@ def main() -> None:
                 info = json.loads(m.read_text()) if m.exists() and r["rc"] == 0 else {}
                 rows = {"curate": info.get("train"), "rollout": info.get("samples"),
                         "reward": info.get("samples"), "rl": info.get("selected_prompts")}[name]
-                results.append({"stage": name, "arm": arm, "n": n, "rows": rows, **r})
+                dups = {"digits": a.digits, "duplicates": info.get("duplicates")} if name == "curate" else {}
+                results.append({"stage": name, "arm": arm, "n": n, "rows": rows, **r, **dups})
                 print(json.dumps(results[-1]), flush=True)
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"commands": [*commands, " ".join(sys.argv)], "new_tokens": a.new_tokens,
