@@ -78,6 +78,24 @@ def tiny(tmp_path: Path) -> dict[str, Any]:
     return tiny_raw(tmp_path)
 
 
+@pytest.fixture(scope="session")
+def _empty_mlflow_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty MLflow sqlite store made by MLflow itself, once a session: creating a store runs MLflow's schema
+    migrations (1-2 s each time), which a dozen tracking tests paid each."""
+    from posttrain.tracking import store
+
+    db = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    store.mlflow_client(f"sqlite:///{db}").search_experiments()
+    return db
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path: Path, _empty_mlflow_db: Path) -> str:
+    """A fresh, real MLflow sqlite store at ``tmp_path / "mlflow.db"`` (a copy of the session's empty one)."""
+    shutil.copy(_empty_mlflow_db, tmp_path / "mlflow.db")
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
 def GradCapture(params):  # noqa: N802 (used like the optimizer class it builds)
     """An optimizer that records the gradient it is asked to step with (``.grads``) and moves nothing
     (``training.accumulate`` clears ``.grad`` after its step, so the gradient must be read inside it)."""

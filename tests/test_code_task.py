@@ -141,6 +141,7 @@ def test_code_config_bounds_and_the_context_check(tiny):
         parse_params(raw)
 
 
+@pytest.mark.slow
 def test_curate_sft_rollout_reward_on_the_code_task(tiny):
     """The stages on ``task.kind: code``: problems generated, demos rendered, completions run in the sandbox;
     the audit says why rewards were not full marks."""

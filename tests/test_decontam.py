@@ -68,6 +68,7 @@ TARGETS = {"verbatim": 0.99, "recase_respace": 0.99, "wrapped": 0.99, "reordered
            "truncated_60": 0.95}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not BENCH.is_dir(), reason="../shared/benchmarks not present")
 def test_rewritten_copies_are_caught_without_false_positives():
     """100 rewritten copies per kind (tests/perturb.py, seeded) of GSM8K-test / MATH-500 / AIME / AMC items

@@ -78,6 +78,7 @@ def tiny_dvc(tmp_path):
     return repo
 
 
+@pytest.mark.slow
 def test_plan_says_what_dvc_repro_then_does(tiny_dvc):
     """``plan`` before each ``dvc repro``, checked against what repro printed: ran (a value never run), skipped
     (up to date: nothing printed about running), restored (a value run before, from the run-cache; or the

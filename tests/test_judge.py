@@ -165,6 +165,7 @@ def test_unreachable_or_unknown_judge_is_unscorable_not_a_crash(cache_file):
     assert got[0].value is None and "cannot list models (judge unreachable)" in got[0].why
 
 
+@pytest.mark.slow
 def test_stop_kills_the_whole_process_tree():
     code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
             "time.sleep(60)")
@@ -177,6 +178,7 @@ def test_stop_kills_the_whole_process_tree():
     assert proc.poll() is not None and not child.is_running()
 
 
+@pytest.mark.slow
 def test_stop_kills_the_children_of_a_server_that_already_exited():
     """A server that crashed leaves its engine processes behind in its group: stop() still ends them (it returned
     early when the leader had exited, leaving them running: watched)."""

@@ -25,6 +25,7 @@ def _rollouts(path: Path, n: int) -> None:
     write_parquet(path, rows, ROLLOUT_SCHEMA)
 
 
+@pytest.mark.slow  # the reward stage twice, with a pool of worker processes
 def test_reward_stage_keeps_the_judge_cache_between_runs_with_a_pool(tiny, tmp_path):
     from stages import reward
 

@@ -188,7 +188,8 @@ def _weights(out) -> dict[str, torch.Tensor]:
 TIMING = {"samples_per_s", "gen_s", "reward_s", "update_s", "elapsed_s"}
 
 
-@pytest.mark.parametrize("lora", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
+@pytest.mark.slow  # 9 s: two rl runs, one with a generator process
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_max_staleness_0_is_the_synchronous_loop_bit_for_bit(upstream, tmp_path, lora):
     """k = 0 with a generator process: every step waits for its own weights, so the final weights, the shards
     (less the version column) and every logged metric but the timings equal the synchronous loop's (also with
@@ -208,6 +209,7 @@ def test_max_staleness_0_is_the_synchronous_loop_bit_for_bit(upstream, tmp_path,
         assert sync[key] == asy[key]
 
 
+@pytest.mark.slow
 def test_two_generators_one_version_ahead_with_the_techniques_that_work_under_overlap(upstream, tmp_path, caplog):
     """k = 1, two generator processes, with the prior-fused baseline, entropy token selection, reference resets
     (KL loss) and a TIS correction (AReaL's decoupled objective: the weight pi_trainer / pi_behaviour): every step

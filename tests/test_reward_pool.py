@@ -155,6 +155,7 @@ def test_pool_scores_exactly_as_serial():
         assert score_rows(rows, SPECS, pool) == score_rows(rows, SPECS)  # the rows the reward stage writes
 
 
+@pytest.mark.slow
 def test_a_chunk_gets_the_time_of_its_samples_so_no_worker_is_killed_for_slow_but_timely_samples(plugin):
     """64 samples of 0.15 s on 2 workers go in chunks of 8 (1.2 s a chunk); each sample is within the 0.5 s
     limit. Every sample is scored by one of the 2 original workers: no chunk was killed and redone one by one
@@ -167,6 +168,7 @@ def test_a_chunk_gets_the_time_of_its_samples_so_no_worker_is_killed_for_slow_bu
     assert len({r for r, _ in first + got}) <= 2  # a killed chunk's samples would come back from new workers
 
 
+@pytest.mark.slow
 def test_a_learned_rewards_model_loads_as_each_worker_starts_not_within_a_samples_timeout(plugin):
     """Found by the review: a learned reward loaded its model inside the first chunk's timeout, so a load longer
     than a chunk's time made every sample unscorable (each redone alone, each loading again, each timed out).
@@ -278,6 +280,7 @@ def test_a_bad_plugin_exits_2_in_one_line(tmp_path):
     assert "reward.rewards[1].name: Value error, cannot import 'no_such_module_xyz'" in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGKILL, -signal.SIGKILL)])
 def test_a_killed_stage_leaves_no_worker_behind(plugin, tmp_path, sig, code):
     """A stage killed while its workers hang in C code (deaf to SIGTERM): SIGTERM stops the pool and exits 143;

@@ -130,6 +130,7 @@ def test_the_tools_profile_loads():
     assert [s.name for s in p.reward.rewards] == ["correct", "tool_cost"]
 
 
+@pytest.mark.slow
 def test_sft_on_tool_demos_then_rollouts_call_the_calculator(tiny):
     """curate -> sft (every demo a tool demo) -> rollout with tools on: the model has learnt to call calc, the
     loop answers with the calculator's value, and the observation's tokens are the masked ones."""

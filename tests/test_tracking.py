@@ -38,8 +38,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_send_logs_one_batched_run_with_everything_and_registers_the_model(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_send_logs_one_batched_run_with_everything_and_registers_the_model(tmp_path, mlflow_uri):
+    uri = mlflow_uri
     client = store.mlflow_client(uri)
     parent = client.create_run(store._experiment_id(client, "t", tmp_path)).info.run_id
     rid = tracking.send(_record(tmp_path, parent=parent), uri, tmp_path)
@@ -69,7 +69,7 @@ def test_send_logs_one_batched_run_with_everything_and_registers_the_model(tmp_p
     assert str(client.get_model_version_by_alias("posttrain-rl", "champion").version) == "2"
 
 
-def test_unreachable_store_keeps_the_run_in_the_outbox_and_sync_replays_it_whole(tmp_path, monkeypatch):
+def test_unreachable_store_keeps_the_run_in_the_outbox_and_sync_replays_it_whole(tmp_path, mlflow_uri, monkeypatch):
     raw = tiny_raw(tmp_path)
     raw["tracking"] = {"enabled": True, "uri": f"http://127.0.0.1:{_free_port()}", "experiment": "t", "outbox": "box"}
     params = parse_params(raw)
@@ -81,7 +81,7 @@ def test_unreachable_store_keeps_the_run_in_the_outbox_and_sync_replays_it_whole
     assert len(boxed) == 1
     (tmp_path / "reports" / "rl" / "report.md").write_text("changed after the run")  # the outbox kept a copy
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     assert tracking.sync(tmp_path / "box", uri, tmp_path) == (1, 0, 0)
     assert not list((tmp_path / "box").glob("*/record.json"))
     client = store.mlflow_client(uri)
@@ -224,12 +224,12 @@ def test_lineage_pins_name_hub_inputs_and_their_revisions():
     assert pins({"model": {"base": "tiny", "revision": None}}) == {}  # built, not fetched
 
 
-def test_train_log_rows_reach_the_csv_and_the_mlflow_run_while_the_stage_runs(tmp_path):
+def test_train_log_rows_reach_the_csv_and_the_mlflow_run_while_the_stage_runs(tmp_path, mlflow_uri):
     """Live telemetry: each TrainLog row is in the CSV and in the stage's MLflow run before the stage ends; the
     end-of-stage record fills the same run without logging them twice; a resumed log re-sends its rows."""
     from posttrain.trainlog import TrainLog
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     raw = tiny_raw(tmp_path)
     raw["tracking"] = {"enabled": True, "uri": uri, "experiment": "t"}
     params = parse_params(raw)
@@ -272,13 +272,13 @@ def test_train_log_rows_reach_the_csv_and_the_mlflow_run_while_the_stage_runs(tm
     ("models:/nope@champion", "not in the model registry"),
     ("/etc/passwd", "outside the repository"),
 ])
-def test_lineage_refuses_a_malformed_or_unknown_target_in_one_line(tmp_path, target, expected):
+def test_lineage_refuses_a_malformed_or_unknown_target_in_one_line(tmp_path, mlflow_uri, target, expected):
     """Found by the hardening pass: each of these was a traceback (ValueError, MlflowException)."""
     from posttrain.errors import StageError
     from posttrain.lineage import resolve
 
     with pytest.raises(StageError, match=expected) as e:
-        resolve(tmp_path, target, {}, f"sqlite:///{tmp_path / 'mlflow.db'}")
+        resolve(tmp_path, target, {}, mlflow_uri)
     assert "\n" not in str(e.value)
 
 
@@ -293,10 +293,10 @@ def test_lineage_cli_exits_2_naming_a_bad_target(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "outside the repository" in r.stderr
 
 
-def test_a_record_the_store_refuses_is_kept_aside_not_retried_forever(tmp_path):
+def test_a_record_the_store_refuses_is_kept_aside_not_retried_forever(tmp_path, mlflow_uri):
     """Found by the hardening pass: a record MLflow refuses made `posttrain tracking sync` exit 1 on every call
     until someone deleted it by hand. Here the store refuses to change a logged param."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     client = store.mlflow_client(uri)
     run = client.create_run(store._experiment_id(client, "t", tmp_path))
     client.log_param(run.info.run_id, "rl.lr", "1e-05")
@@ -310,13 +310,13 @@ def test_a_record_the_store_refuses_is_kept_aside_not_retried_forever(tmp_path):
     assert tracking.sync(box, uri, tmp_path) == (0, 0, 0)  # not retried
 
 
-def test_a_parent_run_whose_process_is_gone_ends_killed_at_the_next_start(tmp_path):
+def test_a_parent_run_whose_process_is_gone_ends_killed_at_the_next_start(tmp_path, mlflow_uri):
     """Found by the hardening pass: a killed `posttrain repro` left its MLflow parent run RUNNING for good."""
     import os
     import subprocess
 
     raw = tiny_raw(tmp_path)
-    raw["tracking"] = {"enabled": True, "uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "t"}
+    raw["tracking"] = {"enabled": True, "uri": mlflow_uri, "experiment": "t"}
     params = parse_params(raw)
     first = tracking.start_parent(params, tmp_path, "pipeline")
     client = store.mlflow_client(params.tracking.uri)
@@ -367,12 +367,12 @@ def test_sigterm_to_posttrain_repro_reaches_the_stage_and_ends_the_parent_killed
     assert parent.info.status == "KILLED"
 
 
-def test_a_fill_interrupted_half_way_is_replayed_without_doubles(tmp_path, monkeypatch):
+def test_a_fill_interrupted_half_way_is_replayed_without_doubles(tmp_path, mlflow_uri, monkeypatch):
     """Found by review: a fill of the live run that failed after its metrics and model were logged was replayed
     whole from the outbox: every metric point twice and a second model version. The record keeps its progress."""
     from posttrain.tracking import champion
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     client = store.mlflow_client(uri)
     rec = _record(tmp_path)
     rec.run_id = client.create_run(store._experiment_id(client, "t", tmp_path)).info.run_id
@@ -391,12 +391,12 @@ def test_a_fill_interrupted_half_way_is_replayed_without_doubles(tmp_path, monke
     assert len(client.search_model_versions("name = 'posttrain-rl'")) == 1
 
 
-def test_a_row_whose_answer_was_lost_is_not_logged_twice(tmp_path):
+def test_a_row_whose_answer_was_lost_is_not_logged_twice(tmp_path, mlflow_uri):
     """Found by the CI-equivalent run (the server killed mid-stage): a live log_batch that reached the store but
     whose answer was lost is not in ``sent``; the fill asks the store before logging it again."""
     from mlflow.entities import Metric
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     client = store.mlflow_client(uri)
     rec = _record(tmp_path)
     rec.run_id = client.create_run(store._experiment_id(client, "t", tmp_path)).info.run_id
@@ -405,7 +405,7 @@ def test_a_row_whose_answer_was_lost_is_not_logged_twice(tmp_path):
     assert [m.step for m in client.get_metric_history(rec.run_id, "reward_mean")] == list(range(1, 251))
 
 
-def test_a_failed_evaluate_run_outside_dvc_reaches_mlflow_through_the_outbox(tmp_path, monkeypatch, capsys):
+def test_a_failed_evaluate_run_outside_dvc_reaches_mlflow_through_the_outbox(tmp_path, mlflow_uri, monkeypatch, capsys):
     """The hardening issue's finding, reproduced: a failed ``python -m stages.evaluate`` left an outbox record
     MLflow always refused. The cause: outside a DVC repo the record's params were keyed by the stage name,
     ``evaluate@sft``, and MLflow takes no "@" in a param name. Now keyed by the section (``evaluate.*``)."""
@@ -424,7 +424,7 @@ def test_a_failed_evaluate_run_outside_dvc_reaches_mlflow_through_the_outbox(tmp
                           ["--params", str(tmp_path / "params.yaml")])
     assert e.value.code == 1
     assert len(list((tmp_path / "box").glob("*/record.json"))) == 1
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     assert tracking.sync(tmp_path / "box", uri, tmp_path) == (1, 0, 0)  # sent, not refused
     client = store.mlflow_client(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id])
