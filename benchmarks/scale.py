@@ -184,6 +184,7 @@ def main() -> None:
     pol_root = work / "policy"
     pol_root.mkdir(parents=True, exist_ok=True)
     needs_policy = "rollout" in a.stages or "rl" in a.stages
+    # (the policy is trained on the default 4-8 digits whatever --digits: rollout and rl time its throughput)
     pp = params(arms["after"], pol_root, 1000, a.new_tokens, pol_root / "models" / "sft", True)
     (pol_root / "params.yaml").write_text(yaml.safe_dump(pp))
     for name in ("curate", "sft") if needs_policy else ():
@@ -243,7 +244,7 @@ def main() -> None:
                 print(json.dumps(results[-1]), flush=True)
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"commands": [*commands, " ".join(sys.argv)], "new_tokens": a.new_tokens,
-                                     "results": kept + results}, indent=1) + "\n")
+                                     "digits": a.digits, "results": kept + results}, indent=1) + "\n")
     print(f"\n{'stage':8} {'arm':7} {'N':>9} {'rows':>9} {'wall s':>8} {'peak RSS MiB':>13} {'rc':>4}")
     for r in results:
         print(f"{r['stage']:8} {r['arm']:7} {r['n']:>9} {r['rows'] or '-':>9} {r['wall_s']:>8} "

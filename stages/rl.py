@@ -2,10 +2,10 @@
 
 Inputs: ``paths.curated_dir/train.parquet``; ``paths.reward_dir/pass_rates.parquet`` (the SFT policy's
 pass rates, from the rollout and reward stages); the starting policy ``paths.sft_model``.
-Outputs: ``paths.rl_model`` (HF checkpoint); ``paths.rl_dir``: ``selected_prompts.parquet`` (prompts in the
-``rl.select`` pass-rate band), ``shards/step_NNNNN.parquet`` (every step's rollouts, sampler log-probs,
-rewards, advantages and whether each sample entered the update, so any update can be replayed from disk; with
-``tools.enabled`` every turn of a multi-turn completion, its ``loss_mask`` and ``tool_calls``),
+Outputs: ``paths.rl_model`` (HF checkpoint); ``paths.rl_dir``: ``selected_prompts.parquet`` (the prompts
+``rl.select`` picked: by pass rate, or the whole split), ``shards/step_NNNNN.parquet`` (every step's rollouts,
+sampler log-probs, rewards, advantages and whether each sample entered the update, so any update can be
+replayed from disk; with ``tools.enabled`` every turn of a multi-turn completion, its ``loss_mask`` and ``tool_calls``),
 ``checkpoints/step_N`` for ``rl.save_steps``; ``paths.rl_report_dir/train_log.csv`` (per-step metrics for
 ``dvc plots``); ``metrics/rl.json``.
 
@@ -87,8 +87,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     prompts = select.PROMPT_SELECTIONS[cfg.select.strategy](train, read_rates(inputs["pass_rates"], train), cfg.select)
     del train
     if not len(prompts):
-        raise StageError(f"no prompt has an SFT pass rate in [{cfg.select.min_pass_rate}, "
-                         f"{cfg.select.max_pass_rate}] (rl.select); see the reward audit")
+        raise StageError(f"rl.select.strategy {cfg.select.strategy} selected no prompt (pass-rate band "
+                         f"[{cfg.select.min_pass_rate}, {cfg.select.max_pass_rate}]); see the reward audit")
     log.info("%d prompts selected (rl.select.strategy %s)", len(prompts), cfg.select.strategy)
 
     model = modeling.load_policy(str(inputs["policy"]), params.model, device, meta=d.loads_on_meta)  # FSDP2: rank 0

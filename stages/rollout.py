@@ -7,7 +7,8 @@ params and seed; with ``tools.enabled`` each completion's ``loss_mask`` and ``to
 ``metrics/rollout.json`` (lengths over every sample; samples/s and tokens/s of the samples
 this run drew, ``resumed_at_prompt``).
 The prompts are the first ``rollout.num_prompts`` of a seeded shuffle of the training split (null: all of it).
-These pass rates are what ``rl.select`` picks RL's prompts by, so RL's pool is the scored prompts. The same
+These pass rates are what ``rl.select`` picks RL's prompts by, so RL's pool is the scored prompts (but under
+``rl.select.strategy: all``: the whole split). The same
 ``sample_chunks`` function produces every rollout of the ``rl`` loop (through ``sample_rows``).
 
 Streaming and resume: prompts go in chunks of ``generate_batch_size // samples_per_prompt``; each finished chunk
@@ -83,7 +84,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     order = list(range(train.num_rows))
     random.Random(params.seed).shuffle(order)  # the same permutation as shuffling the rows themselves
     n_train, order = len(order), order[: cfg.num_prompts]
-    log.info("scoring %d of %d training prompts (rollout.num_prompts): RL selects from these", len(order), n_train)
+    log.info("scoring %d of %d training prompts (rollout.num_prompts): RL's pass-rate selections pick from these",
+             len(order), n_train)
     per = max(1, cfg.generate_batch_size // g)  # prompts per chunk
     total = math.ceil(len(order) / per)
     policy = modeling.checkpoint_digest(inputs["policy"])

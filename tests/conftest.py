@@ -91,7 +91,9 @@ def _empty_mlflow_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def mlflow_uri(tmp_path: Path, _empty_mlflow_db: Path) -> str:
-    """A fresh, real MLflow sqlite store at ``tmp_path / "mlflow.db"`` (a copy of the session's empty one)."""
+    """A fresh, real MLflow sqlite store at ``tmp_path / "mlflow.db"`` (a copy of the session's empty one). That
+    is also where a ``tiny_raw(tmp_path)`` repo with tracking on writes by default: a test that checks no store
+    was created must not take this fixture."""
     shutil.copy(_empty_mlflow_db, tmp_path / "mlflow.db")
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
 

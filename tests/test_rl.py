@@ -430,9 +430,20 @@ def test_1_shot_prompt_selection_by_reward_variance_by_hand():
     assert [p["id"] for p in select.PROMPT_SELECTIONS["top_variance"](problems, rates, top2)] == ["p0", "p2"]
     top1 = RlSelect(strategy="top_variance", top_k=1)
     assert [p["id"] for p in select.PROMPT_SELECTIONS["top_variance"](problems, rates, top1)] == ["p0"]
-    # all: the whole split, the unmeasured p3 and the never-solved p4 too, in the split's order
-    every = RlSelect(strategy="all")
+
+
+def test_the_all_selection_keeps_the_whole_split_measured_or_not():
+    """rl.select.strategy all: every prompt of the split, in its order: p1 measured in the band, p2 never solved
+    (outside it), p3 with a null rate, p0 and p4 missing from the reward stage's table (rollout.num_prompts
+    scored only some); the band a pass_band selection would use is ignored."""
+    from posttrain.config import RlSelect
+
+    problems = PromptPool.of([{"id": f"p{i}"} for i in range(5)])
+    rates = pa.Table.from_pylist([{"prompt_id": "p1", "pass_rate": 0.5}, {"prompt_id": "p2", "pass_rate": 0.0},
+                                  {"prompt_id": "p3", "pass_rate": None}])
+    every = RlSelect(strategy="all", min_pass_rate=0.4, max_pass_rate=0.6)
     assert [p["id"] for p in select.PROMPT_SELECTIONS["all"](problems, rates, every)] == ["p0", "p1", "p2", "p3", "p4"]
+    assert [p["id"] for p in select.PROMPT_SELECTIONS["pass_band"](problems, rates, every)] == ["p1"]
 
 
 def test_reference_reset_moves_the_kl_anchor_to_the_policy_and_clears_the_optimizer(tmp_path):

@@ -63,8 +63,9 @@ class Rollout(Section):
     backend: Literal[names.BACKENDS] = Field("hf", description="rollout backend (vllm: GPU-worker environment)")
     num_prompts: int | None = Field(
         512, ge=1, le=MAX_ROWS, description="train prompts to score (a seeded shuffle's first N). RL selects its "
-        "prompts by these pass rates, so only scored prompts can reach RL: null scores the whole training split (the "
-        "real-run profile); the tiny default scores 512 to keep the CPU run short")
+        "prompts by these pass rates, so only scored prompts can reach RL (but under rl.select.strategy all, which "
+        "takes the whole split): null scores the whole training split (the real-run profile); the tiny default "
+        "scores 512 to keep the CPU run short")
     samples_per_prompt: int = Field(8, ge=1, le=MAX_SAMPLES, description="G: completions per prompt")
     sampling: Sampling = Field(default_factory=Sampling)
     generate_batch_size: int = Field(256, ge=1, le=MAX_BATCH,
