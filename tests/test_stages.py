@@ -394,3 +394,23 @@ def test_a_curate_killed_while_writing_leaves_the_old_splits_whole(tiny, monkeyp
     with pytest.raises(KeyboardInterrupt):
         curate.run(p, *curate.paths(p))
     assert {f.name: f.read_bytes() for f in d.iterdir()} == before
+
+
+def test_rl_names_the_selection_that_left_no_prompt(tiny, tmp_path):
+    """A selection that keeps nothing is one line naming rl.select's strategy and band, before any model loads
+    (every pass rate 0.0 against the band [0.4, 0.6]; the policy path does not exist)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from posttrain.schema import PROBLEM_SCHEMA, write_parquet
+
+    tiny["rl"]["select"] = {"strategy": "pass_band", "min_pass_rate": 0.4, "max_pass_rate": 0.6}
+    p = parse_params(tiny)
+    ins = {"train": tmp_path / "train.parquet", "pass_rates": tmp_path / "rates.parquet", "policy": tmp_path / "none"}
+    write_parquet(ins["train"], [{"id": f"q{i}", "source": "s", "task": "arith", "prompt": f"{i}*2=", "answer":
+                                  str(2 * i), "solution": None} for i in range(3)], PROBLEM_SCHEMA)
+    pq.write_table(pa.table({"prompt_id": ["q0", "q1", "q2"], "pass_rate": [0.0] * 3}), ins["pass_rates"])
+    with pytest.raises(StageError) as e:
+        rl.run(p, ins, _outs(p)["rl"])
+    assert str(e.value) == ("rl.select.strategy pass_band selected no prompt (pass-rate band [0.4, 0.6]); see the "
+                            "reward audit")
