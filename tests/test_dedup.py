@@ -159,6 +159,28 @@ def test_spill_partitions_group_equal_keys_by_hand(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_spill_partitions_wait_in_memory_until_their_buffer_fills(tmp_path):
+    """Records wait in memory until ``buffer_bytes`` of them do, then go out a partition at a time: 2 adds of
+    3 records (16 bytes each with padding: 48 bytes an add) under a 64-byte buffer leave the files empty after
+    the first add (48 < 64) and full after the second (96 >= 64); reading back flushes whatever still waits."""
+    import numpy as np
+
+    from posttrain.dedup.spill import Partitions
+
+    dt = np.dtype([("key", "<u8"), ("row", "<u4")], align=True)  # itemsize 16
+    parts = Partitions(tmp_path, dt, records=9, per_part=3, buffer_bytes=64)
+    rec = np.zeros(9, dt)
+    rec["key"], rec["row"] = range(9), range(9)
+    size = lambda: sum(f.stat().st_size for f in tmp_path.iterdir())  # noqa: E731
+    parts.add(rec[:3], rec["key"][:3])
+    assert size() == 0
+    parts.add(rec[3:6], rec["key"][3:6])
+    assert size() == 6 * 16
+    parts.add(rec[6:], rec["key"][6:])  # 48 bytes wait: read back below all the same
+    assert size() == 6 * 16
+    assert [p["row"].tolist() for p in parts] == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]
+
+
 def _corpus() -> list[str]:
     base = [f"A shop sells {i} red pens and {i + 3} blue pens on day {i}. How many pens does it sell?"
             for i in range(40)]
