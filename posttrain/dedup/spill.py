@@ -6,9 +6,9 @@ a hash of the grouping key so equal keys land in one partition, and to sort each
 library of this stack does it over numpy records without a cluster (``datasets``' ``map`` and ``sort`` hold
 their indices in memory, and ``pyarrow``'s group-by is in memory too). Partition sizes are set from the
 expected record count so that one partition holds about ``per_part`` records whatever the dataset's size.
-Records are buffered up to ``buffer_bytes`` and then written a partition at a time, so each write is about
-``buffer_bytes / parts`` long (at 10^8 rows, 3,000 partitions: ~11 KB writes, not a 500-byte append to every
-partition after every chunk of rows).
+Records wait in memory until ``buffer_bytes`` of them do and then go out a partition at a time, so a write is
+about ``buffer_bytes / parts`` long (the LSH bands at 10^8 rows, ~1,700 partitions: ~10 KB writes, not a
+~500-byte append to every partition after every 8,192 rows).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 PER_PART = 1 << 19  # records a partition holds on average (12-20 bytes each: 6-10 MB read back at once)
-BUFFER_BYTES = 32 << 20  # records held before they are written out, whatever the partition count
+BUFFER_BYTES = 16 << 20  # records held before they are written out, whatever the partition count
 
 
 class Partitions:
@@ -31,7 +31,7 @@ class Partitions:
                  buffer_bytes: int | None = None) -> None:
         self.dtype, self.parts = np.dtype(dtype), max(1, -(-records // (per_part or PER_PART)))
         self.budget = BUFFER_BYTES if buffer_bytes is None else buffer_bytes
-        self.waiting: list[tuple[np.ndarray, np.ndarray]] = []
+        self.waiting: list[tuple[np.ndarray, np.ndarray]] = []  # (records by partition, bounds)
         self.waiting_bytes = 0
         folder.mkdir(parents=True, exist_ok=True)
         self.files = [folder / f"part-{p:05d}.bin" for p in range(self.parts)]
@@ -40,24 +40,23 @@ class Partitions:
 
     def add(self, recs: np.ndarray, key: np.ndarray) -> None:
         """Append ``recs`` (of this dtype), each to the partition of its ``key`` (uint64, hash-like)."""
-        self.waiting.append((recs, key))
+        part = (key % np.uint64(self.parts)).astype(np.int64)
+        order = np.argsort(part, kind="stable")  # records keep their order within a partition
+        self.waiting.append((recs[order], np.searchsorted(part[order], np.arange(self.parts + 1))))
         self.waiting_bytes += recs.nbytes
         if self.waiting_bytes >= self.budget:
             self._write()
 
     def _write(self) -> None:
-        """The waiting records to their partitions' files, one append per partition."""
-        if not self.waiting:
-            return
-        recs = np.concatenate([r for r, _ in self.waiting])
-        part = (np.concatenate([k for _, k in self.waiting]) % np.uint64(self.parts)).astype(np.int64)
+        """The waiting records to their partitions' files: each partition opened once, its records appended in
+        the order they came (no copy of the waiting records is made)."""
+        for p in range(self.parts):
+            if any(b[p + 1] > b[p] for _, b in self.waiting):
+                with self.files[p].open("ab") as f:
+                    for recs, b in self.waiting:
+                        recs[b[p]:b[p + 1]].tofile(f)
         self.waiting.clear()
         self.waiting_bytes = 0
-        order = np.argsort(part, kind="stable")  # records keep their order within a partition
-        bounds = np.searchsorted(part[order], np.arange(self.parts + 1))
-        for p in np.flatnonzero(np.diff(bounds)):
-            with self.files[p].open("ab") as f:
-                recs[order[bounds[p]:bounds[p + 1]]].tofile(f)
 
     def __iter__(self) -> Iterator[np.ndarray]:
         self._write()
