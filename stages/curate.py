@@ -58,6 +58,7 @@ from posttrain.schema import (
 from posttrain.sources import check_usable, read_source, task_of, validate
 
 log = logging.getLogger("curate")
+ID_CHUNK = 1 << 18  # duplicates whose ids are looked up in one pass over the id column
 
 # --------------------------------------------------------------------------------------------- run
 @dataclass
@@ -157,9 +158,9 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
     metrics. Returns the counts written to ``out['metrics']``.
 
     Memory: a batch of rows, the dedup index (``posttrain.dedup``: with MinHash on disk in the scratch
-    folder, one boolean a row in memory), the kept eval split and SFT demonstrations' ids, and one record
-    per duplicate, contaminated or rejected row's reason count; the rows themselves stream through scratch
-    Parquet files beside the output."""
+    folder, one boolean a row in memory), 21 bytes a duplicate (``dedup.Found``'s columns; their ids are
+    looked up ``ID_CHUNK`` at a time), the kept eval split, the contaminated rows' ids and the rejected rows'
+    reason counts; the rows themselves stream through scratch Parquet files beside the output."""
     cfg: Curate = params.curate
     task, kind, v, prog = params.task, params.task.kind, cfg.validation, params.runtime.progress
     d = out["curated_dir"]
@@ -210,7 +211,7 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
             for part in (pool.quarantine, ev_pool.quarantine):
                 with part.open("rb") as src:
                     shutil.copyfileobj(src, f)
-        write_jsonl(tmp / "duplicates.jsonl", records(dups, _ids(pool, np.union1d(dups.row, dups.of))))
+        write_jsonl(tmp / "duplicates.jsonl", _duplicate_records(pool, dups))
     report = dc.report()
 
     counts = {"in": pool.n_in, "kept": n["kept"], "quarantined": pool.n_bad, "duplicates": len(dups),
@@ -233,6 +234,15 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
         raise StageError(f"contaminated share {len(dc.bad) / pool.n_in:.3f} > curate.decontam."
                          f"max_contaminated_frac={limit} (see {out['report_dir'] / 'decontamination.md'})")
     return counts
+
+
+def _duplicate_records(pool: Pool, dups: dedup_mod.Found) -> Iterator[dict[str, Any]]:
+    """duplicates.jsonl's rows, ``ID_CHUNK`` duplicates at a time: a chunk's ids (the duplicates' and the rows
+    they repeat) taken in one pass over the id column, so memory holds one chunk's ids whatever the duplicate
+    count (passes: duplicates / ``ID_CHUNK``; 10^8 rows with a quarter copies: ~100 passes over 10^8 ids)."""
+    for k in range(0, len(dups), ID_CHUNK):
+        part = dups[k:k + ID_CHUNK]
+        yield from records(part, _ids(pool, np.union1d(part.row, part.of)))
 
 
 def _ids(pool: Pool, want: np.ndarray) -> Callable[[int], str]:

@@ -73,7 +73,8 @@ def test_curate_synthetic_counts_reconcile(tiny):
 def test_curate_streams_its_rows_in_batches_with_the_same_splits(tiny, monkeypatch, method):
     """curate reads, dedups and splits the pool a record batch at a time: with batches of 7 rows (the SFT split,
     the duplicates and the eval split all cross batch boundaries) the splits hold the same rows in the same
-    order as with one batch, and duplicates.jsonl names the same rows (ids read back a batch at a time)."""
+    order as with one batch, and duplicates.jsonl names the same rows (ids read back a batch at a time, for 3
+    duplicates at a time)."""
     import posttrain.schema
 
     tiny["curate"]["dedup"]["method"] = method
@@ -84,9 +85,10 @@ def test_curate_streams_its_rows_in_batches_with_the_same_splits(tiny, monkeypat
     want = [read_problems(d / f"{s}.parquet") for s in names[:3]] + [(d / f"{s}.jsonl").read_text() for s in names[3:]]
     monkeypatch.setattr(curate, "BATCH_ROWS", 7)
     monkeypatch.setattr(posttrain.schema, "BATCH_ROWS", 7)
+    monkeypatch.setattr(curate, "ID_CHUNK", 3)
     assert curate.run(p, {}, _outs(p)["curate"]) == counts
     got = [read_problems(d / f"{s}.parquet") for s in names[:3]] + [(d / f"{s}.jsonl").read_text() for s in names[3:]]
-    assert got == want and counts["duplicates"] > 0
+    assert got == want and counts["duplicates"] > 3
     dups = [json.loads(line) for line in got[-1].splitlines()]
     kept = {r["id"] for part in got[:2] for r in part}
     assert len(dups) == counts["duplicates"] and not {d["id"] for d in dups} & kept

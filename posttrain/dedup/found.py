@@ -49,6 +49,10 @@ class Found:
     def __len__(self) -> int:
         return len(self.row)
 
+    def __getitem__(self, rows: slice) -> Found:
+        """The duplicates in a slice of this one's (views of its columns, no copy)."""
+        return Found(self.row[rows], self.of[rows], self.method[rows], self.score[rows])
+
     def __iter__(self) -> Iterator[Dup]:
         for k in range(0, len(self.row), ITER_CHUNK):  # (whole columns as lists: ~112 bytes a duplicate)
             part = slice(k, k + ITER_CHUNK)
