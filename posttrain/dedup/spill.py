@@ -6,9 +6,10 @@ a hash of the grouping key so equal keys land in one partition, and to sort each
 library of this stack does it over numpy records without a cluster (``datasets``' ``map`` and ``sort`` hold
 their indices in memory, and ``pyarrow``'s group-by is in memory too). Partition sizes are set from the
 expected record count so that one partition holds about ``per_part`` records whatever the dataset's size.
-Records wait in memory until ``buffer_bytes`` of them do and then go out a partition at a time, so a write is
-about ``buffer_bytes / parts`` long (the LSH bands at 10^8 rows, 25 bands in ~4,800 partitions: ~3.5 KB
-writes, 1/7 of the opens of a ~500-byte append to every partition after every 8,192 rows).
+Records wait in memory until ``buffer_bytes`` of them do (8 KB a partition, at most 16 MiB) and then go out a
+partition at a time: the LSH bands at 10^8 rows (25 bands in ~4,800 partitions) are written ~3.5 KB at a
+time, 1/7 of the opens of a ~500-byte append to every partition after every 8,192 rows, while a pool of
+10^6 rows (48 partitions) holds nothing back (a chunk of rows is more than 48 x 8 KB).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 PER_PART = 1 << 19  # records a partition holds on average (12-20 bytes each: 6-10 MB read back at once)
-BUFFER_BYTES = 16 << 20  # records held before they are written out, whatever the partition count
+WRITE_BYTES = 8 << 10  # the append a partition should get at once: records wait until parts x this ...
+BUFFER_BYTES = 16 << 20  # ... or this many bytes of them wait, whichever is less
 
 
 class Partitions:
@@ -30,7 +32,7 @@ class Partitions:
     def __init__(self, folder: Path, dtype: np.dtype, records: int, per_part: int | None = None,
                  buffer_bytes: int | None = None) -> None:
         self.dtype, self.parts = np.dtype(dtype), max(1, -(-records // (per_part or PER_PART)))
-        self.budget = BUFFER_BYTES if buffer_bytes is None else buffer_bytes
+        self.budget = min(BUFFER_BYTES, self.parts * WRITE_BYTES) if buffer_bytes is None else buffer_bytes
         self.waiting: list[tuple[np.ndarray, np.ndarray]] = []  # (records by partition, bounds)
         self.waiting_bytes = 0
         folder.mkdir(parents=True, exist_ok=True)
