@@ -61,6 +61,31 @@ def evals(folder: Path) -> dict[str, Any]:
     return out
 
 
+def by_steps(folder: Path) -> dict[str, Any]:
+    """Greedy and pass@1 of SFT and RL, and RL minus SFT, on the held-out problems grouped by their number of
+    filter/map steps (the eval split draws 1- and 2-step problems alike; the train split may hold only some)."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from posttrain.tasks.code import parse_prompt
+
+    ev = pq.read_table(folder / "data" / "curated" / "eval.parquet", columns=["id", "prompt"]).to_pylist()
+    steps = {r["id"]: len(parse_prompt(r["prompt"])[0]) for r in ev}
+    per = {m: json.loads((folder / "reports" / "evaluate" / "models" / m / "per_problem.json").read_text())["eval"]
+           for m in ("sft", "rl")}
+    out: dict[str, Any] = {}
+    for n in sorted(set(steps.values())):
+        ids = [i for i in per["sft"] if steps.get(i) == n]
+        row: dict[str, Any] = {"problems": len(ids)}
+        for k in ("greedy", "pass@1"):
+            a = [per["sft"][i][k] for i in ids if per["sft"][i].get(k) is not None and per["rl"][i].get(k) is not None]
+            b = [per["rl"][i][k] for i in ids if per["sft"][i].get(k) is not None and per["rl"][i].get(k) is not None]
+            row[k] = {"sft": round(float(np.mean(a)), 4), "rl": round(float(np.mean(b)), 4),
+                      "rl - sft": round(float(np.mean(b) - np.mean(a)), 4)}
+        out[f"{n}_step"] = row
+    return out
+
+
 def pooled(root: Path, arm: str, seeds: list[int]) -> dict[str, Any]:
     """RL minus SFT over the seeds: per held-out problem the seed mean of RL's metric minus SFT's, its mean and a
     95% paired bootstrap over problems (the seeds' spread is listed beside it)."""
@@ -135,7 +160,7 @@ def main() -> None:
         secs["evaluate@rl"] = round(stage(folder, p, "evaluate", "--model", "rl", env=env), 1)
         secs["report"] = round(stage(folder, p, "report", env=env), 1)
         rec = {"arm": a.arm, "rl_seed": seed, "overrides": [*a.common, *a.arm_set], "reeval": a.reeval,
-               "upstream": str(a.upstream), "seconds": secs, **evals(folder)}
+               "upstream": str(a.upstream), "seconds": secs, **evals(folder), "by_steps": by_steps(folder)}
         if not a.reeval:
             rl = json.loads((folder / "metrics" / "rl.json").read_text())
             rec["rl_metrics"] = {k: rl.get(k) for k in ("first_reward", "final_reward", "samples",

@@ -169,7 +169,7 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
         scratch.mkdir()
         tmp.mkdir()
         # 1. eval split: its own source (or the generator, seeded apart from training), validated, deduped
-        eval_src = cfg.eval.source or SyntheticSource(name="arith_eval", num_rows=cfg.eval.rows * 2)
+        eval_src = cfg.eval.source or SyntheticSource(name=f"{kind}_eval", num_rows=cfg.eval.rows * 2)
         ev_pool, complaints = _collect([eval_src], task, kind, v, seeds.eval_draw(params.seed), prog, "eval",
                                        cfg.max_quarantined_frac, scratch)
         gone, _ = duplicates(Column(ev_pool.rows, "prompt"), cfg.dedup, scratch)

@@ -69,6 +69,23 @@ def test_curate_synthetic_counts_reconcile(tiny):
     assert (Path(p.paths.curate_report_dir) / "decontamination.md").read_text().startswith("# Decontamination")
 
 
+def test_a_generated_eval_split_is_named_by_its_task(tiny):
+    """With no ``curate.eval.source`` the eval split is drawn from the task's generator and its rows name it:
+    ``code_eval:<i>`` for the code task (per-problem reports and lineage read these ids), ``arith_eval:<i>``
+    for arithmetic as before."""
+    raw = json.loads(json.dumps(tiny))
+    raw["task"] = {"kind": "code", "min_steps": 1, "max_steps": 2}
+    raw["curate"]["sources"][0]["name"] = "code"
+    for sec in ("rollout", "rl", "evaluate"):
+        raw[sec]["sampling"]["max_new_tokens"] = 80
+    raw["distill"]["max_new_tokens"] = 80
+    p = parse_params(raw)
+    curate.run(p, {}, _outs(p)["curate"])
+    ev = read_problems(Path(p.paths.curated_dir) / "eval.parquet")
+    assert {r["source"] for r in ev} == {"code_eval"} and ev[0]["id"].startswith("code_eval:")
+    assert ev[0]["task"] == "code"
+
+
 @pytest.mark.parametrize("method", ["ngram", "minhash"])
 def test_curate_streams_its_rows_in_batches_with_the_same_splits(tiny, monkeypatch, method):
     """curate reads, dedups and splits the pool a record batch at a time: with batches of 7 rows (the SFT split,
