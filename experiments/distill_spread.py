@@ -4,11 +4,15 @@ Each ``--bases`` folder is an ``experiments/spread.py --upto all`` arm (curate t
 there with its seed and CPU kernels). An arm of this script is a hard-linked copy of each base in which
 ``distill`` and ``evaluate --model student`` run again with the base's params plus ``--arm-set`` (the stages
 replace their outputs whole, so the base is never written); the teacher, the student's cold start and their
-evaluations are the base's. ``--distill-seeds`` adds ``distill.seed`` arms on each base: the spread that the
-distillation's own sampling makes on one teacher and one cold start.
+evaluations are the base's. ``--cold-start`` arms change the student's cold start too (``sft.*`` overrides reach
+only the distill stage here: the teacher stays the base's) and evaluate it again. ``--distill-seeds`` adds
+``distill.seed`` arms on each base: the spread that the distillation's own sampling makes on one teacher and
+one cold start.
 
 It prints, per arm, the student's greedy and pass@1 per base, their range and standard deviation, and the
-student minus its teacher (the rl model), and adds the arm to ``--out``.
+student minus its teacher (the rl model), and adds the arm to ``--out`` with, per model, the sampled
+completions' chain-of-thought share and the accuracy within each format (``formats``). ``--resume`` keeps the
+arm folders that finished (a killed arm goes on with the bases it had not done).
 
     python experiments/distill_spread.py --bases /tmp/spread/distill_base/seed*_default --root /tmp/distill_arms \\
         --arm steps90 --arm-set distill.on_policy.steps=90 --out benchmarks/results/distill_spread.json
@@ -56,6 +60,31 @@ def scores(folder: Path, model: str) -> dict[str, float]:
     return {k: ev[k] for k in ("greedy", "pass@1")}
 
 
+def formats(folder: Path, model: str) -> dict[str, float]:
+    """The sampled completions' share in the chain-of-thought format and the accuracy within each format (the
+    arithmetic task's bare-answer demos are ``answer: N``): pass@1 = cot * acc_cot + (1 - cot) * acc_direct."""
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(folder / "reports" / "evaluate" / "models" / model / "generations.parquet",
+                         columns=["mode", "completion", "correct"]).to_pylist()
+    rows = [r for r in rows if r["mode"] == "sample"]
+    cot = [r for r in rows if not r["completion"].lstrip().startswith("answer:")]
+    direct = [r for r in rows if r["completion"].lstrip().startswith("answer:")]
+
+    def acc(rs: list[dict[str, Any]]) -> float | None:
+        return round(sum(bool(r["correct"]) for r in rs) / len(rs), 4) if rs else None
+
+    return {"cot": round(len(cot) / len(rows), 4), "acc_cot": acc(cot), "acc_direct": acc(direct)}
+
+
+def finished(folder: Path, base: Path) -> bool:
+    """The arm's own ``evaluate --model student`` ran in ``folder`` (its copy starts as hard links to the base's
+    files, and a stage replaces a file whole: the student's metrics are then no longer the base's)."""
+    f, b = folder / "metrics" / "evaluate" / "student.json", base / "metrics" / "evaluate" / "student.json"
+    d, bd = folder / "metrics" / "distill.json", base / "metrics" / "distill.json"
+    return f.exists() and d.exists() and not f.samefile(b) and not d.samefile(bd)
+
+
 def summary(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Range and population sd of the student's greedy and pass@1 over the runs, and the student - teacher gap."""
     out: dict[str, Any] = {}
@@ -76,6 +105,9 @@ def main() -> None:
     ap.add_argument("--arm-set", nargs="*", default=[], help="the arm's distill overrides")
     ap.add_argument("--distill-seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--reuse", action="store_true", help="the base's own distill ran this arm: only read it")
+    ap.add_argument("--cold-start", action="store_true",
+                    help="the arm changes the student's cold start (sft.*): evaluate its student_sft too")
+    ap.add_argument("--resume", action="store_true", help="keep an arm folder whose student this arm evaluated")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     runs: dict[str, dict[str, Any]] = {}
@@ -85,21 +117,30 @@ def main() -> None:
             key = f"{base.name}/d{ds}"
             folder = base if a.reuse else a.root / a.arm / f"{base.name}_d{ds}"
             secs: dict[str, float] = {}
-            if not a.reuse:
+            if a.resume and not a.reuse and finished(folder, base):
+                print(f"{a.arm} {key}: kept {folder}", flush=True)
+            elif not a.reuse:
                 subprocess.run(["rm", "-rf", str(folder)], check=True)
                 folder.parent.mkdir(parents=True, exist_ok=True)
                 link_copy(base, folder)
                 p = write_params(folder, "params_arm.yaml", base / "params.yaml",
                                  [*a.arm_set, f"distill.seed={ds}", "runtime.progress=false"])
                 secs["distill"] = round(stage(folder, p, isa, "distill"), 1)
+                if a.cold_start:
+                    secs["evaluate@student_sft"] = round(stage(folder, p, isa, "evaluate", "--model", "student_sft"), 1)
                 secs["evaluate@student"] = round(stage(folder, p, isa, "evaluate", "--model", "student"), 1)
             distill = json.loads((folder / "metrics" / "distill.json").read_text())
-            runs[key] = {"student": scores(folder, "student"), "student_sft": scores(base, "student_sft"),
+            cold = folder if a.cold_start else base
+            runs[key] = {"student": scores(folder, "student"), "student_sft": scores(cold, "student_sft"),
                          "rl": scores(base, "rl"), "seconds": secs,
+                         "formats": {"student": formats(folder, "student"), "student_sft": formats(cold, "student_sft"),
+                                     "rl": formats(base, "rl")},
                          "student_side_seconds": distill.get("student_side_seconds")}
-            r = runs[key]
+            r, f = runs[key], runs[key]["formats"]
             print(f"{a.arm} {key}: student {100 * r['student']['greedy']:.1f} / {100 * r['student']['pass@1']:.1f}"
                   f"  cold start {100 * r['student_sft']['pass@1']:.1f}  teacher {100 * r['rl']['pass@1']:.1f}"
+                  f"  student CoT {100 * f['student']['cot']:.1f}% at {100 * f['student']['acc_cot']:.1f}"
+                  f" (cold start {100 * f['student_sft']['cot']:.1f}% at {100 * f['student_sft']['acc_cot']:.1f})"
                   f"  {secs}", flush=True)
     rec = {"overrides": a.arm_set, "distill_seeds": a.distill_seeds, "runs": runs, "summary": summary(runs)}
     with open(a.out.with_suffix(".lock"), "w") as lock:
