@@ -4,15 +4,15 @@ Each ``--bases`` folder is an ``experiments/spread.py --upto all`` arm (curate t
 there with its seed and CPU kernels). An arm of this script is a hard-linked copy of each base in which
 ``distill`` and ``evaluate --model student`` run again with the base's params plus ``--arm-set`` (the stages
 replace their outputs whole, so the base is never written); the teacher, the student's cold start and their
-evaluations are the base's. ``--cold-start`` arms change the student's cold start too (``sft.*`` overrides reach
-only the distill stage here: the teacher stays the base's) and evaluate it again. ``--distill-seeds`` adds
+evaluations are the base's. An arm with ``sft.*`` overrides changes the student's cold start too (they reach
+only the distill stage here: the teacher stays the base's) and evaluates it again. ``--distill-seeds`` adds
 ``distill.seed`` arms on each base: the spread that the distillation's own sampling makes on one teacher and
 one cold start.
 
 It prints, per arm, the student's greedy and pass@1 per base, their range and standard deviation, and the
 student minus its teacher (the rl model), and adds the arm to ``--out`` with, per model, the sampled
 completions' chain-of-thought share and the accuracy within each format (``formats``). ``--resume`` keeps the
-arm folders that finished (a killed arm goes on with the bases it had not done).
+arm folders that finished with the same params (a killed arm goes on with the bases it had not done).
 
     python experiments/distill_spread.py --bases /tmp/spread/distill_base/seed*_default --root /tmp/distill_arms \\
         --arm steps90 --arm-set distill.on_policy.steps=90 --out benchmarks/results/distill_spread.json
@@ -36,7 +36,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from experiments.code_rl import link_copy, write_params  # noqa: E402
+from experiments.code_rl import link_copy  # noqa: E402
+from posttrain.config.overrides import parse_overrides, render_overrides  # noqa: E402
 
 ISAS = {"default": {},  # experiments/spread.py's: the base's kernels are named in its folder (seed<S>_<isa>)
         "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
@@ -66,23 +67,36 @@ def formats(folder: Path, model: str) -> dict[str, float]:
     import pyarrow.parquet as pq
 
     rows = pq.read_table(folder / "reports" / "evaluate" / "models" / model / "generations.parquet",
-                         columns=["mode", "completion", "correct"]).to_pylist()
-    rows = [r for r in rows if r["mode"] == "sample"]
+                         columns=["split", "mode", "completion", "correct"]).to_pylist()
+    rows = [r for r in rows if r["mode"] == "sample" and r["split"] == "eval"]  # not the benchmark splits
     cot = [r for r in rows if not r["completion"].lstrip().startswith("answer:")]
     direct = [r for r in rows if r["completion"].lstrip().startswith("answer:")]
 
-    def acc(rs: list[dict[str, Any]]) -> float | None:
+    def acc(rs: list[dict[str, Any]]) -> float | None:  # an unscorable sample (correct None) counts as wrong
         return round(sum(bool(r["correct"]) for r in rs) / len(rs), 4) if rs else None
 
-    return {"cot": round(len(cot) / len(rows), 4), "acc_cot": acc(cot), "acc_direct": acc(direct)}
+    return {"cot": round(len(cot) / len(rows), 4) if rows else None, "acc_cot": acc(cot), "acc_direct": acc(direct)}
 
 
-def finished(folder: Path, base: Path) -> bool:
-    """The arm's own ``evaluate --model student`` ran in ``folder`` (its copy starts as hard links to the base's
-    files, and a stage replaces a file whole: the student's metrics are then no longer the base's)."""
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def arm_params(base: Path, overrides: list[str]) -> str:
+    """The arm's params file: the base's ``params.yaml`` plus ``overrides`` (a bad override is refused here)."""
+    _, edits = parse_overrides(base / "params.yaml", overrides)
+    return render_overrides((base / "params.yaml").read_text(), edits)
+
+
+def finished(folder: Path, base: Path, params: str) -> bool:
+    """The arm's own ``evaluate --model student`` ran in ``folder`` with these params (its copy starts as hard
+    links to the base's files, and a stage replaces a file whole: the student's metrics are then no longer the
+    base's)."""
     f, b = folder / "metrics" / "evaluate" / "student.json", base / "metrics" / "evaluate" / "student.json"
     d, bd = folder / "metrics" / "distill.json", base / "metrics" / "distill.json"
-    return f.exists() and d.exists() and not f.samefile(b) and not d.samefile(bd)
+    p = folder / "params_arm.yaml"
+    return (f.exists() and d.exists() and p.exists() and p.read_text() == params and not f.samefile(b)
+            and not d.samefile(bd))
 
 
 def summary(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -105,11 +119,10 @@ def main() -> None:
     ap.add_argument("--arm-set", nargs="*", default=[], help="the arm's distill overrides")
     ap.add_argument("--distill-seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--reuse", action="store_true", help="the base's own distill ran this arm: only read it")
-    ap.add_argument("--cold-start", action="store_true",
-                    help="the arm changes the student's cold start (sft.*): evaluate its student_sft too")
     ap.add_argument("--resume", action="store_true", help="keep an arm folder whose student this arm evaluated")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
+    cold_start = any(o.startswith("sft.") for o in a.arm_set)  # the student's cold start changes: evaluate it
     runs: dict[str, dict[str, Any]] = {}
     for base in a.bases:
         isa = base.name.rsplit("_", 1)[-1]
@@ -117,30 +130,34 @@ def main() -> None:
             key = f"{base.name}/d{ds}"
             folder = base if a.reuse else a.root / a.arm / f"{base.name}_d{ds}"
             secs: dict[str, float] = {}
-            if a.resume and not a.reuse and finished(folder, base):
+            params = arm_params(base, [*a.arm_set, f"distill.seed={ds}", "runtime.progress=false"])
+            if a.resume and not a.reuse and finished(folder, base, params):
                 print(f"{a.arm} {key}: kept {folder}", flush=True)
+                secs = json.loads((folder / "arm_seconds.json").read_text()) if (folder / "arm_seconds.json"
+                                                                                 ).exists() else {}
             elif not a.reuse:
                 subprocess.run(["rm", "-rf", str(folder)], check=True)
                 folder.parent.mkdir(parents=True, exist_ok=True)
                 link_copy(base, folder)
-                p = write_params(folder, "params_arm.yaml", base / "params.yaml",
-                                 [*a.arm_set, f"distill.seed={ds}", "runtime.progress=false"])
+                (folder / "params_arm.yaml").write_text(params)
+                p = "params_arm.yaml"
                 secs["distill"] = round(stage(folder, p, isa, "distill"), 1)
-                if a.cold_start:
+                if cold_start:
                     secs["evaluate@student_sft"] = round(stage(folder, p, isa, "evaluate", "--model", "student_sft"), 1)
                 secs["evaluate@student"] = round(stage(folder, p, isa, "evaluate", "--model", "student"), 1)
+                (folder / "arm_seconds.json").write_text(json.dumps(secs))
             distill = json.loads((folder / "metrics" / "distill.json").read_text())
-            cold = folder if a.cold_start else base
+            cold = folder if cold_start else base
             runs[key] = {"student": scores(folder, "student"), "student_sft": scores(cold, "student_sft"),
                          "rl": scores(base, "rl"), "seconds": secs,
                          "formats": {"student": formats(folder, "student"), "student_sft": formats(cold, "student_sft"),
-                                     "rl": formats(base, "rl")},
+                                     "rl": formats(base, "rl"), "sft": formats(base, "sft")},
                          "student_side_seconds": distill.get("student_side_seconds")}
             r, f = runs[key], runs[key]["formats"]
             print(f"{a.arm} {key}: student {100 * r['student']['greedy']:.1f} / {100 * r['student']['pass@1']:.1f}"
                   f"  cold start {100 * r['student_sft']['pass@1']:.1f}  teacher {100 * r['rl']['pass@1']:.1f}"
-                  f"  student CoT {100 * f['student']['cot']:.1f}% at {100 * f['student']['acc_cot']:.1f}"
-                  f" (cold start {100 * f['student_sft']['cot']:.1f}% at {100 * f['student_sft']['acc_cot']:.1f})"
+                  f"  student CoT {pct(f['student']['cot'])}% at {pct(f['student']['acc_cot'])}"
+                  f" (cold start {pct(f['student_sft']['cot'])}% at {pct(f['student_sft']['acc_cot'])})"
                   f"  {secs}", flush=True)
     rec = {"overrides": a.arm_set, "distill_seeds": a.distill_seeds, "runs": runs, "summary": summary(runs)}
     with open(a.out.with_suffix(".lock"), "w") as lock:
