@@ -25,11 +25,9 @@ from __future__ import annotations
 import argparse
 import fcntl
 import json
-import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,23 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from experiments.code_rl import link_copy  # noqa: E402
+from experiments.overopt import stage  # noqa: E402
+from experiments.spread import ISAS  # noqa: E402  (the base's kernels are named in its folder: seed<S>_<isa>)
 from posttrain.config.overrides import parse_overrides, render_overrides  # noqa: E402
-
-ISAS = {"default": {},  # experiments/spread.py's: the base's kernels are named in its folder (seed<S>_<isa>)
-        "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
-
-
-def stage(folder: Path, params: str, isa: str, *args: str) -> float:
-    """``python -m stages.<args>`` in ``folder`` under the base's CPU kernels; seconds taken."""
-    env = {**os.environ, **ISAS[isa], "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
-           "MLFLOW_TRACKING_URI": f"sqlite:///{folder}/mlflow.db"}
-    t = time.time()
-    with open(folder / "log.txt", "a") as log:
-        rc = subprocess.run([sys.executable, "-m", f"stages.{args[0]}", "--params", params, *args[1:]], cwd=folder,
-                            env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-    if rc:
-        raise SystemExit(f"{folder}: {' '.join(args)} exited {rc} (see {folder}/log.txt)")
-    return time.time() - t
 
 
 def scores(folder: Path, model: str) -> dict[str, float]:
@@ -141,10 +125,10 @@ def main() -> None:
                 link_copy(base, folder)
                 (folder / "params_arm.yaml").write_text(params)
                 p = "params_arm.yaml"
-                secs["distill"] = round(stage(folder, p, isa, "distill"), 1)
-                if cold_start:
-                    secs["evaluate@student_sft"] = round(stage(folder, p, isa, "evaluate", "--model", "student_sft"), 1)
-                secs["evaluate@student"] = round(stage(folder, p, isa, "evaluate", "--model", "student"), 1)
+                env = ISAS[isa]
+                secs["distill"] = round(stage(folder, p, "distill", env=env), 1)
+                for m in (["student_sft"] if cold_start else []) + ["student"]:
+                    secs[f"evaluate@{m}"] = round(stage(folder, p, "evaluate", "--model", m, env=env), 1)
                 (folder / "arm_seconds.json").write_text(json.dumps(secs))
             distill = json.loads((folder / "metrics" / "distill.json").read_text())
             cold = folder if cold_start else base
