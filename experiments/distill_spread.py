@@ -36,30 +36,13 @@ sys.path.insert(0, str(REPO))
 
 from experiments.code_rl import link_copy  # noqa: E402
 from experiments.overopt import stage  # noqa: E402
-from experiments.spread import ISAS  # noqa: E402  (the base's kernels are named in its folder: seed<S>_<isa>)
+from experiments.spread import ISAS, formats  # noqa: E402  (the base's kernels are named in its folder: seed<S>_<isa>)
 from posttrain.config.overrides import parse_overrides, render_overrides  # noqa: E402
 
 
 def scores(folder: Path, model: str) -> dict[str, float]:
     ev = json.loads((folder / "metrics" / "evaluate" / f"{model}.json").read_text())["eval"]
     return {k: ev[k] for k in ("greedy", "pass@1")}
-
-
-def formats(folder: Path, model: str) -> dict[str, float]:
-    """The sampled completions' share in the chain-of-thought format and the accuracy within each format (the
-    arithmetic task's bare-answer demos are ``answer: N``): pass@1 = cot * acc_cot + (1 - cot) * acc_direct."""
-    import pyarrow.parquet as pq
-
-    rows = pq.read_table(folder / "reports" / "evaluate" / "models" / model / "generations.parquet",
-                         columns=["split", "mode", "completion", "correct"]).to_pylist()
-    rows = [r for r in rows if r["mode"] == "sample" and r["split"] == "eval"]  # not the benchmark splits
-    cot = [r for r in rows if not r["completion"].lstrip().startswith("answer:")]
-    direct = [r for r in rows if r["completion"].lstrip().startswith("answer:")]
-
-    def acc(rs: list[dict[str, Any]]) -> float | None:  # an unscorable sample (correct None) counts as wrong
-        return round(sum(bool(r["correct"]) for r in rs) / len(rs), 4) if rs else None
-
-    return {"cot": round(len(cot) / len(rows), 4) if rows else None, "acc_cot": acc(cot), "acc_direct": acc(direct)}
 
 
 def pct(x: float | None) -> str:

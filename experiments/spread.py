@@ -7,7 +7,8 @@ set: ``default`` (what torch picks here) or ``avx2`` (``ATEN_CPU_CAPABILITY=avx2
 machine runs). ``--upto sft`` stops after ``evaluate@sft`` (the recipe sweep); ``--upto rl`` after
 ``evaluate@rl`` and the report (``--set`` the report's pairs and models to match); ``--upto all`` runs every
 stage through the report. ``--params`` picks the base file (a profile). It prints a table of greedy and pass@1
-per model (and per benchmark split) and writes JSON, with the report's paired differences when it ran.
+per model (and per benchmark split) and writes JSON, with the report's paired differences when it ran and, per
+model, the sampled completions' chain-of-thought share and accuracy per format (``formats``).
 
 Run: ``python experiments/spread.py --seeds 0 1 2 --isas default avx2 --upto all --out benchmarks/results/spread.json``
 """
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -64,7 +66,26 @@ def run_arm(folder: Path, overrides: list[str], isa: str, chain: list[list[str]]
         out["paired"] = json.loads((folder / "metrics" / "report.json").read_text())
     sft = json.loads((folder / "metrics" / "sft.json").read_text())
     out["sft_final_loss"] = sft["final_loss"]
+    out["formats"] = {m: formats(folder, m) for m in ("sft", "rl", "student_sft", "student")
+                      if (folder / "reports" / "evaluate" / "models" / m / "generations.parquet").exists()}
     return out
+
+
+def formats(folder: Path, model: str) -> dict[str, float]:
+    """The sampled completions' share in the chain-of-thought format and the accuracy within each format (the
+    arithmetic task's bare-answer demos are ``answer: N``): pass@1 = cot * acc_cot + (1 - cot) * acc_direct."""
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(folder / "reports" / "evaluate" / "models" / model / "generations.parquet",
+                         columns=["split", "mode", "completion", "correct"]).to_pylist()
+    rows = [r for r in rows if r["mode"] == "sample" and r["split"] == "eval"]  # not the benchmark splits
+    cot = [r for r in rows if not r["completion"].lstrip().startswith("answer:")]
+    direct = [r for r in rows if r["completion"].lstrip().startswith("answer:")]
+
+    def acc(rs: list[dict[str, Any]]) -> float | None:  # an unscorable sample (correct None) counts as wrong
+        return round(sum(bool(r["correct"]) for r in rs) / len(rs), 4) if rs else None
+
+    return {"cot": round(len(cot) / len(rows), 4) if rows else None, "acc_cot": acc(cot), "acc_direct": acc(direct)}
 
 
 def main() -> None:
