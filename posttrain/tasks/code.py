@@ -106,13 +106,14 @@ def parse_prompt(prompt: str) -> tuple[list[tuple[str, str, str]], str] | None:
 
 def render(prompt: str, answer: str, solution: str | None, style: str, steps: Any = None, red: str | None = None
            ) -> str:
-    """The demonstration completion. A problem with a ``solution`` (HumanEval's canonical body) renders it;
-    a synthetic one renders ``cot`` (a line per step) or ``direct`` (one expression)."""
+    """The demonstration completion. A problem of the synthetic task renders ``cot`` (a line per step) or
+    ``direct`` (one expression), whatever ``solution`` it carries (curate stores the generator's ``cot`` one);
+    any other problem renders its ``solution`` (HumanEval's canonical body) in both styles."""
     if steps is None:
-        if solution:
-            return solution
         parsed = parse_prompt(prompt)
         if parsed is None:
+            if solution:
+                return solution
             raise ValueError(f"not a prompt of the synthetic code task, and no solution: {prompt[:60]!r}")
         steps, red = parsed
     assert red is not None
