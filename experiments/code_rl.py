@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from experiments.overopt import stage  # noqa: E402
+from experiments.spread import formats  # noqa: E402
 from posttrain.config.overrides import parse_overrides, render_overrides  # noqa: E402
 
 EVAL = ["runtime.progress=false", "evaluate.models={sft: models/sft, rl: models/rl}", "report.compare=[[sft, rl]]",
@@ -160,7 +161,8 @@ def main() -> None:
         secs["evaluate@rl"] = round(stage(folder, p, "evaluate", "--model", "rl", env=env), 1)
         secs["report"] = round(stage(folder, p, "report", env=env), 1)
         rec = {"arm": a.arm, "rl_seed": seed, "overrides": [*a.common, *a.arm_set], "reeval": a.reeval,
-               "upstream": str(a.upstream), "seconds": secs, **evals(folder), "by_steps": by_steps(folder)}
+               "upstream": str(a.upstream), "seconds": secs, **evals(folder), "by_steps": by_steps(folder),
+               "formats": {m: formats(folder, m) for m in ("sft", "rl")}}
         if not a.reeval:
             rl = json.loads((folder / "metrics" / "rl.json").read_text())
             rec["rl_metrics"] = {k: rl.get(k) for k in ("first_reward", "final_reward", "samples",

@@ -71,16 +71,24 @@ def run_arm(folder: Path, overrides: list[str], isa: str, chain: list[list[str]]
     return out
 
 
-def formats(folder: Path, model: str) -> dict[str, float]:
-    """The sampled completions' share in the chain-of-thought format and the accuracy within each format (the
-    arithmetic task's bare-answer demos are ``answer: N``): pass@1 = cot * acc_cot + (1 - cot) * acc_direct."""
-    import pyarrow.parquet as pq
+# What a completion in the short form starts with, per task: arithmetic's bare answer, code's one expression.
+DIRECT = {"arith": "answer:", "code": "return"}
 
+
+def formats(folder: Path, model: str) -> dict[str, float]:
+    """The sampled completions' share in the long format (arithmetic's chain of thought, code's line per step)
+    and the accuracy within each format (``DIRECT``; the task is the folder's ``params.yaml``'s):
+    pass@1 = cot * acc_cot + (1 - cot) * acc_direct."""
+    import pyarrow.parquet as pq
+    import yaml
+
+    kind = (yaml.safe_load((folder / "params.yaml").read_text()).get("task") or {}).get("kind", "arith")
     rows = pq.read_table(folder / "reports" / "evaluate" / "models" / model / "generations.parquet",
                          columns=["split", "mode", "completion", "correct"]).to_pylist()
     rows = [r for r in rows if r["mode"] == "sample" and r["split"] == "eval"]  # not the benchmark splits
-    cot = [r for r in rows if not r["completion"].lstrip().startswith("answer:")]
-    direct = [r for r in rows if r["completion"].lstrip().startswith("answer:")]
+    short = [r["completion"].lstrip().startswith(DIRECT[kind]) for r in rows]
+    cot = [r for r, d in zip(rows, short, strict=True) if not d]
+    direct = [r for r, d in zip(rows, short, strict=True) if d]
 
     def acc(rs: list[dict[str, Any]]) -> float | None:  # an unscorable sample (correct None) counts as wrong
         return round(sum(bool(r["correct"]) for r in rs) / len(rs), 4) if rs else None
