@@ -162,7 +162,7 @@ def main() -> None:
         secs["report"] = round(stage(folder, p, "report", env=env), 1)
         rec = {"arm": a.arm, "rl_seed": seed, "overrides": [*a.common, *a.arm_set], "reeval": a.reeval,
                "upstream": str(a.upstream), "seconds": secs, **evals(folder), "by_steps": by_steps(folder),
-               "formats": {m: formats(folder, m) for m in ("sft", "rl")}}
+               "formats": {m: formats(folder, m, p) for m in ("sft", "rl")}}
         if not a.reeval:
             rl = json.loads((folder / "metrics" / "rl.json").read_text())
             rec["rl_metrics"] = {k: rl.get(k) for k in ("first_reward", "final_reward", "samples",

@@ -75,14 +75,17 @@ def run_arm(folder: Path, overrides: list[str], isa: str, chain: list[list[str]]
 DIRECT = {"arith": "answer:", "code": "return"}
 
 
-def formats(folder: Path, model: str) -> dict[str, float]:
-    """The sampled completions' share in the long format (arithmetic's chain of thought, code's line per step)
-    and the accuracy within each format (``DIRECT``; the task is the folder's ``params.yaml``'s):
-    pass@1 = cot * acc_cot + (1 - cot) * acc_direct."""
+def formats(folder: Path, model: str, params: str = "params.yaml") -> dict[str, float | None]:
+    """The sampled completions' share in the long format (``cot``: arithmetic's chain of thought, code's line per
+    step) and the accuracy within each format (``DIRECT``; the task is that of ``folder / params``):
+    pass@1 = cot * acc_cot + (1 - cot) * acc_direct. All None on a task with no short form (``math``); a tool
+    call counts as the long form."""
     import pyarrow.parquet as pq
     import yaml
 
-    kind = (yaml.safe_load((folder / "params.yaml").read_text()).get("task") or {}).get("kind", "arith")
+    kind = (yaml.safe_load((folder / params).read_text()).get("task") or {}).get("kind", "arith")
+    if kind not in DIRECT:
+        return {"cot": None, "acc_cot": None, "acc_direct": None}
     rows = pq.read_table(folder / "reports" / "evaluate" / "models" / model / "generations.parquet",
                          columns=["split", "mode", "completion", "correct"]).to_pylist()
     rows = [r for r in rows if r["mode"] == "sample" and r["split"] == "eval"]  # not the benchmark splits
@@ -119,14 +122,14 @@ def main() -> None:
             a.out.parent.mkdir(parents=True, exist_ok=True)
             a.out.write_text(json.dumps(results, indent=1) + "\n")
             print(key, json.dumps(r), flush=True)
-    models = sorted({m for r in arms["arms"].values() for m in r if isinstance(r[m], dict) and m != "paired"})
+    models = sorted({m for r in arms["arms"].values() for m in r if isinstance(r[m], dict) and "greedy" in r[m]})
     print(f"\n{a.name}: {' '.join(a.overrides)}\n| model | metric | " + " | ".join(arms["arms"]) + " | range |")
     for m in models:
         for k in ("greedy", "pass@1"):
             vals = [r[m][k] for r in arms["arms"].values() if m in r and r[m].get(k) is not None]
             cells = " | ".join(f"{100 * v:.1f}" for v in vals)
-            spread = f"{100 * (max(vals) - min(vals)):.1f}" if vals else "-"
-            print(f"| {m} | {k} | {cells} | {spread} (sd {100 * statistics.pstdev(vals):.1f}) |")
+            spread = f"{100 * (max(vals) - min(vals)):.1f} (sd {100 * statistics.pstdev(vals):.1f})" if vals else "-"
+            print(f"| {m} | {k} | {cells} | {spread} |")
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from posttrain.tools.demos import demo_turn
 IGNORE = -100
 STYLES = ("cot", "direct")
 TOOL = "tool"  # the tool-use rendering (sft.phases[*].tool_frac > 0): call + observation (masked) + bare answer
-ENCODING_VERSION = 1  # bump when the rendering or encoding of a demo changes (it names the cache file)
+ENCODING_VERSION = 2  # bump when the rendering or encoding of a demo changes (it names the cache file)
 log = logging.getLogger("posttrain.sft_data")
 
 Example = tuple[list[int], list[int]]  # (input ids, labels: IGNORE on the prompt)

@@ -177,14 +177,3 @@ def _code_raw(tiny: dict) -> dict:
     raw["distill"]["max_new_tokens"] = 80
     return raw
 
-
-def test_a_generated_problem_is_shown_in_both_formats_though_it_carries_its_solution():
-    # curate stores the generator's line-per-step solution with the problem; the SFT demos render it per style, so
-    # `direct` must still be the one-expression form, or `sft.phases[*].cot_frac` does nothing on the code task
-    p, t, s = code.generate(random.Random(3), CodeTask(min_steps=2, max_steps=2))
-    task = get_task("code")
-    assert task.render(p, t, s, "cot") == s
-    direct = task.render(p, t, s, "direct")
-    assert direct == code.render(p, t, None, "direct") and direct.startswith(" return") and "\n" not in direct
-    human = "def g(x):\n    '''Twice x.'''\n"  # a problem that is not the synthetic task's renders its solution
-    assert task.render(human, "assert g(1) == 2", "    return 2 * x\n", "direct") == "    return 2 * x\n"
