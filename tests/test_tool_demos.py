@@ -93,7 +93,8 @@ def test_style_draws_without_tool_demos_are_unchanged():
 @pytest.mark.parametrize(("edit", "key"), [
     (lambda r: r["sft"]["phases"][0].update(cot_frac=0.7, tool_frac=0.5),
      "sft.phases[0].tool_frac: Value error, cot_frac + tool_frac = 1.2 > 1"),
-    (lambda r: (r["sft"]["phases"][0].update(cot_frac=0.7, tool_frac=0.3), r["tools"].update(names=["python"])), "tools.names"),
+    (lambda r: (r["sft"]["phases"][0].update(cot_frac=0.7, tool_frac=0.3), r["tools"].update(names=["python"])),
+     "tools.names"),
 ])
 def test_bad_tool_demo_config_names_the_key(edit, key):
     raw = repo_params()
