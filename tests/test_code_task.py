@@ -176,4 +176,3 @@ def _code_raw(tiny: dict) -> dict:
         raw[sec]["sampling"]["max_new_tokens"] = 80
     raw["distill"]["max_new_tokens"] = 80
     return raw
-
