@@ -181,6 +181,10 @@ def _render_lineage(tree: Any, verified: bool) -> Any:
             lines.append("  metrics: " + ", ".join(f"{k}={v}" for k, v in shown))
         if n.verdict:
             lines.append(f"  decontamination: {n.verdict}")
+        if n.origin:
+            from posttrain.lineage import origin_line
+
+            lines.append(f"  origin: {origin_line(n.origin)}")
         if n.pins:
             lines.append("  inputs: " + ", ".join(f"{k}={'unpinned' if v is None else v}" for k, v in n.pins.items()))
         if n.refs:

@@ -39,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 from posttrain import checkpoint, distillation, distributed, modeling, plots, seeds, training
-from posttrain.config import Params
+from posttrain.config import Params, TeacherLayers
 from posttrain.errors import StageError
 from posttrain.logprobs import Seq
 from posttrain.outputs import as_one_set, atomic_path
@@ -95,6 +95,12 @@ def _student(params: Params, tok: Any, teacher: Any, device: torch.device, meta:
             student = modeling.load_model(cfg.student, params.model.dtype, trainable=params.model.lora is None,
                                           revision=cfg.student_revision,
                                           attn_implementation=params.model.attn_implementation)
+    elif isinstance(cfg.student, TeacherLayers):  # cut from the teacher: its layers, embeddings and head
+        try:
+            student = modeling.keep_layers(teacher, cfg.student.layers,
+                                           "float32" if params.model.lora is None else params.model.dtype, meta)
+        except ValueError as e:
+            raise StageError(f"distill.student.layers: {e}") from None
     else:
         student = modeling.build_tiny_model(cfg.student, tok, seeds.student_init(params.seed),
                                            vocab_size=teacher.config.vocab_size)

@@ -1,9 +1,8 @@
 """sft: cold-start supervised fine-tuning on the curated demonstrations.
 
-Inputs: ``paths.curated_dir/sft.parquet``; the starting model ``model.base`` (``tiny`` = built from
-``model.tiny`` with a character tokenizer; or a local HF folder / hub id).
-Outputs: ``paths.base_model`` (the starting checkpoint, so evaluation and lineage have the exact base
-weights), ``paths.sft_model`` (HF checkpoint), ``paths.sft_report_dir/train_log.csv`` (for dvc plots),
+Inputs: ``paths.curated_dir/sft.parquet``; the starting model ``paths.base_model`` (the model stage's import of
+``model.base``: its tokenizer carries the prompt format).
+Outputs: ``paths.sft_model`` (HF checkpoint), ``paths.sft_report_dir/train_log.csv`` (for dvc plots),
 ``metrics/sft.json``.
 
 Data: demos tokenized once (rank 0, cached in the checkpoint folder, ``posttrain.sft_data``); ``sft.max_seq_len``
@@ -43,7 +42,8 @@ log = logging.getLogger("sft")
 
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
-    """Train. ``inputs``: demos (sft.parquet). ``out``: base_model, model, checkpoints, report_dir, metrics."""
+    """Train. ``inputs``: demos (sft.parquet), base (the imported base folder). ``out``: model, checkpoints,
+    report_dir, metrics."""
     with as_one_set(out, "sft"):  # a kill leaves the old outputs or the new ones, never a mix
         return _run(params, inputs, out)
 
@@ -54,10 +54,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     demos = read_problems(inputs["demos"])
     if not demos:
         raise ValueError(f"{inputs['demos']}: no demonstrations")
-    model, tok = modeling.init_base(params.model, params.seed, meta=d.loads_on_meta)  # FSDP2: rank 0 reads
-    if d.main:
-        with atomic_path(out["base_model"]) as tmp:
-            modeling.save_checkpoint(model, tok, tmp, params.model.dtype)
+    model, tok = modeling.load_base(str(inputs["base"]), params.model, meta=d.loads_on_meta)  # FSDP2: rank 0 reads
     model = modeling.make_trainable(model, params.model.lora, params.model.gradient_checkpointing)
     model = d.wrap((model if d.loads_on_meta else model.to(device)).train())  # meta: wrap materialises it
 
@@ -95,8 +92,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
 def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
     """This stage's inputs and outputs, from ``params.paths`` (used by ``main`` and by tests)."""
     P = p.paths
-    return {"demos": Path(P.curated_dir) / "sft.parquet"}, {
-        "base_model": Path(P.base_model), "model": Path(P.sft_model), "checkpoints": Path(P.sft_checkpoints),
+    return {"demos": Path(P.curated_dir) / "sft.parquet", "base": Path(P.base_model)}, {
+        "model": Path(P.sft_model), "checkpoints": Path(P.sft_checkpoints),
         "report_dir": Path(P.sft_report_dir), "metrics": Path(P.metrics_dir) / "sft.json"}
 
 

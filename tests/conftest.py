@@ -113,3 +113,21 @@ def GradCapture(params):  # noqa: N802 (used like the optimizer class it builds)
                           for g in self.param_groups for p in g["params"]]
 
     return _Capture(params)
+
+
+def import_base(p: Any) -> None:
+    """The model stage's output (``paths.base_model``) for params ``p``: what sft starts from."""
+    from stages import model
+
+    model.run(p, *model.paths(p))
+
+
+def tiny_model(cfg: Any, seed: int) -> tuple[Any, Any]:
+    """``model.base: tiny`` built as the model stage builds it (prompt format applied): (model, tokenizer)."""
+    import tempfile
+
+    from posttrain.modeling import imports
+
+    with tempfile.TemporaryDirectory() as work:
+        model, tok, _ = imports.import_base(cfg, seed, Path(work))
+    return model, tok

@@ -17,6 +17,7 @@ from posttrain.errors import StageError
 from posttrain.rewards import WHY_KEY, Sample, combine, is_correct, specs_of
 from posttrain.sandbox import Sandbox, SandboxUnavailable
 from posttrain.tasks import code, codeexec, get_task, verify_all
+from tests.conftest import import_base
 
 FAST = SandboxCfg(cpu_s=2, wall_s=5)
 PROMPT = "def f(a): # odd, add 3, sum"
@@ -152,6 +153,7 @@ def test_curate_sft_rollout_reward_on_the_code_task(tiny):
                                            "reward": reward}.items()}
     counts = curate.run(p, {}, outs["curate"][1])
     assert counts["sft"] == 100 and counts["train"] > 0
+    import_base(p)
     sft.run(p, *outs["sft"])
     rollout.run(p, *outs["rollout"])
     res = reward.run(p, *outs["reward"])

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, tiny_raw
+from conftest import REPO, tiny_model, tiny_raw
 from safetensors.torch import load_file
 
 from posttrain import checkpoint, modeling
@@ -42,8 +42,9 @@ TOL = 1e-6  # fp32: the same sums in another order
 
 def _params(root: Path, curated: Path | None, nproc: int, strategy: str = "ddp", edit=None) -> Path:
     raw = tiny_raw(root)
-    if curated is not None:
+    if curated is not None:  # the upstream of another run: its curated splits and its imported base
         raw["paths"]["curated_dir"] = str(curated)
+        raw["paths"]["base_model"] = str(curated.parents[1] / "models" / "base")
     raw["runtime"].update({"train_threads": 1, "generate_threads": 1,
                            "distributed": {"nproc_per_node": nproc, "strategy": strategy, "timeout_s": 60}})
     if edit:
@@ -77,7 +78,7 @@ def _shard(tmp_path: Path) -> tuple[Path, Path]:
     """A tiny policy folder and one step's scored rollouts of it (4 prompts x 4 samples), as the rl stage
     persists them."""
     p = parse_params(tiny_raw(tmp_path))
-    model, tok = modeling.init_base(p.model, p.seed)
+    model, tok = tiny_model(p.model, p.seed)
     policy = tmp_path / "policy"
     modeling.save_checkpoint(model, tok, policy)
     problems = []
@@ -169,6 +170,7 @@ def test_sft_at_world_size_2_equals_world_size_1_and_a_killed_rank_fails_cleanly
                            "checkpoint_every": 20})
 
     one = _params(tmp_path / "w1", None, 1, edit=long)
+    _ok(_stage("model", one))
     _ok(_stage("curate", one))
     curated = tmp_path / "w1" / "data" / "curated"
     _ok(_stage("sft", one))
@@ -310,7 +312,7 @@ def test_sft_of_a_loaded_base_under_fsdp2_reads_it_on_rank_0_only_and_equals_wor
     """model.base a folder (not the built tiny model): under FSDP2 rank 1 builds it on the meta device and gets
     rank 0's weights through the shards; the SFT result equals world size 1's."""
     p = parse_params(tiny_raw(tmp_path))
-    model, tok = modeling.init_base(p.model, p.seed)
+    model, tok = tiny_model(p.model, p.seed)
     base = tmp_path / "base"
     modeling.save_checkpoint(model, tok, base)
 
@@ -318,6 +320,7 @@ def test_sft_of_a_loaded_base_under_fsdp2_reads_it_on_rank_0_only_and_equals_wor
         raw["model"]["base"] = str(base)
 
     one = _params(tmp_path / "w1", None, 1, edit=edit)
+    _ok(_stage("model", one))
     _ok(_stage("curate", one))
     two = _params(tmp_path / "fsdp2", tmp_path / "w1" / "data" / "curated", 2, "fsdp2", edit)
     _ok(_stage("sft", one))

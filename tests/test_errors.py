@@ -77,7 +77,9 @@ def test_model_that_cannot_be_loaded(tiny, tmp_path, capsys, monkeypatch, base, 
 
     write_parquet(d / "sft.parquet", [{"id": "a:0", "source": "a", "task": "arith", "prompt": "12*3=", "answer": "36",
                                        "solution": None}], PROBLEM_SCHEMA)
-    code, err = _main(tmp_path, tiny, sft, capsys)
+    from stages import model
+
+    code, err = _main(tmp_path, tiny, model, capsys)  # the model stage imports model.base
     line = _one_line(err)
     assert code == 1 and expected in line, line
 

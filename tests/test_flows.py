@@ -278,7 +278,8 @@ def test_two_machines_share_only_the_server_and_a_dvc_remote_and_a_killed_worker
             assert _mtimes(repos[pool], list(mt)) == mt
         rl = json.loads((repos["gpu"] / "metrics" / "rl.json").read_text())
         assert rl["resumed_from_step"] >= 2 and rl["shards"] == 40
-        stages = {"curate", "sft", "rollout", "reward", "rl", "distill", "evaluate@rl", "evaluate@student", "report"}
+        stages = {"model", "curate", "sft", "rollout", "reward", "rl", "distill", "evaluate@rl", "evaluate@student",
+                  "report"}
         for pool, repo in repos.items():  # each machine: a complete dvc.lock, every output pullable, lineage ok
             lock = yaml.safe_load((repo / "dvc.lock").read_text())
             # the gpu checkout hears of cpu stages when its next gpu group starts: report (cpu) ran after the last

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from posttrain import outputs
+from tests.conftest import import_base
 
 
 def _digest(p: Path) -> str:
@@ -76,12 +77,14 @@ def test_sft_killed_mid_training_leaves_its_previous_outputs_whole(tiny, tmp_pat
 
     p = parse_params(tiny)
     curate.run(p, *curate.paths(p))
+    import_base(p)
     sft.run(p, *sft.paths(p))
     _, out = sft.paths(p)
     before = {k: _digest(v) for k, v in out.items() if k != "checkpoints"}
     p2 = parse_params({**tiny, "seed": 1})  # another base model
     monkeypatch.setattr(training, "sft_train", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
+        import_base(p2)
         sft.run(p2, *sft.paths(p2))
     assert {k: _digest(v) for k, v in out.items() if k != "checkpoints"} == before
     assert len((out["report_dir"] / "train_log.csv").read_text().splitlines()) == 1  # the killed run's, live

@@ -58,7 +58,7 @@ def _keys(root: Path, step: int) -> list[tuple]:
 
 def test_async_rl_sigkilled_leaves_no_generator_and_resumes_without_gaps_or_repeats(tmp_path):
     straight = _params(tmp_path / "straight")
-    for up in ("curate", "sft", "rollout", "reward"):
+    for up in ("model", "curate", "sft", "rollout", "reward"):
         p = _stage(up, straight)
         assert p.wait() == 0, _tail(p)
     shutil.copytree(tmp_path / "straight", tmp_path / "killed")

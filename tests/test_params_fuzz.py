@@ -45,6 +45,7 @@ ACCEPTED = {
                              "rollout.vllm.max_num_batched_tokens",  # vLLM's default
                              "sft.max_seq_len",  # no limit (the default)
                              "judge.serve",  # no judge server (the default)
+                             "model.sha256",  # nothing to pin (the default tiny base)
                              )},
     # null: the platform's (sleep: 2 on GPU, 0 on CPU; chunked prefill: off on CPU); 0/false: off
     **{k: {"null", "zero"} for k in ("rollout.vllm.sleep_level", "rollout.vllm.enable_chunked_prefill")},

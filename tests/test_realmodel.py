@@ -129,3 +129,28 @@ def test_distill_student_must_share_the_teachers_tokenizer(tmp_path, tiny):
     s = distill._student(p, t_tok, modeling.load_model(str(teacher)), torch.device("cpu"))
     assert s.config.vocab_size == 320  # the padded head of the checkpoint, not len(tokenizer) = 300
     assert s.generation_config.eos_token_id == modeling.load_model(str(teacher)).generation_config.eos_token_id
+
+
+def test_a_student_cut_from_the_teacher_keeps_its_first_and_last_layers_and_computes_as_they_do(tmp_path, tiny):
+    """distill.student: {layers: 2} of a 4-layer teacher: layers 0 and 3 (round(i * 3 / 1) for i = 0, 1), the
+    embeddings, norm and head; its logits equal the teacher's with layers 1 and 2 taken out."""
+    import copy
+
+    from stages import distill
+
+    teacher = qwen2(bpe_tokenizer(300), hidden=32, layers=4, seed=5).eval()
+    p = parse_params({**tiny, "distill": {**tiny["distill"], "student": {"layers": 2}}})
+    s = distill._student(p, bpe_tokenizer(300), teacher, torch.device("cpu")).eval()
+    assert s.config.num_hidden_layers == 2 and modeling.num_params(s) < modeling.num_params(teacher)
+    assert torch.equal(s.model.layers[1].mlp.up_proj.weight, teacher.model.layers[3].mlp.up_proj.weight)
+    assert s.model.layers[1].mlp.up_proj.weight.data_ptr() != teacher.model.layers[3].mlp.up_proj.weight.data_ptr()
+    ref = copy.deepcopy(teacher)
+    ref.model.layers = torch.nn.ModuleList([ref.model.layers[0], ref.model.layers[3]])
+    ref.config.num_hidden_layers = 2
+    ids = torch.randint(0, 300, (2, 12))
+    with torch.no_grad():
+        assert torch.allclose(s(ids, use_cache=False).logits, ref(ids, use_cache=False).logits, atol=1e-6)
+    assert [round(i * 29 / 14) for i in range(15)][::7] == [0, 14, 29]  # SmolLM2-135M's 30 -> 15: ends kept
+    too_many = parse_params({**tiny, "distill": {**tiny["distill"], "student": {"layers": 4}}})
+    with pytest.raises(StageError, match="distill.student.layers: keep 4 of 4 layers"):
+        distill._student(too_many, bpe_tokenizer(300), teacher, torch.device("cpu"))

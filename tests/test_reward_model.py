@@ -189,8 +189,10 @@ def test_default_params_have_no_reward_model_stage():
 
 # ------------------------------------------------------------------------------------------ run()
 def _sft_folder(tiny: dict[str, Any], path: Path) -> None:
+    from conftest import tiny_model
+
     cfg = ModelCfg.model_validate(tiny["model"])
-    model, tok = modeling.init_base(cfg, 0)
+    model, tok = tiny_model(cfg, 0)
     modeling.save_checkpoint(model, tok, path)
 
 

@@ -93,3 +93,30 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert seen == {0, 1}  # 0.5 + 0.3 reaches 0.8: tokens 2 and 3 are cut
     tok, lp = sample_next(logits, SamplingParams(1.0, 0.8, 4, 0), gen)
     assert torch.allclose(lp.exp(), torch.tensor([0.5 / 0.8, 0.3 / 0.8])[tok])  # renormalised nucleus
+
+
+def test_the_growing_kv_cache_computes_what_transformers_dynamic_cache_does(tiny_model):
+    """rollout/hf.py's GrowingLayer writes in place where DynamicLayer concatenates: the same logits through a
+    prefill, the repeat for n samples, decode steps past a buffer doubling, and rows dropped mid-way."""
+    from transformers import DynamicCache
+
+    from posttrain.rollout.hf import growing_cache
+
+    model, _ = tiny_model
+    ids = torch.randint(4, 90, (3, 40))
+    outs = []
+    for cache in (DynamicCache(config=model.config), growing_cache(model.config)):
+        with torch.no_grad():
+            logits = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]]
+            cache.batch_repeat_interleave(2)
+            tok = logits[0].argmax(-1).repeat_interleave(2)[:, None]
+            for step in range(60):  # 40 + 60 positions: past the first 64-position buffer
+                if step == 30:
+                    cache.batch_select_indices(torch.tensor([0, 2, 5]))
+                    tok = tok[[0, 2, 5]]
+                logits.append(model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1])
+                tok = logits[-1].argmax(-1)[:, None]
+        outs.append(logits)
+    assert cache.get_seq_length() == 100
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)

@@ -37,7 +37,7 @@ def _params(root: Path) -> Path:
 
 def test_rollout_sigkill_then_rerun_resumes_without_duplicates_or_gaps(tmp_path):
     straight = _params(tmp_path / "straight")
-    for up in ("curate", "sft"):
+    for up in ("model", "curate", "sft"):
         assert _stage(up, straight).wait() == 0
     shutil.copytree(tmp_path / "straight", tmp_path / "killed")
     killed = _params(tmp_path / "killed")

@@ -104,7 +104,7 @@ def test_rl_sigkill_then_rerun_resumes_without_repeating_or_skipping_steps(tmp_p
         root = Path(raw["paths"]["metrics_dir"]).parent  # each copy its own store
         raw["tracking"] = {"enabled": True, "uri": f"sqlite:///{root / 'mlflow.db'}"}
 
-    m, killed_at = _straight_and_killed(tmp_path, "rl", ("curate", "sft", "rollout", "reward"), edit, "rl",
+    m, killed_at = _straight_and_killed(tmp_path, "rl", ("model", "curate", "sft", "rollout", "reward"), edit, "rl",
                                         before_kill=lambda raw: raw["rl"].update({"steps": 20}),
                                         after_kill=_live_rows_survive_the_kill)
     runs = ("straight", "killed")
@@ -145,7 +145,7 @@ def _check_tracking_and_lineage(repo: Path, rl_steps: int, models: tuple[str, ..
     parents = [r for r in runs if r.info.run_name == "pipeline"]
     assert len(parents) == 1
     children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
-    assert set(children) == {"curate", "sft", "rollout", "reward", "rl", "distill", "report",
+    assert set(children) == {"model", "curate", "sft", "rollout", "reward", "rl", "distill", "report",
                              *(f"evaluate@{m}" for m in models)}
     assert len(client.get_metric_history(children["rl"].info.run_id, "reward_mean")) == rl_steps  # every step
     assert client.get_model_version_by_alias("posttrain-student", "candidate").tags["parent_version"] == \
@@ -166,7 +166,8 @@ def _check_tracking_and_lineage(repo: Path, rl_steps: int, models: tuple[str, ..
 
     walk(tree)
     assert seen == {"distill": ["curate", "rl"], "rl": ["curate", "reward", "sft"], "reward": ["rollout"],
-                    "rollout": ["curate", "sft"], "sft": ["curate"], "curate": []}  # dvc.yaml's DAG
+                    "rollout": ["curate", "sft"], "sft": ["curate", "model"], "curate": [],
+                    "model": []}  # dvc.yaml's DAG
     assert "contaminated" in json.dumps(tree)  # the curate node carries the decontamination verdict
 
     weights = repo / "models" / "rl" / "model.safetensors"
@@ -184,7 +185,7 @@ def test_distill_sigkill_then_rerun_resumes_to_the_same_student(tmp_path):
         raw["distill"]["on_policy"]["steps"] = 40
         raw["distill"]["checkpoint_every"] = 5
 
-    _straight_and_killed(tmp_path, "distill", ("curate", "sft", "rollout", "reward", "rl"), edit, "student")
+    _straight_and_killed(tmp_path, "distill", ("model", "curate", "sft", "rollout", "reward", "rl"), edit, "student")
     runs = ("straight", "killed")
     logs = {n: (tmp_path / n / "reports" / "distill" / "train_log.csv").read_text().splitlines() for n in runs}
     strip = [[",".join(line.split(",")[:-1]) for line in logs[n]] for n in runs]  # drop the seconds column

@@ -14,6 +14,7 @@ from posttrain.errors import StageError
 from posttrain.metrics import pass_at_k, wilson_ci
 from posttrain.schema import read_parquet, read_problems
 from stages import curate, distill, evaluate, report, reward, rl, rollout, sft
+from tests.conftest import import_base
 
 STAGES = {"curate": curate, "sft": sft, "rollout": rollout, "reward": reward, "rl": rl, "distill": distill,
           "report": report}  # evaluate runs per model: evaluate.paths(p, name)
@@ -29,6 +30,7 @@ def _ins(p, name):
 
 def _upstream_of_rl(p, o) -> None:
     curate.run(p, {}, o["curate"])
+    import_base(p)
     sft.run(p, _ins(p, "sft"), o["sft"])
     rollout.run(p, _ins(p, "rollout"), o["rollout"])
     reward.run(p, {"rollouts": o["rollout"]["rollouts"]}, o["reward"])
@@ -162,6 +164,7 @@ def test_sft_counts_what_max_seq_len_truncates_in_its_metrics(tiny):
     p = parse_params(tiny)
     o = _outs(p)
     curate.run(p, {}, o["curate"])
+    import_base(p)
     m = sft.run(p, _ins(p, "sft"), o["sft"])
     written = json.loads(Path(o["sft"]["metrics"]).read_text())
     assert written["truncated"] == m["truncated"] > 0 and written["truncated_tokens"] > m["truncated"]
@@ -172,6 +175,7 @@ def test_sft_then_evaluate(tiny, monkeypatch):
     p = parse_params(tiny)
     o = _outs(p)
     curate.run(p, {}, o["curate"])
+    import_base(p)
     m = sft.run(p, _ins(p, "sft"), o["sft"])
     assert m["steps"] == 8 and m["resumed_from_step"] == 0
     assert m["demos_trained"] == m["demos"] and m["dropped_overlong"] == m["truncated"] == 0  # no max_seq_len
@@ -219,6 +223,7 @@ def test_evaluate_counts_unscorable_gold_out_of_denominators(tiny, tmp_path):
     p = parse_params(tiny)
     o = _outs(p)
     curate.run(p, {}, o["curate"])
+    import_base(p)
     sft.run(p, _ins(p, "sft"), o["sft"])
     rows = [{"id": "g:0", "source": "g", "task": "arith", "prompt": "12*3=", "answer": "36", "solution": None},
             {"id": "g:1", "source": "g", "task": "arith", "prompt": "12*4=", "answer": "n/a", "solution": None}]
@@ -235,6 +240,7 @@ def test_rollout_reward_rl_then_evaluate(tiny):
     o = _outs(p)
     P = p.paths
     curate.run(p, {}, o["curate"])
+    import_base(p)
     sft.run(p, _ins(p, "sft"), o["sft"])
 
     m = rollout.run(p, _ins(p, "rollout"), o["rollout"])
@@ -349,6 +355,7 @@ def test_distill_seed_varies_the_phases_not_the_cold_start(tiny):
         o = _outs(p)
         if seed == 0:
             curate.run(p, {}, o["curate"])
+            import_base(p)
             sft.run(p, _ins(p, "sft"), o["sft"])
         distill.run(p, _ins(p, "distill"), o["distill"])
         digests.append([modeling.checkpoint_digest(Path(x)) for x in (p.paths.student_sft_model,

@@ -8,6 +8,7 @@ import pytest
 
 from posttrain import streaming
 from posttrain.streaming import PartialParquet, rebatch
+from tests.conftest import import_base
 
 SCHEMA = pa.schema([("prompt_id", pa.string()), ("sample", pa.int32())])
 KEY = {"params": "p1", "train": "t1", "policy": "w1"}
@@ -112,6 +113,7 @@ def test_rollout_stage_resumes_after_a_crash_and_starts_over_on_another_config(t
                             "checkpoint_every_s": 0})  # a part per chunk
     p = parse_params(tiny)
     curate.run(p, *curate.paths(p))
+    import_base(p)
     sft.run(p, *sft.paths(p))
     ins, out = rollout.paths(p)
     rollout.run(p, ins, out)

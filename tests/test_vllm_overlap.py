@@ -49,7 +49,7 @@ def test_vllm_generators_at_staleness_0_equal_the_synchronous_vllm_loop_and_at_1
     raw["rl"]["steps"] = 4
     up = tmp_path / "up"
     copy_repo(up, raw)
-    for name in ("curate", "sft", "rollout", "reward"):
+    for name in ("model", "curate", "sft", "rollout", "reward"):
         _stage(up, name)
     out = {}
     for arm, ov in ARMS.items():

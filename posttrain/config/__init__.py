@@ -19,7 +19,7 @@ from posttrain.config.curate import (
     SyntheticSource,
     Validation,
 )
-from posttrain.config.distill import Distill, DistillOnPolicy, DistillPhase, DistillWarmup
+from posttrain.config.distill import Distill, DistillOnPolicy, DistillPhase, DistillWarmup, TeacherLayers
 from posttrain.config.evaluate import Evaluate, Report
 from posttrain.config.judge import Judge, LlmJudgeKwargs
 from posttrain.config.model import LoraCfg, ModelCfg, PromptCfg, TinyModel
@@ -45,7 +45,8 @@ __all__ = [
     "LlmJudgeKwargs", "LoraCfg",
     "MathTask", "ModelCfg", "NOT_RESULT", "Params", "Paths", "PrefectCfg", "PromptCfg", "RefReset", "Refusal", "Report",
     "Reward", "RewardModel", "RewardSpec", "Rl", "RlSampling", "RlSelect", "Rollout", "Runtime", "Sampling",
-    "SandboxCfg", "Section", "Sft", "SftPhase", "SourceSpec", "SyntheticSource", "TaskSpec", "Tis", "TinyModel",
+    "SandboxCfg", "Section", "Sft", "SftPhase", "SourceSpec", "SyntheticSource", "TaskSpec", "TeacherLayers", "Tis",
+    "TinyModel",
     "ToolsCfg", "TrackingCfg", "VLLMOptions", "Validation", "load_params", "parse_overrides", "parse_params",
     "read_yaml", "render_overrides", "stage_metrics",
 ]

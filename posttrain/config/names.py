@@ -36,7 +36,7 @@ DEDUP_METHODS = ("ngram", "minhash")  # posttrain.dedup.METHODS (params may also
 
 # DAG order, as in dvc.yaml; evaluate runs once per model (evaluate@<name>, a foreach stage), reward_model once
 # per reward model (reward_model@<name>; none by default)
-STAGES = ("curate", "sft", "rollout", "reward", "reward_model", "rl", "distill", "evaluate", "report")
+STAGES = ("model", "curate", "sft", "rollout", "reward", "reward_model", "rl", "distill", "evaluate", "report")
 
 # Keys renamed so that one concept has one name; the old key is refused naming the new one.
 RENAMED = {

@@ -16,7 +16,8 @@ class Paths(Section):
 
     curated_dir: PathStr = Field(description="curate outputs: train.parquet, sft.parquet, eval.parquet, quarantine")
     curate_report_dir: PathStr = Field(description="decontamination report (JSON + Markdown)")
-    base_model: PathStr = Field(description="the starting checkpoint, saved by sft (HF folder)")
+    base_model: PathStr = Field(description="the starting checkpoint, imported by the model stage (HF folder + "
+                                "manifest.json)")
     sft_model: PathStr = Field(description="the cold-start SFT checkpoint (HF folder)")
     sft_checkpoints: PathStr = Field(description="resumable sft checkpoints; NOT a DVC out, so a re-run finds them")
     sft_report_dir: PathStr = Field(description="sft training log (CSV for dvc plots)")

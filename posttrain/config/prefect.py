@@ -14,8 +14,8 @@ class PrefectCfg(Section):
     """How ``flows/pipeline.py`` schedules the stages (read by the flow, by no stage: no dvc.yaml param)."""
 
     resources: dict[str, Literal["cpu", "gpu"]] = Field(
-        default_factory=lambda: {"curate": "cpu", "sft": "gpu", "rollout": "gpu", "reward": "cpu", "rl": "gpu",
-                                 "distill": "gpu", "evaluate": "gpu"},
+        default_factory=lambda: {"model": "cpu", "curate": "cpu", "sft": "gpu", "rollout": "gpu", "reward": "cpu",
+                                 "rl": "gpu", "distill": "gpu", "evaluate": "gpu"},
         description="resource class per stage: a 'gpu' stage runs as a stage-flow deployment on gpu_pool "
         "when the pipeline runs with routing on; a 'cpu' stage runs in the pipeline's own flow run",
     )

