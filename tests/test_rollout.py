@@ -120,3 +120,19 @@ def test_the_growing_kv_cache_computes_what_transformers_dynamic_cache_does(tiny
     assert cache.get_seq_length() == 100
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_sampler_draws_each_token_with_its_probability():
+    """Inverse-transform sampling (one uniform per row) against the softmax it samples: probabilities 0.5, 0.25,
+    0.125, 0.125 at temperature 1; at temperature 2 the logits halve: 0.3752, 0.2653, 0.1876, 0.1720 ... computed
+    as softmax(log([.5, .25, .125, .125]) / 2) = sqrt(p) / sum(sqrt(p)) = [.7071, .5, .3536, .3536] / 1.9142."""
+    from posttrain.rollout.hf import sample_next
+
+    p = torch.tensor([0.5, 0.25, 0.125, 0.125])
+    logits = p.log().repeat(40_000, 1)
+    gen = torch.Generator().manual_seed(0)
+    for temperature, want in ((1.0, p), (2.0, torch.tensor([0.7071, 0.5, 0.3536, 0.3536]) / 1.9142)):
+        tok, lp = sample_next(logits, SamplingParams(temperature, 1.0, 4, 0), gen)
+        freq = torch.bincount(tok, minlength=4) / len(tok)
+        assert torch.allclose(freq, want, atol=0.01), (temperature, freq)  # 3 sigma of 40,000 draws: ~0.0075
+        assert torch.allclose(lp, want.log()[tok], atol=1e-3)

@@ -2,12 +2,14 @@
 prompts x samples.
 
 Prompts are left-padded and prefilled once: one prefill serves a prompt's n samples (its KV cache is
-repeated n times). Then one token per step for every live row. A row that emits EOS leaves the batch at
-once (its KV-cache rows are dropped with ``Cache.batch_select_indices``), so late steps only pay for the
-sequences still running. A row stops at any of the model's stop token ids (every EOS id of its
+repeated n times). Then one token per step for every live row; late steps only pay for the sequences still
+running (finished rows leave in groups, below). A row stops at any of the model's stop token ids (every EOS id of its
 generation_config, e.g. Qwen's <|im_end|> and <|endoftext|>) or when its decoded tail contains one of
 generation_config.stop_strings or of the call's ``sampling.stop`` (the tool loop's closing call tags; the text
 is cut before the model's own, the token ids keep everything sampled); the rest of the batch keeps decoding.
+Finished rows stay in the batch (computed, never sampled or recorded) until they are a quarter of it, then leave
+together: dropping a row copies every layer's KV cache, and one copy per finished row made a 128-row batch of
+~130-token GSM8K answers spend most of its time copying.
 Sampling applies temperature, then top-p, and records the log-prob of each sampled token under that processed
 distribution (the sampler's log-prob). Each chunk is seeded from ``sampling.seed`` and its index with its own
 ``torch.Generator``: the same call gives the same completions. Works on CPU and GPU (the model's device).
@@ -33,28 +35,35 @@ from posttrain.modeling import stop_ids
 from posttrain.rollout.base import Completion, SamplingParams, cut_before
 
 
-def sample_next(logits: torch.Tensor, s: SamplingParams, gen: torch.Generator | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(logits: torch.Tensor, s: SamplingParams, gen: torch.Generator | None,
+                u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits [b, V] -> (token [b], its log-prob under the processed distribution [b]).
 
     Greedy (temperature 0): argmax, log-prob under the unscaled softmax. Otherwise logits / temperature,
     then nucleus filtering (the smallest set of tokens whose probability reaches ``top_p``; the top token
-    always stays), renormalised, and one multinomial draw.
+    always stays), renormalised, and one draw by inverse transform: a uniform u per row, the first token whose
+    cumulative probability exceeds u. One random number per row: ``torch.multinomial`` draws an exponential
+    per vocabulary entry (49,152 per row on SmolLM2), 476 ms a step at 256 rows on this CPU against 67 ms.
+    ``u`` [b, 1]: the uniforms to use (the decode loop draws one per original row, so a row's samples do not depend
+    on which other rows are still running); None: drawn from ``gen``.
     """
     logits = logits.float()
     if s.temperature == 0:
-        logp = torch.log_softmax(logits, dim=-1)
-        tok = logp.argmax(-1)
-        return tok, logp.gather(-1, tok[:, None]).squeeze(1)
+        tok = logits.argmax(-1)
+        return tok, logits.gather(-1, tok[:, None]).squeeze(1) - torch.logsumexp(logits, -1)
     logits = logits / s.temperature
     if s.top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs >= s.top_p  # mass before this token already reaches top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    logp = torch.log_softmax(logits, dim=-1)
-    tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(1)
+    lse = torch.logsumexp(logits, -1, keepdim=True)  # [b, 1]
+    cdf = (logits - lse).exp_().cumsum_(-1)  # [b, V]; a filtered token adds nothing: never drawn
+    if u is None:
+        u = torch.rand((logits.shape[0], 1), generator=gen, device=logits.device)
+    u = u * cdf[:, -1:]
+    tok = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
+    return tok, (logits.gather(-1, tok[:, None]) - lse).squeeze(1)
 
 
 class GrowingLayer(DynamicLayer):
@@ -155,7 +164,8 @@ class HFBackend:
             logits, mask, pos = (x.repeat_interleave(n, dim=0) for x in (logits, mask, pos))
         b = k * n
         next_pos = pos[:, -1] + 1
-        live = torch.arange(b, device=device)  # original row of each row still decoding
+        rows = torch.arange(b, device=device)  # original row of each batch row
+        alive = torch.ones(b, dtype=torch.bool, device=device)  # batch rows still decoding
         tokens = torch.full((b, s.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         logps = torch.zeros((b, s.max_new_tokens), device=device)
         lengths = torch.full((b,), s.max_new_tokens, dtype=torch.long, device=device)
@@ -163,20 +173,25 @@ class HFBackend:
         stop = torch.tensor(self.stop_ids, device=device)
         strings = self.stop_strings + [x for x in s.stop if x not in self.stop_strings]  # the model's + this call's
         window = 4 * max((len(x) for x in strings), default=0) + 1  # tokens: >= 1 byte each
+        tok = torch.full((b,), self.pad_id, dtype=torch.long, device=device)
         for t in range(s.max_new_tokens):
-            tok, lp = sample_next(logits, s, gen)
-            tokens[live, t], logps[live, t] = tok, lp
-            done = torch.isin(tok, stop)
+            live = rows[alive]
+            u = torch.rand((b, 1), generator=gen, device=device)[live]  # a uniform per original row, every step
+            tok[alive], lp = sample_next(logits[alive], s, gen, u)  # finished rows sample nothing
+            tokens[live, t], logps[live, t] = tok[alive], lp
+            done = torch.isin(tok[alive], stop)
             if strings:  # decode each live row's tail: a stop string just completed?
                 tails = tokens[live, max(0, t + 1 - window) : t + 1].tolist()
                 done |= torch.tensor([any(x in self.tok.decode(r) for x in strings) for r in tails], device=device)
             if done.any():
                 lengths[live[done]], stopped[live[done]] = t + 1, True
-                keep = (~done).nonzero().squeeze(1)
-                if keep.numel() == 0:
+                alive[alive.nonzero().squeeze(1)[done]] = False
+                if not alive.any():
                     break
-                cache.batch_select_indices(keep)
-                live, tok, mask, next_pos = live[keep], tok[keep], mask[keep], next_pos[keep]
+                if 4 * (~alive).sum() >= alive.numel():  # drop finished rows once they are a quarter of the batch:
+                    keep = alive.nonzero().squeeze(1)  # each drop copies the whole KV cache
+                    cache.batch_select_indices(keep)
+                    rows, alive, tok, mask, next_pos = rows[keep], alive[keep], tok[keep], mask[keep], next_pos[keep]
             if t + 1 == s.max_new_tokens:
                 break
             mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
