@@ -25,6 +25,7 @@ from posttrain.config import (
 from posttrain.errors import StageError
 from posttrain.schema import Problem
 from posttrain.tasks import ADAPTERS, FORMAT_TASK, get_task
+from posttrain.tasks.mathfmt import gsm8k_steps
 
 # A raw row: (row id, parsed dict) or (row id, error reason) when it could not even be read.
 Raw = tuple[str, dict[str, Any] | None, str | None]
@@ -91,9 +92,12 @@ def read_source(src: SourceSpec | BenchmarkSpec, task: Any, seed: int) -> Iterat
     raw = _jsonl(src) if isinstance(src, FileSource) and src.path.endswith((".jsonl", ".json")) \
         else _datasets_rows(src)
     adapter = ADAPTERS[src.format]
+    max_steps = getattr(src, "max_steps", None)
     for rid, obj, err in raw:
         if err is not None:
             yield rid, None, err
+            continue
+        if max_steps is not None and gsm8k_steps(obj) > max_steps:  # selected out, like rows past `limit`
             continue
         try:
             yield rid, adapter(obj), None

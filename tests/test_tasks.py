@@ -96,3 +96,26 @@ def test_a_generated_problem_is_shown_in_both_formats_though_it_carries_its_solu
     assert direct == code.render(p, t, None, "direct") and direct.startswith(" return") and "\n" not in direct
     human = "def g(x):\n    '''Twice x.'''\n"  # a problem that is not the synthetic task's renders its solution
     assert task.render(human, "assert g(1) == 2", "    return 2 * x\n", "direct") == "    return 2 * x\n"
+
+
+def test_a_gsm8k_source_reads_only_problems_of_at_most_max_steps_calculations(tmp_path):
+    """max_steps counts the reference solution's <<a*b=c>> annotations: rows of 1, 2 and 3 calculations with
+    max_steps 2 -> the first two are read; any other format refuses the key at load."""
+    import json
+
+    from posttrain.config import ConfigError, FileSource, MathTask, parse_params
+    from posttrain.sources import read_source
+    from tests.conftest import tiny_raw
+
+    rows = [{"question": f"q{k}", "answer": "".join(f"a <<{i}+1={i + 1}>>{i + 1}\n" for i in range(k)) + f"#### {k}"}
+            for k in (1, 2, 3)]
+    f = tmp_path / "g.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [mathfmt.gsm8k_steps(r) for r in rows] == [1, 2, 3]
+    src = FileSource(name="g", path=str(f), format="gsm8k", max_steps=2)
+    assert [obj["answer"] for _, obj, _ in read_source(src, MathTask(), 0)] == ["1", "2"]
+    raw = tiny_raw(tmp_path)
+    raw["curate"]["decontam"]["benchmarks"] = [{"kind": "file", "name": "m", "path": str(f), "format": "math",
+                                                "max_steps": 2}]
+    with pytest.raises(ConfigError, match=r"curate.decontam.benchmarks\[0\].max_steps: .*counts GSM8K"):
+        parse_params(raw)

@@ -19,7 +19,23 @@ class SyntheticSource(Section):
     num_rows: int = Field(4000, ge=1, le=MAX_ROWS, description="rows to generate (duplicates are then removed)")
 
 
-class FileSource(Section):
+class _Rows(Section):
+    """Which of a file's or hub set's rows are read (after the fields of the source itself)."""
+
+    format: str
+    limit: int | None = Field(None, ge=1, le=MAX_ROWS, description="read at most this many rows")
+    max_steps: int | None = Field(None, ge=0, le=100, description="format gsm8k: read only rows whose reference "
+                                  "solution makes at most this many calculations (its <<a*b=c>> annotations); "
+                                  "e.g. 2 for GSM8K's one- and two-step problems")
+
+    @model_validator(mode="after")
+    def _steps(self) -> _Rows:
+        if self.max_steps is not None and self.format != "gsm8k":
+            raise Refusal("max_steps", f"counts GSM8K's calculation annotations: format {self.format!r} has none")
+        return self
+
+
+class FileSource(_Rows):
     """A local JSONL or Parquet file, read line by line (JSONL) so malformed rows are quarantined."""
 
     kind: Literal["file"] = "file"
@@ -29,7 +45,6 @@ class FileSource(Section):
         description="gsm8k: question/answer with '#### n'; math: problem/answer (or solution with \\boxed{}); "
         "generic: prompt/answer[/solution]; humaneval: prompt/test/entry_point[/canonical_solution] (task code)"
     )
-    limit: int | None = Field(None, ge=1, le=MAX_ROWS, description="read at most this many rows")
 
     @field_validator("path")
     @classmethod
@@ -39,7 +54,7 @@ class FileSource(Section):
         return v
 
 
-class HubSource(Section):
+class HubSource(_Rows):
     """A dataset loaded by ``datasets.load_dataset(hub_id, config, split=split)``."""
 
     kind: Literal["hub"] = "hub"
@@ -50,7 +65,6 @@ class HubSource(Section):
     revision: str | None = Field(None, description="dataset revision (commit sha, tag or branch): pin a sha for a "
                                  "reproducible run; recorded in the curate report and MLflow")
     format: Literal[names.FORMATS] = Field(description="see FileSource.format")
-    limit: int | None = Field(None, ge=1, le=MAX_ROWS, description="read at most this many rows")
 
 
 SourceSpec = Annotated[SyntheticSource | FileSource | HubSource, Field(discriminator="kind")]

@@ -155,6 +155,12 @@ def last_boxed(text: str) -> str | None:
     return text[start : j - 1] if depth == 0 else None
 
 
+def gsm8k_steps(row: dict[str, Any]) -> int:
+    """Calculations a GSM8K reference solution makes: its ``<<a*b=c>>`` annotations (0 for a row without any)."""
+    a = row.get("answer")
+    return len(_CALC_RE.findall(a)) if isinstance(a, str) else 0
+
+
 def from_gsm8k(row: dict[str, Any]) -> dict[str, Any]:
     """GSM8K ``{question, answer: '...#### 72'}`` -> ``{prompt, answer, solution}``."""
     q, a = row.get("question"), row.get("answer")
