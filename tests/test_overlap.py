@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from posttrain.config import ConfigError, parse_params
 from posttrain.rl.overlap import Feed, Item, assigned_steps, generator_loop, min_version
 from posttrain.schema import read_parquet
-from stages import curate, reward, rl, rollout, sft
+from stages import curate, model, reward, rl, rollout, sft
 
 
 # ------------------------------------------------------------------------------------ the scheduler, pure
@@ -159,7 +159,7 @@ def test_the_techniques_that_work_under_overlap_load(tiny):
 
 # ------------------------------------------------------------------------------------------ the stage
 def _upstream(p) -> None:
-    for mod in (curate, sft, rollout):
+    for mod in (model, curate, sft, rollout):
         mod.run(p, *mod.paths(p))
     reward.run(p, {"rollouts": rollout.paths(p)[1]["rollouts"]}, reward.paths(p)[1])
 

