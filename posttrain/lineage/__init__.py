@@ -79,6 +79,8 @@ def pins(params: Any, prefix: str = "") -> dict[str, Any]:
     hub_id, a pretrained distill.student) with their revisions (null: the hub's moving main branch).
     Local folders and files are hashed by DVC instead; ``tiny`` is built, not fetched."""
     out: dict[str, Any] = {}
+    if isinstance(params, dict) and any("." in str(k) for k in params):  # dvc.lock's flat `model.base: ...`
+        params = _nested(params)
     items = params.items() if isinstance(params, dict) else enumerate(params) if isinstance(params, list) else []
     for k, v in items:
         key = f"{prefix}.{k}" if prefix else str(k)
@@ -90,6 +92,18 @@ def pins(params: Any, prefix: str = "") -> dict[str, Any]:
             for name in (rev, "sha256"):
                 if name in params and (name == rev or params[name] is not None):
                     out[f"{prefix}.{name}" if prefix else name] = params[name]
+    return out
+
+
+def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"model.base": b, "model.sha256": h}`` -> ``{"model": {"base": b, "sha256": h}}``."""
+    out: dict[str, Any] = {}
+    for k, v in flat.items():
+        *parents, leaf = str(k).split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = v
     return out
 
 
