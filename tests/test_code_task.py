@@ -39,6 +39,7 @@ def fast_limits(monkeypatch) -> None:
     monkeypatch.setenv(ENV, FAST.model_dump_json())
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_generated_problems_are_deterministic_and_their_solutions_pass_their_tests():
     cfg = CodeTask(min_steps=0, max_steps=3)
     a = [code.generate(random.Random(7), cfg) for _ in range(3)]

@@ -181,6 +181,7 @@ def test_spill_partitions_wait_in_memory_until_their_buffer_fills(tmp_path):
     assert [p["row"].tolist() for p in parts] == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_iterating_found_duplicates_holds_a_chunk_not_every_duplicate_as_python_objects():
     """Iterating 10^6 duplicates holds a chunk of them as Python objects, not all: the four columns as lists
     would take ~110 MB (per duplicate: an int of ~28 bytes and a pointer of 8 for row and for of, a float of 24

@@ -41,6 +41,7 @@ def _flow(repo: Path, home: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_bad_override_exits_2_naming_the_key_before_prefect_starts(tmp_path, monkeypatch, capsys):
     from flows import pipeline
 
@@ -185,6 +186,7 @@ def _mtimes(repo: Path, paths: list[str]) -> dict[str, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI leaves it out (time): make test-extended
 def test_two_machines_share_only_the_server_and_a_dvc_remote_and_a_killed_worker_resumes(tmp_path):
     """Two checkouts as two machines: a cpu worker in one, a gpu worker in the other, each with its own DVC
     cache, MLflow store and PREFECT_HOME; in common only a real ``prefect server`` and a DVC remote (a local

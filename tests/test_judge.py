@@ -80,6 +80,7 @@ def test_cache_key_covers_judge_template_prompt_completion_but_not_the_served_na
     assert k != jcache.key("sha256:a", {**req, "temperature": 1.0})  # other sampling
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_judge_scores_a_batch_and_a_rerun_is_all_cache_hits(cache_file):
     stub = Stub(reply=lambda p: "fine\nSCORE: 8" if "answer: 0" in p else ("SCORE: 2" if "answer: 1" in p else "?"))
     with running(stub), session(cache_file) as sess:

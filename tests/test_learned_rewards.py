@@ -151,6 +151,7 @@ def test_a_reward_model_the_pipeline_builds_is_accepted_unless_it_is_a_cycle():
                                                                     "models": {"prefs": "data/reward"}}))
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_a_missing_reward_model_exits_2_in_one_line(tmp_path):
     bad = tmp_path / "params.yaml"
     bad.write_text(yaml.safe_dump(_with([{"name": "correct"}, {"name": "reward_model",

@@ -56,6 +56,7 @@ def _keys(root: Path, step: int) -> list[tuple]:
     return list(zip(*t.values(), strict=True))
 
 
+@pytest.mark.extended  # CI leaves it out (time): make test-extended
 def test_async_rl_sigkilled_leaves_no_generator_and_resumes_without_gaps_or_repeats(tmp_path):
     straight = _params(tmp_path / "straight")
     for up in ("model", "curate", "sft", "rollout", "reward"):

@@ -140,6 +140,7 @@ SPECS = [Spec("correct", 1.0, {}), Spec("math_verify", 0.0, {}), Spec("format", 
          Spec("overlong", 1.0, {"buffer": 16})]
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_pool_scores_exactly_as_serial():
     samples = _samples()
     with RewardPool(0) as serial:
@@ -271,6 +272,7 @@ def test_a_bad_plugin_is_refused_at_load_naming_the_key(plugin, name, kwargs, ke
     assert f"params: {key}: " in str(e.value) and says in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_a_bad_plugin_exits_2_in_one_line(tmp_path):
     bad = tmp_path / "params.yaml"
     bad.write_text(yaml.safe_dump(_params_with([{"name": "correct"}, {"name": "no_such_module_xyz:score"}])))

@@ -233,6 +233,7 @@ def test_evaluate_counts_unscorable_gold_out_of_denominators(tiny, tmp_path):
     assert res["eval"]["n"] == 1 and res["eval"]["unscorable"] == 1
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_rollout_reward_rl_then_evaluate(tiny):
     tiny["rl"]["save_steps"] = [2]  # an intermediate checkpoint, evaluated beside the final one
     tiny["evaluate"]["models"]["rl_step2"] = str(Path(tiny["paths"]["rl_dir"]) / "checkpoints" / "step_2")
@@ -344,6 +345,7 @@ def test_pass_at_k_crossing_words():
     assert report.crossing(a, a, ks) == "equal at every k"
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_distill_seed_varies_the_phases_not_the_cold_start(tiny):
     """distill.seed: the seeds of a distillation arm share the student's cold start (models/student_sft is
     bit-identical) and differ in phases A-C (other samples, so another student)."""

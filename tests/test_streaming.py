@@ -105,6 +105,7 @@ def test_rebatch_gives_batches_of_exactly_n_rows():
     assert [x for b in out for x in b.column("sample").to_pylist()] == [0, 1, 2, 0, 1, 2, 3, 4, 0]
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_rollout_stage_resumes_after_a_crash_and_starts_over_on_another_config(tiny, monkeypatch, caplog):
     from posttrain.config import parse_params
     from stages import curate, rollout, sft

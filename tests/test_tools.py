@@ -39,6 +39,7 @@ def tiny():
 
 
 # ------------------------------------------------------------------------------------------------ the tools
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_python_runs_in_the_sandbox(sandbox_ctx):
     assert TOOLS["python"]("print(6 * 7)", sandbox_ctx) == "42\n"
     assert TOOLS["python"]("1 / 0", sandbox_ctx) == "error: ZeroDivisionError: division by zero"

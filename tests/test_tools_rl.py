@@ -147,6 +147,7 @@ def test_a_multi_turn_step_replays_from_its_shard(tmp_path, char_format):
     assert m_replay["loss"] == pytest.approx(m_live["loss"], abs=1e-7)
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_rollout_rl_and_evaluate_stages_run_tool_rollouts(tiny, char_format):
     """tools.enabled through the stages: rollouts.parquet and every rl shard carry each completion's loss mask and
     tool calls, the rl log has a tool_calls column, evaluate generates through the same loop."""
