@@ -176,6 +176,9 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
         except ConfigError as e:
             print(f"posttrain: {e}", file=sys.stderr)
             sys.exit(EXIT_CONFIG_ERROR)
+        except StageError as e:  # e.g. pip could not reach an index
+            print(f"posttrain {name}: {e}", file=sys.stderr)
+            sys.exit(1)
     t0 = time.time()
     from posttrain.tracking import stage_run
 

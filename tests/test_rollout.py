@@ -124,7 +124,7 @@ def test_the_growing_kv_cache_computes_what_transformers_dynamic_cache_does(tiny
 
 def test_the_sampler_draws_each_token_with_its_probability():
     """Inverse-transform sampling (one uniform per row) against the softmax it samples: probabilities 0.5, 0.25,
-    0.125, 0.125 at temperature 1; at temperature 2 the logits halve: 0.3752, 0.2653, 0.1876, 0.1720 ... computed
+    0.125, 0.125 at temperature 1; at temperature 2 the logits halve: 0.3694, 0.2612, 0.1847, 0.1847, computed
     as softmax(log([.5, .25, .125, .125]) / 2) = sqrt(p) / sum(sqrt(p)) = [.7071, .5, .3536, .3536] / 1.9142."""
     from posttrain.rollout.hf import sample_next
 

@@ -292,7 +292,8 @@ def trace(root: Path, target: str, metrics_dir: str = "metrics", tracking_uri: s
         outs = [Out(o["path"], _md5(o)) for o in e.get("outs", [])]
         params = json.dumps(e.get("params", {}), sort_keys=True)
         n = Node(stage, outs, hashlib.sha256(params.encode()).hexdigest()[:12], _key_metrics(root, stage, metrics_dir),
-                 verdict=_verdict(root, e), origin=_origin(root, e), pins=pins(e.get("params", {})))
+                 verdict=_verdict(root, e), origin=_origin(root, e),
+                 pins={k: v for file in e.get("params", {}).values() for k, v in pins(file).items()})  # per params file
         run = runs.find(stage, outs)
         if run is not None:
             n.run_id, n.commit = run.info.run_id, run.data.tags.get("git.commit")
