@@ -223,25 +223,13 @@ def test_the_shortened_profile_runs_every_stage_and_the_lineage_reaches_the_whee
     assert model["origin"]["gguf"]["tensor_types"]["Q4_1"] == 210 and model["origin"]["license"] == "Apache-2.0"
     with open(dag / "reports" / "rl" / "train_log.csv") as f:  # the adapter-off KL reference ran every step
         kl = [float(row["kl"]) for row in csv.DictReader(f)]
-    assert len(kl) == 2 and kl[-1] > 0.0  # step 2's policy has moved from the reference
+    assert len(kl) == 2 and kl[0] == 0.0  # step 1: the adapter-off reference is exactly the policy (another model
+    # would not be); step 2 moved away from it unless every group had one reward (16 tokens: all cut, no answer)
+    assert kl[1] > 0.0 or metrics["rl"]["zero_var_frac_mean"] == 1.0
     assert metrics["rl"]["shards"] == 2
     cur = metrics["curate"]  # counts reconcile: every row read is kept, quarantined, a duplicate or contaminated
     assert cur["kept"] + cur["quarantined"] + cur["duplicates"] + cur["contaminated"] == cur["in"] == 120
     _check_tracking_and_lineage(dag, 2, MODELS)  # MLflow runs + registry; the student's tree, --verify, a flip
-
-    assert "Data and pipelines are up to date" in _dvc(dag, "repro")  # a second repro is a no-op
-    raw = yaml.safe_load((dag / "params.yaml").read_text())
-    raw["report"]["compare"] = [["sft", "student"]]  # a report-only param: no model is evaluated again
-    (dag / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
-    out = _dvc(dag, "repro")
-    assert "Running stage 'report'" in out and "Running stage 'evaluate@" not in out
-    assert all(f"Running stage '{s}'" not in out for s in ("model", "curate", "sft", "rollout", "reward", "rl"))
-
-
-def _dvc(repo: Path, *args: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=ENV, capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return r.stdout + r.stderr
 
 
 def _lineage(repo: Path, *args: str) -> subprocess.CompletedProcess:
