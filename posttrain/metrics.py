@@ -1,5 +1,6 @@
 """Evaluation metrics: unbiased pass@k, maj@k, Wilson intervals for proportions, percentile-bootstrap
-intervals (over problems) for means of per-problem values, and paired bootstrap intervals for differences.
+intervals (over problems) for means of per-problem values, and paired intervals for differences (Newcombe's
+hybrid score interval for paired 0/1 outcomes, the paired bootstrap otherwise).
 
 Hand-written because each is a few lines of numpy and the field's libraries (scipy, statsmodels) would be
 a heavy dependency for them; every formula is tested against hand-computed values."""
@@ -53,9 +54,10 @@ def maj_at_k(answers: Sequence[str | None], correct: Sequence[bool | None], k: i
 Z95 = 1.959963984540054  # standard normal quantile at 0.975
 
 
-def wilson_ci(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+def wilson_ci(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
     """Wilson score interval of a binomial proportion (Wilson 1927): never zero-width at 0% or 100%, unlike
-    a percentile bootstrap or the Wald interval. (nan, nan) for n = 0."""
+    a percentile bootstrap or the Wald interval. (nan, nan) for n = 0. ``successes`` may be fractional (the
+    sum of per-problem rates that are all 0 or 1 within ``BINARY_EPS``)."""
     if n == 0:
         return (float("nan"), float("nan"))
     p, z2 = successes / n, z * z
@@ -64,6 +66,48 @@ def wilson_ci(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
     lo = 0.0 if successes == 0 else max(0.0, centre - half)
     hi = 1.0 if successes == n else min(1.0, centre + half)
     return float(lo), float(hi)
+
+
+BINARY_EPS = 0.01  # a per-problem rate within this of 0 or 1 is a decided problem (pass@8 of 64 at c >= 30)
+
+
+def near_binary(x: np.ndarray, eps: float = BINARY_EPS) -> bool:
+    """True when every value is within ``eps`` of 0 or of 1: the values are 0/1 outcomes for an interval."""
+    return bool(x.size) and bool(np.all(np.minimum(np.abs(x), np.abs(1.0 - x)) <= eps))
+
+
+def newcombe_paired_ci(a: Sequence[float], b: Sequence[float], z: float = Z95) -> tuple[float, float]:
+    """Interval of p_b - p_a for paired 0/1 outcomes (``a[i]``, ``b[i]``: two models on problem i): Newcombe's
+    hybrid score interval (Newcombe 1998, Stat. Med. 17:873, method 10), built from the two Wilson intervals
+    and the phi correlation of the 2x2 table; phi = 0 where a margin is empty, as the paper sets it. Unlike a
+    bootstrap of the differences it never collapses to a point when both models sit at 0% or 100%: 100 of
+    100 against 100 of 100 gives +-0.037, the Wilson half-room of each."""
+    x, y = np.rint(np.asarray(a, dtype=float)), np.rint(np.asarray(b, dtype=float))
+    n = x.size
+    if n == 0:
+        return (float("nan"), float("nan"))
+    both, only_b = float(np.sum((x == 1) & (y == 1))), float(np.sum((x == 0) & (y == 1)))
+    only_a, neither = float(np.sum((x == 1) & (y == 0))), float(np.sum((x == 0) & (y == 0)))
+    p1, p2 = (both + only_b) / n, (both + only_a) / n  # p1 = p_b, p2 = p_a
+    (l1, u1), (l2, u2) = wilson_ci(both + only_b, n, z), wilson_ci(both + only_a, n, z)
+    denom = (both + only_b) * (only_a + neither) * (both + only_a) * (only_b + neither)
+    phi = (both * neither - only_b * only_a) / np.sqrt(denom) if denom > 0 else 0.0
+    delta = np.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    eps = np.sqrt(max(0.0, (u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2))
+    return float(max(-1.0, p1 - p2 - delta)), float(min(1.0, p1 - p2 + eps))
+
+
+def paired_rate_ci(a: Sequence[float], b: Sequence[float], n_boot: int = 1000, seed: int = 0
+                   ) -> tuple[float, float]:
+    """Interval of mean(b) - mean(a) for per-problem rates in [0, 1] of two models on the same problems:
+    Newcombe's paired interval where both are 0/1 outcomes (``near_binary``), the paired bootstrap otherwise
+    (which would collapse to +0.0 [+0.0, +0.0] for two models at 100% on every problem)."""
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if x.size != y.size:
+        raise ValueError(f"paired values need equal lengths, got {x.size} and {y.size}")
+    if near_binary(x) and near_binary(y):
+        return newcombe_paired_ci(x, y)
+    return paired_bootstrap_ci(x, y, n_boot, seed)
 
 
 def paired_bootstrap_ci(a: Sequence[float], b: Sequence[float], n_boot: int = 1000, seed: int = 0,
@@ -90,14 +134,15 @@ def bootstrap_ci(values: Sequence[float], n_boot: int = 1000, seed: int = 0, alp
 
 def rate_ci(values: Sequence[float], n_boot: int = 1000, seed: int = 0) -> tuple[float, float]:
     """Interval of the mean of per-problem rates in [0, 1] (pass@k, maj@k): the percentile bootstrap over
-    problems, except when every problem sits at 0 or every one at 1, where resampling cannot move the mean and
-    the bootstrap interval collapses to a point ([1.0, 1.0] for pass@64 = 100%). There the rates are 0/1
-    outcomes, and the Wilson interval of k of n problems says how far the truth can be: 100 of 100 ->
-    [0.963, 1.0] (Wilson 1927; a Jeffreys interval needs a Beta quantile this pipeline does not otherwise
-    import, and agrees to the third decimal here)."""
+    problems, except when every problem sits within ``BINARY_EPS`` of 0 or 1 (``near_binary``), where
+    resampling barely moves the mean and the bootstrap interval collapses towards a point ([1.0, 1.0] for
+    pass@64 = 100%; [0.99999, 1.0] for pass@8 of 64 samples at c = 56 of 64 everywhere). There the rates are
+    0/1 outcomes, and the Wilson interval of their sum over n problems says how far the truth can be: 100 of
+    100 -> [0.963, 1.0] (Wilson 1927; a Jeffreys interval needs a Beta quantile this pipeline does not
+    otherwise import, and agrees to the third decimal here)."""
     x = np.asarray(values, dtype=float)
-    if x.size and (np.all(x == 0.0) or np.all(x == 1.0)):
-        return wilson_ci(int(x.sum()), int(x.size))
+    if near_binary(x):
+        return wilson_ci(float(x.sum()), int(x.size))
     return bootstrap_ci(x, n_boot, seed)
 
 

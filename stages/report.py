@@ -33,8 +33,9 @@ log = logging.getLogger("report")
 
 def paired(per_a: dict[str, dict[str, Any]], per_b: dict[str, dict[str, Any]], n_boot: int, seed: int
            ) -> dict[str, Any]:
-    """b - a on the problems both have, per metric: the mean difference and its paired-bootstrap 95% interval
-    (problems resampled jointly). ``per_*``: problem id -> per-problem metrics."""
+    """b - a on the problems both have, per metric: the mean difference and its paired 95% interval
+    (``metrics.paired_rate_ci``: Newcombe's for 0/1 outcomes, else the bootstrap with problems resampled
+    jointly). ``per_*``: problem id -> per-problem metrics."""
     ids = [i for i in per_a if i in per_b]
     out: dict[str, Any] = {}
     keys = [k for k in dict.fromkeys(k for i in ids for k in per_a[i]) if k not in M.NO_INTERVAL]
@@ -44,7 +45,7 @@ def paired(per_a: dict[str, dict[str, Any]], per_b: dict[str, dict[str, Any]], n
             continue
         a, b = [per_a[i][key] for i in both], [per_b[i][key] for i in both]
         out[key] = {"diff": round(float(np.mean(b) - np.mean(a)), 4), "n": len(both),
-                    "ci": [round(x, 4) for x in M.paired_bootstrap_ci(a, b, n_boot, seed)]}
+                    "ci": [round(x, 4) for x in M.paired_rate_ci(a, b, n_boot, seed)]}
     return out
 
 

@@ -83,3 +83,49 @@ def test_rate_intervals_do_not_collapse_at_0_and_100_percent():
     assert lo == 0.0 and hi == pytest.approx(0.03700, abs=1e-5)
     mixed = [1.0, 0.0, 0.5, 1.0]
     assert rate_ci(mixed) == bootstrap_ci(mixed)  # inside, the bootstrap as before
+
+
+def test_rate_intervals_do_not_collapse_near_the_boundary():
+    """Issue 49, finding 7: pass@8 from 64 samples at c = 56 is 1 - C(8,8)/C(64,8) = 1 - 2.3e-10, not exactly 1,
+    so the exact-0/1 test missed it and the bootstrap gave [0.99999..., 1.0] -> '100.0 [100.0, 100.0]'.
+    Within BINARY_EPS of 0 or 1 the Wilson interval of the (fractional) sum applies: 100 problems at
+    1 - 2.3e-10 -> lower 0.96300 as for exactly 100 of 100 (test above)."""
+    from posttrain.metrics import pass_at_k, rate_ci
+
+    v = pass_at_k(64, 56, 8)
+    assert 0 < 1 - v < 1e-9
+    lo, hi = rate_ci([v] * 100)
+    assert lo == pytest.approx(0.96300, abs=2e-5) and hi == pytest.approx(1.0)
+    lo, hi = rate_ci([1.0] * 99 + [0.0])  # 99 of 100 decided problems: Wilson, not the bootstrap's hi = 1.0
+    # centre (0.99 + 0.019208) / 1.038415 = 0.971873; half 1.959964 * sqrt(0.000099 + 0.0000960) / 1.038415
+    # = 1.959964 * 0.0139655 / 1.038415 = 0.026359 -> [0.945514, 0.998232]
+    assert lo == pytest.approx(0.945514, abs=1e-5) and hi == pytest.approx(0.998232, abs=1e-5)
+
+
+def test_paired_intervals_do_not_collapse_at_the_ceiling():
+    """Two models at 100% on every problem: the paired bootstrap said +0.0 [+0.0, +0.0]. Newcombe's paired
+    interval (1998, method 10) with phi = 0 (an empty margin): delta = p_b - l_b = 1 - 0.96300, eps =
+    p_a - l_a = 0.03700 -> [-0.03700, +0.03700]."""
+    from posttrain.metrics import paired_rate_ci
+
+    lo, hi = paired_rate_ci([1.0] * 100, [1.0 - 1e-9] * 100)
+    assert lo == pytest.approx(-0.03700, abs=1e-5) and hi == pytest.approx(0.03700, abs=1e-5)
+
+
+def test_newcombe_paired_interval_hand_values():
+    """n = 20; a right on 10, b right on 12, both on those 10 (table: both 10, b only 2, a only 0, neither 8).
+    p_b = 0.6, p_a = 0.5, theta = 0.1. Wilson(12, 20) = 0.583889 -+ 0.197307 = [0.386582, 0.781196];
+    Wilson(10, 20) = [0.299298, 0.700702]. phi = (10*8 - 2*0) / sqrt(12*8*10*10) = 80 / 97.9796 = 0.816497.
+    delta = sqrt(0.213418^2 - 2*0.816497*0.213418*0.200702 + 0.200702^2)
+          = sqrt(0.045547 - 0.069946 + 0.040281) = sqrt(0.015882) = 0.126024
+    eps   = sqrt(0.181196^2 - 2*0.816497*0.181196*0.200702 + 0.200702^2)
+          = sqrt(0.032832 - 0.059385 + 0.040281) = sqrt(0.013728) = 0.117166
+    -> [0.1 - 0.126024, 0.1 + 0.117166] = [-0.026024, 0.217166]."""
+    from posttrain.metrics import newcombe_paired_ci
+
+    a = [1.0] * 10 + [0.0] * 10
+    b = [1.0] * 12 + [0.0] * 8
+    lo, hi = newcombe_paired_ci(a, b)
+    assert lo == pytest.approx(-0.026024, abs=2e-5) and hi == pytest.approx(0.217166, abs=2e-5)
+    lo, hi = newcombe_paired_ci(b, a)  # the other order: the mirror image
+    assert lo == pytest.approx(-0.217166, abs=2e-5) and hi == pytest.approx(0.026024, abs=2e-5)
