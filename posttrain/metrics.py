@@ -146,6 +146,6 @@ def rate_ci(values: Sequence[float], n_boot: int = 1000, seed: int = 0) -> tuple
     return bootstrap_ci(x, n_boot, seed)
 
 
-# Per-problem metrics reported as plain means, without an interval (lengths and the truncated share describe
-# the completions; they are not accuracies to compare).
-NO_INTERVAL = frozenset({"len", "greedy_len", "truncated"})
+# Per-problem metrics reported as plain means, without an interval (lengths, the truncated share and the share
+# refused by a verifier guard describe the completions; they are not accuracies to compare).
+NO_INTERVAL = frozenset({"len", "greedy_len", "truncated", "guarded"})

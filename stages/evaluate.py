@@ -18,8 +18,11 @@ completion) and ``greedy_tool_calls``.
 
 Per split: greedy accuracy (Wilson interval); ``samples_per_prompt`` samples per prompt at ``evaluate.sampling``
 give sampled pass@1 (mean over samples), unbiased pass@k, maj@k (mean majority-vote correctness over the
-disjoint blocks of k samples), mean completion length and the share cut at ``max_new_tokens`` (bootstrap
-intervals over problems). A problem whose gold answer cannot be parsed is unscorable: counted, and left out
+disjoint blocks of k samples), mean completion length, the share cut at ``max_new_tokens`` and ``guarded``, the
+share of completions (greedy and sampled) a verifier guard refused before any equivalence check (several
+different answers, a hedge, ...: how often a model's format, not its maths, cost it reward). Intervals:
+bootstrap over problems, Wilson where every problem is decided (``metrics.rate_ci``).
+A problem whose gold answer cannot be parsed is unscorable: counted, and left out
 of every denominator (never counted correct).
 
 Memory: ``generations.parquet`` is written split by split (``schema.parquet_sink``), so only one split's
@@ -69,8 +72,10 @@ def score_problem(p: Problem, greedy: Completion, samples: list[Completion], ks:
     if verdicts[0][1] is None:
         return None, verdicts
     tools = greedy.tool_calls is not None  # a multi-turn tool rollout: how often and how much it called
+    guarded = float(np.mean([task.guard(t) is not None for t in texts]))  # refused before any equivalence check
     if not samples:
-        row = {"greedy": float(bool(verdicts[0][1])), "greedy_len": float(len(greedy.token_ids))}
+        row = {"greedy": float(bool(verdicts[0][1])), "greedy_len": float(len(greedy.token_ids)),
+               "guarded": guarded}
         return row | ({"greedy_tool_calls": float(greedy.tool_calls or 0)} if tools else {}), verdicts
     s = verdicts[1:]
     c = sum(bool(v) for _, v in s)
@@ -81,6 +86,7 @@ def score_problem(p: Problem, greedy: Completion, samples: list[Completion], ks:
     row["len"] = float(np.mean([len(x.token_ids) for x in samples]))
     row["greedy_len"] = float(len(greedy.token_ids))
     row["truncated"] = float(np.mean([x.finish_reason == "length" for x in samples]))
+    row["guarded"] = guarded
     if tools:  # tool_rate: the share of samples with >= 1 call; tool_calls: calls per sample (greedy: its own)
         row["tool_rate"] = float(np.mean([(x.tool_calls or 0) > 0 for x in samples]))
         row["tool_calls"] = float(np.mean([x.tool_calls or 0 for x in samples]))

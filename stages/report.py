@@ -70,26 +70,29 @@ def report_markdown(results: dict[str, dict[str, dict[str, Any]]], ks: list[int]
     lines = ["# Evaluation", "",
              f"Sampled metrics at temperature {sampling.temperature}, top-p {sampling.top_p} (pass@1 is the mean "
              "over samples; maj@k the mean over disjoint blocks of k samples). 95% intervals in brackets: Wilson "
-             "for greedy accuracy, bootstrap over problems for the rest (Wilson where every problem is at 0% or at "
-             "100%, where a bootstrap cannot move). Curves: pass_at_k.png.", ""]
+             "for greedy accuracy, bootstrap over problems for the rest (Wilson where every problem is within one "
+             "point of 0% or 100%, where a bootstrap cannot move). Guarded: the share of completions a verifier "
+             "guard refused (several different answers, a hedge, ...). Curves: pass_at_k.png.", ""]
     for split, by_model in results.items():
-        lines += [f"## {split}", "", "| model | n | " + " | ".join(cols) + " | mean len | cut at max |",
-                  "|---|---:|" + "---:|" * (len(cols) + 2)]
+        lines += [f"## {split}", "", "| model | n | " + " | ".join(cols) + " | mean len | cut at max | guarded |",
+                  "|---|---:|" + "---:|" * (len(cols) + 3)]
         for name, m in by_model.items():
             if not m.get("n"):
-                lines.append(f"| {name} | 0 | " + " | ".join("—" for _ in cols) + " | — | — |")
+                lines.append(f"| {name} | 0 | " + " | ".join("—" for _ in cols) + " | — | — | — |")
                 continue
             cells = [f"{100 * m[c]:.1f} [{100 * m[c + '_ci'][0]:.1f}, {100 * m[c + '_ci'][1]:.1f}]" if c in m
                      else "—" for c in cols]
-            tail = f" | {m['len']:.1f} | {100 * m['truncated']:.0f}% |" if "len" in m else " | — | — |"
+            tail = f" | {m['len']:.1f} | {100 * m['truncated']:.0f}%" if "len" in m else " | — | —"
+            tail += f" | {100 * m['guarded']:.0f}% |" if "guarded" in m else " | — |"
             lines.append(f"| {name} | {m['n']} | " + " | ".join(cells) + tail)
         for a, b in compare:
             if a in by_model and b in by_model:
                 lines.append(f"\npass@k, {a} vs {b}: {crossing(by_model[a], by_model[b], ks)}.")
         pairs = diffs.get(split, {})
         if pairs:
-            lines += ["", "Paired differences (second minus first, points; 95% paired-bootstrap interval over the "
-                      "same problems; an interval that excludes 0 decides the ordering):", "",
+            lines += ["", "Paired differences (second minus first, points, on the same problems; 95% interval: "
+                      "Newcombe's paired interval for 0/1 outcomes, else the paired bootstrap; an interval that "
+                      "excludes 0 decides the ordering):", "",
                       "| pair | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
             for pair, d in pairs.items():
                 cells = [f"{100 * d[c]['diff']:+.1f} [{100 * d[c]['ci'][0]:+.1f}, {100 * d[c]['ci'][1]:+.1f}]"

@@ -43,7 +43,10 @@ ARITH_ATTACKS = [
 ]
 MATH_ATTACKS = [
     ("\\boxed{5} or \\boxed{6}", "several_answers"),
-    ("\\boxed{5} \\boxed{5}", "several_answers"),
+    ("\\boxed{5} \\boxed{6}", "several_answers"),  # two different boxes, the right one last
+    ("\\boxed{6} then \\boxed{5}", "several_answers"),
+    ("<think>\\boxed{4}</think> The answer is \\boxed{5}.", "several_answers"),
+    ("\\boxed{5} \\boxed{}", "empty_box"),
     ("\\boxed{5}. Wait, the answer is 6.", "several_answers"),  # correct, then a different final one
     ("\\boxed{5}. So the answer is $x = 6$.", "several_answers"),
     ("The answer is 5 or 6.", "hedged"),
@@ -88,6 +91,25 @@ def test_a_remark_about_the_boxed_answer_is_no_second_answer():
     ok = "The answer is \\boxed{5}. This answer is consistent with the constraints."
     assert mathfmt.guard(ok) is None
     assert REWARDS["math_verify"]([_s(ok, answer="5", task="math")])[0] == 1.0
+
+
+@pytest.mark.parametrize("completion", [
+    "<think>2+3 = \\boxed{5}</think> The answer is \\boxed{5}.",  # the issue's R1-style completion
+    "\\boxed{5} \\boxed{5}",
+    "\\boxed{5} so \\boxed{5.0}",  # math-verify reads the two together as the set {5, 5.0}: the last box only
+    "\\boxed{\\frac{10}{2}}. Checking: \\boxed{ 5 }",
+    "\\boxed{5}. So the answer is 5.",  # boxed, then restated
+    "\\boxed{5}. So the answer is $x = 5$.",
+])
+def test_equivalent_repeated_answers_are_one_answer(completion):
+    """Issue 49, finding 4: a completion that states the same answer twice scored 0 (several_answers): R1-style
+    models box it inside <think> and again after it, so evaluation under-counted them and RL learned a hidden
+    format rule. Equivalent repeats are one answer; different ones still fire (MATH_ATTACKS above)."""
+    from posttrain.tasks import mathfmt
+
+    assert mathfmt.guard(completion) is None
+    assert REWARDS["math_verify"]([_s(completion, answer="5", task="math")])[0] == 1.0
+    assert mathfmt.extract_answer(completion) in ("5", "5.0")  # the last box, as math-verify prints it
 
 
 def test_unparseable_gold_is_unscorable_not_free():
@@ -158,3 +180,22 @@ def test_the_reward_audit_is_the_same_whatever_the_batching():
     assert a["reward_mean"] == 0.5  # (1 + 0 + 0.5) / 3 scorable
     assert a["unscorable"] == 1 and a["component_means"] == {"correct": 0.5}
     assert a["pass_rate_mean"] == 0.25 and a["never_solved"] == 1 and a["always_solved"] == 0  # (0.5 + 0) / 2
+
+
+def test_evaluate_reports_how_often_a_guard_fired():
+    """Issue 49, item 3: the guard's firing rate per model in evaluate's summary (``guarded``): of a greedy
+    completion and 3 samples, one hedges and one boxes two different answers -> 2 of 4 = 0.5; the repeated
+    equivalent answer fires nothing."""
+    from stages.evaluate import score_problem
+
+    from posttrain.rollout import Completion
+
+    def c(text: str) -> Completion:
+        return Completion(text, [1, 2], [0.0, 0.0], "stop")
+
+    prob = {"id": "p", "task": "math", "prompt": "2+3?", "answer": "5"}
+    row, _ = score_problem(prob, c("\\boxed{5} so \\boxed{5}"), [c("5 or 6? The answer is 5 or 6."),
+                           c("\\boxed{4} \\boxed{5}"), c("The answer is \\boxed{5}.")], [1, 2])
+    assert row["guarded"] == 0.5 and row["greedy"] == 1.0 and row["pass@1"] == pytest.approx(1 / 3)
+    row, _ = score_problem(prob, c("\\boxed{4} \\boxed{5}"), [], [1])
+    assert row["guarded"] == 1.0 and row["greedy"] == 0.0

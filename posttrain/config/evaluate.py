@@ -38,7 +38,8 @@ class Evaluate(Section):
     def metric_names(self) -> set[str]:
         """The numbers each split of an evaluate@<name> summary holds (``stages/evaluate.py``; a test holds the two
         equal): what ``tracking.champion`` may name."""
-        return {"n", "n_sampled", "unscorable", "greedy", "greedy_len", "len", "truncated", "seconds", "pass@1",
+        return {"n", "n_sampled", "unscorable", "greedy", "greedy_len", "len", "truncated", "guarded", "seconds",
+                "pass@1",
                 *(f"{m}@{k}" for m in ("pass", "maj") for k in self.ks)}
 
     def split_names(self) -> list[str]:

@@ -70,27 +70,55 @@ def _final_span(completion: str) -> str | None:
     return completion[anchors[-1].end() :].split("\n", 1)[0]
 
 
+def _boxes(text: str) -> list[str | None]:
+    """The content of every ``\\boxed{...}`` in order (None for one whose braces never close)."""
+    return [_box_at(text, m.end()) for m in re.finditer(r"\\boxed\{", text)]
+
+
+def _pathological(span: str) -> bool:
+    return len(span) > MAX_ANSWER_CHARS or _nesting(span) > MAX_NESTING or _tower(span) > MAX_TOWER
+
+
+def _same_answer(a: str, b: str) -> bool:
+    """Two stated answers are one: equal up to spaces and a trailing period, or math-verify equivalent
+    (``5`` and ``5.0``, ``\\frac{1}{2}`` and ``0.5``); checked only on spans the guards already passed."""
+    na, nb = (re.sub(r"\s+|\.$|\$", "", x.strip()) for x in (a, b))
+    if na == nb:
+        return True
+    pa, pb = parse(f"${a.strip()}$"), parse(f"${b.strip()}$")
+    return bool(pa) and bool(pb) and bool(_mv_verify(pa, pb))
+
+
 def guard(completion: str) -> str | None:
-    """Why the completion cannot earn reward whatever the gold (one of ``GUARDS``), or None if it can."""
-    n_box = completion.count("\\boxed")
-    if n_box > 1:
-        return "several_answers"
-    if n_box == 1:
-        content = last_boxed(completion)
-        if content is None:
+    """Why the completion cannot earn reward whatever the gold (one of ``GUARDS``), or None if it can.
+
+    Several *equivalent* final answers are one answer (issue 49: R1-style completions box the answer inside
+    ``<think>`` and again after it, ``\\boxed{5} ... \\boxed{5}``, or box it and restate it, "so the answer
+    is 5"); several *different* ones fire ``several_answers``, whichever is right."""
+    boxes = _boxes(completion)
+    if boxes:
+        last = boxes[-1]
+        if last is None or any(b is None for b in boxes):
             return "unbalanced_box"
-        if not content.strip():
+        if not last.strip() or not all(b.strip() for b in boxes):
             return "empty_box"
-        end = completion.rfind("\\boxed{") + len("\\boxed{") + len(content) + 1
+        if any(_pathological(b) for b in boxes):
+            return "pathological"
+        end = completion.rfind("\\boxed{") + len("\\boxed{") + len(last) + 1
         after = completion[end:]
-        if any(_VALUE_RE.match(after, m.end()) for m in _ANCHOR_RE.finditer(after)):
-            return "several_answers"  # a boxed answer, then another one stated after it
+        stated = [after[m.end() :].split("\n", 1)[0] for m in _ANCHOR_RE.finditer(after)
+                  if _VALUE_RE.match(after, m.end())]  # an answer stated after the box
+        stated = [re.sub(r"^\s*(?:[A-Za-z]\s*=)?|[.\s]+$", "", x) for x in stated]
+        if any(_pathological(x) for x in stated):
+            return "pathological"
+        if not all(_same_answer(b, last) for b in boxes[:-1] + stated):
+            return "several_answers"
     span = _final_span(completion)
     if span is None:
         return None  # no answer at all: math-verify finds nothing (a plain 0, not a guard)
     if _HEDGE_RE.search(span.replace("\\text{", " ").replace("}", " ")):
         return "hedged"
-    if len(span) > MAX_ANSWER_CHARS or _nesting(span) > MAX_NESTING or _tower(span) > MAX_TOWER:
+    if _pathological(span):
         return "pathological"
     return None
 
@@ -127,7 +155,7 @@ def verify(gold: str, completion: str) -> bool | None:
         return None
     if guard(completion) is not None:
         return False
-    pred = parse(completion, extraction_config=PRED_CONFIG)
+    pred = parse(_final_text(completion), extraction_config=PRED_CONFIG)
     if not pred:
         return False
     return bool(_mv_verify(list(g), pred))
@@ -138,17 +166,25 @@ def extract_answer(completion: str) -> str | None:
     guard fires)."""
     if guard(completion) is not None:
         return None
-    parsed = parse(completion, extraction_config=PRED_CONFIG)
+    parsed = parse(_final_text(completion), extraction_config=PRED_CONFIG)
     return str(parsed[-1]) if parsed else None
+
+
+def _final_text(completion: str) -> str:
+    """What math-verify reads once the guards passed: from the last box on when there are several (they are
+    equivalent, but math-verify would read ``\\boxed{5} ... \\boxed{5.0}`` as the set {5, 5.0})."""
+    return completion[completion.rfind("\\boxed{") :] if completion.count("\\boxed{") > 1 else completion
 
 
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` (balanced braces), or None."""
     i = text.rfind("\\boxed{")
-    if i < 0:
-        return None
-    j, depth = i + len("\\boxed{"), 1
-    start = j
+    return None if i < 0 else _box_at(text, i + len("\\boxed{"))
+
+
+def _box_at(text: str, start: int) -> str | None:
+    """The balanced-brace content that starts at ``start`` (just after ``\\boxed{``), or None."""
+    j, depth = start, 1
     while j < len(text) and depth:
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         j += 1
