@@ -71,6 +71,8 @@ def bench_params(path: str, steps: int, arm: str = "ours") -> Params:
     raw = read_yaml(Path(path).read_text())
     raw["rl"].update({"steps": steps, "dynamic_sampling": "off", "checkpoint_every": steps + 1,
                       "overlap": OVERLAP.get(arm)})
+    if OVERLAP.get(arm) and raw["rl"].get("correction") is None:  # k > 0 needs a correction (refused otherwise)
+        raw["rl"]["correction"] = {"name": "icepop"}
     raw["runtime"]["progress"] = False
     return parse_params(raw)  # validated: the overlap's rules hold as in a stage
 

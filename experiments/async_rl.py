@@ -70,7 +70,10 @@ def run(upstream: Path, root: Path, arm: str, seed: int, steps: int, every: int,
                                         "trainer_threads: 1}")
     saved = sorted({*range(every, steps + 1, every), steps}) if every else []  # the final policy always
     models = "{" + ", ".join(f"s{k}: data/rl/checkpoints/step_{k}" for k in saved) + "}"
-    edits = [*common, f"rl.seed={seed}", f"rl.steps={steps}", f"rl.overlap={overlap}", "report.compare=[]",
+    # k > 0 with no rl.correction is refused at load since issue 50 (the published runs predate it and trained
+    # stale samples uncorrected); a --set rl.correction=... replaces this default
+    fix = ["rl.correction={name: icepop}"] if k and not any(e.startswith("rl.correction=") for e in common) else []
+    edits = [*fix, *common, f"rl.seed={seed}", f"rl.steps={steps}", f"rl.overlap={overlap}", "report.compare=[]",
              f"rl.save_steps={saved}", *([f"evaluate.models={models}"] if saved else [])]
     p = write_params(folder, "params_async.yaml", edits)
     t = time.time()

@@ -141,7 +141,7 @@ def test_what_cannot_run_ahead_is_refused_at_load_naming_the_key(tiny, edit, key
             else:
                 tiny[section][k2] = v
     parse_params({**tiny, "rl": {**tiny["rl"], "overlap": None}})  # fine without rl.overlap
-    tiny["rl"]["overlap"] = {"max_staleness": 1}
+    tiny["rl"].update({"overlap": {"max_staleness": 1}, "correction": {"name": "icepop"}})
     with pytest.raises(ConfigError) as e:
         parse_params(tiny)
     assert f" {key}: " in str(e.value) and "rl.overlap" in str(e.value) and "\n" not in str(e.value)
@@ -149,6 +149,7 @@ def test_what_cannot_run_ahead_is_refused_at_load_naming_the_key(tiny, edit, key
 
 def test_the_techniques_that_work_under_overlap_load(tiny):
     tiny["rl"].update({"overlap": {"max_staleness": 2, "generators": 2}, "advantage": "prior_fused",
+                       "correction": {"name": "icepop"},
                        "dynamic_sampling": "off", "token_select": "top_entropy", "kl_coef": 0.1,
                        "ref_reset": {"every": 2}})
     tiny["distill"]["grpo_steps"] = 0
@@ -252,7 +253,7 @@ def test_a_crashed_async_run_resumes_with_no_prompt_skipped_or_repeated(upstream
     from posttrain.rl import update
 
     raw = {**upstream, "rl": {**upstream["rl"], "steps": 5, "checkpoint_every": 2,
-                              "overlap": {"max_staleness": 1, "generators": 2}}}
+                              "overlap": {"max_staleness": 1, "generators": 2}, "correction": {"name": "icepop"}}}
     straight, out_s = _run_rl(raw, tmp_path / "straight")
     real, calls = update.update_from_groups, []
 
@@ -349,3 +350,18 @@ def test_the_loops_correction_call_site_is_decoupled_ppo_under_overlap():
     loop = loss * corrections.CORRECTIONS["icepop"](prox, behav, mask, low=1e-6, high=5.0).weights
     areal, _ = corrections.decoupled_ppo_loss(prox.clone(), prox, behav, adv, mask, cfg, cap=5.0)
     assert torch.allclose(loop, areal) and torch.allclose(loop, torch.tensor([[-1.6487, -0.1353, 0.0]]), atol=1e-4)
+
+
+def test_stale_samples_without_a_correction_are_refused_at_load(tiny):
+    """Issue 50, finding 5: rl.overlap.max_staleness > 0 loaded with no off-policy correction, so samples up to k
+    versions old were trained as on-policy (one optimizer step per batch: ratio 1, the clip never acts). Now
+    refused in one line naming the key; k = 0 and any correction load."""
+    tiny["distill"]["grpo_steps"] = 0
+    tiny["rl"].update({"dynamic_sampling": "off", "overlap": {"max_staleness": 1}})
+    with pytest.raises(ConfigError) as e:
+        parse_params(tiny)
+    msg = str(e.value)
+    assert msg.startswith("params: rl.overlap.max_staleness: ") and "1 with no rl.correction" in msg
+    assert "\n" not in msg
+    parse_params({**tiny, "rl": {**tiny["rl"], "overlap": {"max_staleness": 0}}})
+    parse_params({**tiny, "rl": {**tiny["rl"], "correction": {"name": "icepop"}}})

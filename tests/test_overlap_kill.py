@@ -44,7 +44,8 @@ def _generators(pid: int) -> set[int]:
 def _params(root: Path) -> Path:
     raw = tiny_raw(root)
     raw["runtime"].update({"generate_threads": 1, "train_threads": 1})
-    raw["rl"].update({"steps": 6, "checkpoint_every": 2, "overlap": {"max_staleness": 1, "generators": 2}})
+    raw["rl"].update({"steps": 6, "checkpoint_every": 2, "overlap": {"max_staleness": 1, "generators": 2},
+                      "correction": {"name": "icepop"}})
     root.mkdir(parents=True, exist_ok=True)
     (root / "params.yaml").write_text(yaml.safe_dump(raw))
     return root / "params.yaml"

@@ -186,9 +186,8 @@ def test_evaluate_reports_how_often_a_guard_fired():
     """Issue 49, item 3: the guard's firing rate per model in evaluate's summary (``guarded``): of a greedy
     completion and 3 samples, one hedges and one boxes two different answers -> 2 of 4 = 0.5; the repeated
     equivalent answer fires nothing."""
-    from stages.evaluate import score_problem
-
     from posttrain.rollout import Completion
+    from stages.evaluate import score_problem
 
     def c(text: str) -> Completion:
         return Completion(text, [1, 2], [0.0, 0.0], "stop")

@@ -58,6 +58,8 @@ def test_vllm_generators_at_staleness_0_equal_the_synchronous_vllm_loop_and_at_1
         p = yaml.safe_load((repo / "params.yaml").read_text())
         p["rollout"]["backend"] = "vllm"
         p["rl"]["overlap"] = ov
+        if ov and ov["max_staleness"]:
+            p["rl"]["correction"] = {"name": "icepop"}  # k > 0 needs one (refused at load otherwise)
         (repo / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
         log = _stage(repo, "rl")
         assert "Traceback" not in log, log[-3000:]

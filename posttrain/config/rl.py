@@ -228,6 +228,11 @@ class Rl(Section):
             raise Refusal("dynamic_sampling", f"{adv} has no per-group baseline ({BATCH_BASELINE[adv]}): a group "
                           "whose rewards are all equal still carries signal, so skipping it changes the estimator; "
                           "set rl.dynamic_sampling: off")
+        if self.overlap is not None and self.overlap.max_staleness > 0 and self.correction is None:
+            raise Refusal("overlap.max_staleness", f"{self.overlap.max_staleness} with no rl.correction: with one "
+                          "optimizer step per batch the PPO ratio is exactly 1, the clip never acts, and samples "
+                          "from weights up to k versions old would be trained as on-policy; set rl.correction "
+                          "(e.g. {name: icepop} or {name: tis_token, kwargs: {cap: 2.0}}) or max_staleness: 0")
         if self.overlap is not None:
             for key, bad in (("dynamic_sampling", self.dynamic_sampling == "refill"),
                              ("prior_budget", self.prior_budget > 0)):
