@@ -21,7 +21,7 @@ What every loop does with a ``Dist`` (``current()``; a single-process one when n
 - **Collectives line up.** Every forward/backward of a wrapped model is a collective under FSDP2 (all-gathers)
   and every synchronising backward is one under DDP, so all ranks run the same number of micro-batches:
   ``micro_count`` is the global maximum, and a rank with fewer runs zero-weight ones on its first micro-batch.
-  Gradients synchronise on the last micro-batch only (``grad_sync``).
+  Under DDP gradients synchronise on the last micro-batch only; FSDP2 reduce-scatters each (``grad_sync``).
 - **Scoring and generation never touch the wrapped model**: they use ``plain(model)``, the unwrapped module
   (DDP) or a full-weight copy refreshed from the shards one parameter at a time (FSDP2; a collective, called by
   every rank at the same point). Under FSDP2 each rank thus holds one full copy for generation, as a colocated
@@ -216,18 +216,16 @@ class Dist:
 
     @contextlib.contextmanager
     def grad_sync(self, model: torch.nn.Module, sync: bool) -> Iterator[None]:
-        """Inside: backward reduces gradients over ranks only if ``sync`` (the last micro-batch of a step)."""
-        if not self.active or sync:
+        """Inside: under DDP, backward all-reduces gradients only if ``sync`` (the last micro-batch of a step).
+        FSDP2 reduce-scatters every micro-batch into the sharded ``.grad`` (``sync`` ignored): skipping it would
+        leave each rank the whole unsharded gradient between micro-batches (``set_requires_gradient_sync(False)``
+        keeps it on the unsharded parameter: +P x 4 bytes per rank, 28.4 GiB at 7B; tests/dist_grads.py measures
+        it), the memory FSDP2 exists to save; the price is one reduce-scatter per micro-batch."""
+        if not self.active or sync or self.strategy != "ddp":
             yield
-        elif self.strategy == "ddp":
+        else:
             with model.no_sync():
                 yield
-        else:
-            model.set_requires_gradient_sync(False)
-            try:
-                yield
-            finally:
-                model.set_requires_gradient_sync(True)
 
     def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
         """Clip the global gradient norm (over every rank's shards under FSDP2); returns it."""
