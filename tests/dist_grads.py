@@ -7,8 +7,8 @@ Every rank runs one ``training.accumulate`` step of 3 micro-batches through ``Di
 after the first micro-batch's backward (inside the second micro-batch's loss, before its forward), the bytes of
 gradient it holds: the sharded ``.grad`` of each parameter (its local shard) and any unsharded gradient FSDP2
 keeps on an unsharded parameter (its ``.grad``, or ``FSDPParam.unsharded_accumulated_grad`` under a reduce
-dtype: what a micro-batch run with ``set_requires_gradient_sync(False)`` leaves). It saves them, the parameter bytes (local shards and the
-whole model) and the full-weight copy's bytes (``Dist.plain``'s) to ``OUT.<rank>`` as JSON.
+dtype: what a micro-batch run with ``set_requires_gradient_sync(False)`` leaves). It saves them, the parameter
+bytes (local shards and the whole model) and the full-weight copy's bytes (``Dist.plain``'s) to ``OUT.<rank>``.
 """
 
 from __future__ import annotations
