@@ -185,6 +185,7 @@ def audit_markdown(a: dict[str, Any]) -> str:
         j = a["judge"]
         lines += ["", f"llm_judge: {j['judge_requests']} requests, cache hit rate {j['judge_hit_rate']}, malformed "
                   f"verdicts {j['judge_malformed']} (rate {j['judge_malformed_rate']}), failed {j['judge_failed']}, "
+                  f"over the judge's context {j.get('judge_overlong', 0)}, "
                   f"{j['judge_new']} new cache entries; server start {j['judge_server_startup_s']} s."]
     lines += ["", "| reward | samples |", "|---|---:|"] + [f"| {k} | {v} |" for k, v in a["reward_buckets"].items()]
     lines += ["", "| pass rate | prompts |", "|---|---:|"]

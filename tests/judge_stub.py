@@ -24,6 +24,7 @@ class Stub:
     reply: Callable[[str], str] = lambda prompt: "SCORE: 7"
     fail_first: int = 0
     delay_s: float = 0.0
+    context_chars: int | None = None  # a prompt longer than this gets vLLM's HTTP 400 "longer than the maximum ..."
     model: str = "stub-judge"
     requests: int = 0  # completion requests received (retries included)
     prompts: list[str] = field(default_factory=list)
@@ -74,6 +75,12 @@ def _handler(stub: Stub) -> type[BaseHTTPRequestHandler]:
                     return
                 chat = self.path == "/v1/chat/completions"
                 prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+                if stub.context_chars is not None and len(prompt) > stub.context_chars:
+                    self._send(400, {"object": "error", "type": "BadRequestError", "code": 400, "message":
+                                     f"The decoder prompt (length {len(prompt)}) is longer than the maximum model "
+                                     f"length of {stub.context_chars}. Make sure that `max_model_len` is no "
+                                     "smaller than the number of text tokens."})
+                    return
                 with stub.lock:
                     stub.prompts.append(prompt)
                 text = stub.reply(prompt)

@@ -36,7 +36,7 @@ from posttrain.outputs import atomic_path
 log = logging.getLogger("posttrain.judge")
 
 ENV_CACHE = "POSTTRAIN_JUDGE_CACHE"  # the cache file scoring processes read and add to (set by judge.session)
-COUNTERS = ("requests", "hits", "misses", "malformed", "failed")
+COUNTERS = ("requests", "hits", "misses", "malformed", "failed", "overlong")
 
 
 class Entry(NamedTuple):

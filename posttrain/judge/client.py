@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -37,6 +38,11 @@ def client(base_url: str, timeout_s: float, retries: int) -> Any:
                          max_retries=retries)
 
 
+CONTEXT_EXCEEDED = "longer than the judge's context"  # a 400 whose message says so (vLLM's and OpenAI's wording)
+_CONTEXT_RE = re.compile(r"longer than the maximum model length|maximum context length|context_length_exceeded",
+                         re.IGNORECASE)
+
+
 def _why(e: Exception, retries: int) -> str:
     """One line for a failed request (no URL or body: the audit counts these by text)."""
     import openai
@@ -46,6 +52,8 @@ def _why(e: Exception, retries: int) -> str:
         return f"judge timed out{after}"
     if isinstance(e, openai.APIConnectionError):
         return f"judge unreachable{after}"
+    if isinstance(e, openai.BadRequestError) and _CONTEXT_RE.search(str(e)):
+        return CONTEXT_EXCEEDED
     if isinstance(e, openai.APIStatusError):
         return f"judge answered HTTP {e.status_code}"
     return f"judge request raised {type(e).__name__}"

@@ -86,5 +86,5 @@ def for_stage(judge: Any, cache: Path) -> Any:
 def metrics(s: Session) -> dict[str, Any]:
     """The judge's numbers for a stage's metrics (``judge_`` prefixed): requests, hit and malformed rates, new
     cache entries, the server's start time."""
-    keys = ("requests", "hits", "malformed", "failed", "hit_rate", "malformed_rate", "new", "entries")
+    keys = ("requests", "hits", "malformed", "failed", "overlong", "hit_rate", "malformed_rate", "new", "entries")
     return {**{f"judge_{k}": s.stats.get(k) for k in keys}, "judge_server_startup_s": s.startup_s}

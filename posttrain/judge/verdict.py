@@ -3,7 +3,9 @@ strict parsers.
 
 A template is a ``str.format`` text with the fields of ``FIELDS`` (``{prompt}``, ``{completion}``, ``{answer}``,
 ``{rubric}``, ``{format}``); ``{format}`` is the verdict format's own instruction, so the judge is told exactly
-the line the parser will accept. A verdict format (``VERDICTS``, by name) parses a reply into a value in
+the line the parser will accept. The completion reaches the judge between two marker lines tagged with its own
+hash (``delimited``; the default template says that what lies between them is data, never instructions), so a
+completion cannot close the data early and address the judge. A verdict format (``VERDICTS``, by name) parses a reply into a value in
 [0, 1] or refuses it with why: the reply's last non-empty line must be the verdict line, with nothing else on
 it, and the verdict tag must appear on no other line. Anything else is *malformed* (None, why kept and counted):
 a reply that hedges, gives two scores or buries the score in prose earns nothing, never a guess.
@@ -11,6 +13,7 @@ a reply that hedges, gives two scores or buries the score in prose earns nothing
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable
 from typing import NamedTuple
@@ -93,8 +96,21 @@ VERDICTS: dict[str, Verdict] = {
 }
 
 
+def delimited(completion: str) -> str:
+    """The completion between two marker lines tagged with the first 16 hex digits of its own SHA-256: a completion
+    cannot write its closing marker (that would need a text containing its own hash) to end the data early and
+    speak to the judge after it. Control characters but newline and tab are dropped from what the judge sees."""
+    text = _CONTROL.sub("", completion)
+    tag = hashlib.sha256(completion.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"<<<RESPONSE {tag}>>>\n{text}\n<<<END RESPONSE {tag}>>>"
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
 def render(template: str, *, prompt: str, completion: str, answer: str, rubric: str, verdict: str,
            max_score: int) -> str:
-    """The judge's prompt: the template with the sample, the rubric and the verdict format's instruction."""
-    return template.format(prompt=prompt, completion=completion, answer=answer, rubric=rubric,
+    """The judge's prompt: the template with the sample (the completion ``delimited``, whatever the template),
+    the rubric and the verdict format's instruction."""
+    return template.format(prompt=prompt, completion=delimited(completion), answer=answer, rubric=rubric,
                            format=VERDICTS[verdict].instruction(max_score))

@@ -6,7 +6,9 @@ taken from the judge-call cache (``posttrain.judge.cache``: keyed by the judge's
 rest are sent together, ``concurrency`` at a time, each with ``timeout_s`` and ``retries``
 (``posttrain.judge.client``). A reply is worth its verdict in [0, 1] when it is exactly in the requested format;
 a malformed reply is None with why (``malformed verdict: ...``) and a failed request None with why
-(``judge timed out after 2 retries``): counted, never a free reward.
+(``judge timed out after 2 retries``): counted, never a free reward. A completion the server refuses as longer
+than its context scores ``overlong_score`` (default 0, the minimum; counted as ``overlong``): excluding it as
+unscorable would let a policy escape grading by writing past the judge's context.
 
 Where the judge is: ``base_url`` and ``model`` in the kwargs, or, when they are left out, the server the stage
 started (``judge.serve``; ``posttrain.judge.session``). Which model answered (the cache key's judge):
@@ -26,7 +28,7 @@ from typing import Any
 
 from posttrain.errors import StageError
 from posttrain.judge import cache as jcache
-from posttrain.judge.client import ask, served_digest
+from posttrain.judge.client import CONTEXT_EXCEEDED, ask, served_digest
 from posttrain.judge.session import ENV_BASE_URL, ENV_DIGEST, ENV_MODEL
 from posttrain.judge.verdict import DEFAULT_TEMPLATE, VERDICTS, render
 from posttrain.rewards.sample import Sample, Scored
@@ -54,7 +56,7 @@ def llm_judge(samples: Sequence[Sample], *, base_url: str | None = None, model: 
               rubric: str = "", rubrics: dict[str, str] | None = None, template: str = DEFAULT_TEMPLATE,
               verdict: str = "score", max_score: int = 10, api: str = "chat", max_tokens: int = 512,
               temperature: float = 0.0, seed: int = 0, timeout_s: float = 60.0, retries: int = 2,
-              concurrency: int = 8, revision: str | None = None) -> list[Scored]:
+              concurrency: int = 8, revision: str | None = None, overlong_score: float = 0.0) -> list[Scored]:
     """The judge's verdict on each sample, in [0, 1] (``score``: n / max_score; ``binary``: PASS 1, FAIL 0), or
     None with why (malformed reply, failed request, no rubric for the task). Greedy by default (temperature 0),
     so a cached judgement is the one the judge would give again."""
@@ -88,6 +90,10 @@ def llm_judge(samples: Sequence[Sample], *, base_url: str | None = None, model: 
     counts["misses"] = len(todo)
     replies = ask(url, name, [r for _, _, r in todo], timeout_s=timeout_s, retries=retries, concurrency=concurrency)
     for (i, k, _), reply in zip(todo, replies, strict=True):
+        if reply.why == CONTEXT_EXCEEDED:  # too long to judge: the configured score (the minimum), counted
+            out[i] = Scored(overlong_score, f"{CONTEXT_EXCEEDED}: scored {overlong_score}")
+            counts["overlong"] += 1
+            continue
         if reply.text is None:
             out[i] = Scored(None, reply.why)
             counts["failed"] += 1
