@@ -68,7 +68,8 @@ def test_template_is_filled_with_the_sample_rubric_and_the_format_instruction():
     text = render("{prompt}|{completion}|{answer}|{rubric}|{format}", prompt="1+1=", completion="\\boxed{2}",
                   answer="2", rubric="R", verdict="score", max_score=5)
     assert text.startswith("1+1=|<<<RESPONSE ")
-    assert "\n\\boxed{2}\n<<<END RESPONSE " in text and "|2|R|End your reply with one line of the form `SCORE: <n>`" in text
+    assert "\n\\boxed{2}\n<<<END RESPONSE " in text
+    assert "|2|R|End your reply with one line of the form `SCORE: <n>`" in text
     assert "from 0 to 5" in text
 
 
