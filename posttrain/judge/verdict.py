@@ -6,9 +6,9 @@ A template is a ``str.format`` text with the fields of ``FIELDS`` (``{prompt}``,
 the line the parser will accept. The completion reaches the judge between two marker lines tagged with its own
 hash (``delimited``; the default template says that what lies between them is data, never instructions), so a
 completion cannot close the data early and address the judge. A verdict format (``VERDICTS``, by name) parses
-a reply into a value in [0, 1] or refuses it with why: the reply's last non-empty line must be the verdict line, with nothing else on
-it, and the verdict tag must appear on no other line. Anything else is *malformed* (None, why kept and counted):
-a reply that hedges, gives two scores or buries the score in prose earns nothing, never a guess.
+a reply into a value in [0, 1] or refuses it with why: the reply's last non-empty line must be the verdict line,
+with nothing else on it, and the verdict tag must appear on no other line. Anything else is *malformed* (None, why
+kept and counted): a reply that hedges, gives two scores or buries the score in prose earns nothing, never a guess.
 """
 
 from __future__ import annotations
