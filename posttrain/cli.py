@@ -18,11 +18,17 @@ PARAMS = typer.Option(Path("params.yaml"), "--params", "-p", help="params file")
 
 
 def _params(path: Path) -> Params:
+    """The validated params, with every ``paths.*`` inside the repository (the params file's folder: DVC's);
+    else one line and exit 2."""
     try:
-        return load_params(path)
+        p = load_params(path)
     except ConfigError as e:
         print(f"posttrain: {e}", file=sys.stderr)
         raise typer.Exit(EXIT_CONFIG_ERROR) from None
+    if bad := p.paths.outside(path.resolve().parent):
+        print(f"posttrain: {path}: {bad}", file=sys.stderr)
+        raise typer.Exit(EXIT_CONFIG_ERROR)
+    return p
 
 
 @app.command()

@@ -4,7 +4,7 @@ import time
 
 import pytest
 import yaml
-from conftest import REPO, repo_params
+from conftest import REPO, repo_params, tiny_raw
 
 from posttrain.config import ConfigError, load_params, parse_params
 from posttrain.errors import ModelLoadError
@@ -267,3 +267,44 @@ def test_every_params_key_is_documented_where_it_is_declared():
 
     walk(Params)
     assert undocumented == []
+
+
+@pytest.mark.parametrize("edit,key", [
+    (lambda r: r["rl"].setdefault("select", {}).update(min_pass_rate=0.9, max_pass_rate=0.1),
+     "rl.select.max_pass_rate"),
+    (lambda r: r["evaluate"].update(ks=[]), "evaluate.ks"),
+    (lambda r: r["model"].setdefault("prompt", {}).update(stop=["</answer>", ""]), "model.prompt.stop"),
+    (lambda r: r["model"].update(base="m" * 100_000), "model.base"),
+    (lambda r: r["paths"].update(rl_model=r["paths"]["sft_model"]), "paths.rl_model"),
+    (lambda r: r["paths"].update(rl_model=r["paths"]["sft_model"] + "/rl"), "paths.rl_model"),
+    (lambda r: r["paths"].update(sft_model="models"), "paths.sft_model"),  # around base_model (models/base)
+    (lambda r: r["paths"].update(rl_model="../elsewhere/rl"), "paths.rl_model"),
+    (lambda r: r["distill"].update(teacher=r["paths"]["student_model"]), "distill.teacher"),
+    (lambda r: r["distill"].update(teacher=r["paths"]["student_sft_model"] + "/"), "distill.teacher"),
+])
+def test_contradictions_the_fuzz_found_are_refused_at_load_naming_the_key(edit, key):
+    """Issue 49, finding 8: each of these loaded (and failed later or silently: an empty pass band selects no
+    prompt, ks [] evaluates nothing, an empty stop ends every completion at once, two stages at one path or one
+    inside another delete each other's outputs, an output outside the repository escapes DVC, a teacher that is
+    distill's own output). Now one line naming the key, before any work."""
+    raw = tiny_raw(None)
+    edit(raw)
+    with pytest.raises(ConfigError) as e:
+        parse_params(raw)
+    msg = str(e.value)
+    assert msg.startswith(f"params: {key}: ") and "\n" not in msg, msg
+
+
+def test_validate_refuses_an_absolute_output_outside_the_repository(tmp_path):
+    """Issue 49, finding 8: an output outside the repository loaded, and DVC would neither track nor restore it.
+    A stage run by hand (or a test) may write anywhere, so load accepts an absolute path; ``posttrain validate``
+    and ``posttrain repro``, which know the repository (the params file's folder), refuse it: exit 2, one line."""
+    raw = repo_params()
+    raw["paths"]["rl_model"] = str(tmp_path / "elsewhere")
+    (tmp_path / "repo").mkdir()
+    f = tmp_path / "repo" / "params.yaml"
+    f.write_text(yaml.safe_dump(raw))
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "validate", "-p", str(f)], capture_output=True,
+                       text=True, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "paths.rl_model: " in r.stderr and "is outside the repository" in r.stderr

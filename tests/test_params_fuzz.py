@@ -31,7 +31,7 @@ ACCEPTED = {
                         "distill.warmup.filter_correct", "model.gradient_checkpointing", "prefect.retries",
                         "prefect.retry_delay_s", "reward.audit_examples", "reward.max_unscorable_frac",
                         "rl.clip_eps_high", "rl.clip_eps_low", "rl.entropy_coef", "rl.kl_coef", "rl.kl_reward_coef",
-                        "rl.max_refill_rounds", "rl.prior_budget", "rl.select.max_pass_rate",
+                        "rl.max_refill_rounds", "rl.prior_budget",
                         "rl.select.min_pass_rate", "rollout.vllm.enforce_eager", "tools.enabled",
                         "curate.dedup.numbers_must_match", "runtime.progress", "sft.phases[0].cot_frac",
                         "sft.warmup_steps", "sft.weight_decay", "task.min_multiplier", "tracking.enabled",

@@ -23,7 +23,8 @@ class Evaluate(Section):
     )
     backend: Literal[names.BACKENDS] = Field("hf", description="rollout backend used for generation")
     samples_per_prompt: int = Field(8, ge=1, le=MAX_SAMPLES, description="samples per prompt for pass@k / maj@k")
-    ks: list[int] = Field(default_factory=lambda: [1, 4, 8], description="k values for pass@k and maj@k")
+    ks: list[int] = Field(default_factory=lambda: [1, 4, 8], min_length=1,
+                          description="k values for pass@k and maj@k")
     sampling: Sampling = Field(default_factory=Sampling, description="sampled decoding (greedy is always run)")
     generate_batch_size: int = Field(256, ge=1, le=MAX_BATCH, description="sequences per generate() call")
     limit: int | None = Field(None, ge=1, le=MAX_ROWS, description="evaluate at most this many prompts per split")

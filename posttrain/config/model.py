@@ -76,6 +76,13 @@ class PromptCfg(Section):
                             "becomes a stop token id beside generation_config's EOS ids; any other string stops "
                             "generation when the decoded completion contains it (cut from the text)")
 
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: list[str]) -> list[str]:
+        if any(not x for x in v):
+            raise ValueError("an empty stop string would stop every completion before its first token")
+        return v
+
     @field_validator("template")
     @classmethod
     def _has_slot(cls, v: str | None) -> str | None:

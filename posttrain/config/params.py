@@ -82,6 +82,11 @@ class Params(Section):
         unknown = sorted({m for pair in self.report.compare for m in pair} - set(self.evaluate.models))
         if unknown:
             raise Refusal("report.compare", f"{unknown} not in evaluate.models {list(self.evaluate.models)}")
+        own = {"paths.student_sft_model": self.paths.student_sft_model, "paths.student_model": self.paths.student_model}
+        for key, path in own.items():
+            if Path(self.distill.teacher) == Path(path):
+                raise Refusal("distill.teacher", f"{self.distill.teacher!r} is {key}, an output of the distill stage "
+                              "itself: the teacher must be a model made before it (e.g. paths.rl_model)")
         if self.rl.ref_reset is not None and self.model.lora is not None:
             raise Refusal("rl.ref_reset", "with model.lora is not supported: the LoRA policy's reference is its "
                           "frozen base (adapter off), which a reset would have to overwrite with the merge")

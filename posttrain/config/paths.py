@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path, PurePosixPath
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from posttrain.config.base import Section
+from posttrain.config.base import Refusal, Section
 
 PathStr = Annotated[str, Field(min_length=1)]  # '' would write into the repo root
 
@@ -46,3 +47,38 @@ class Paths(Section):
     distill_report_dir: PathStr = Field(description="distill training log (CSV + PNG)")
     eval_report_dir: PathStr = Field(description="evaluate report: generations.parquet, report.md")
     metrics_dir: PathStr = Field(description="one <stage>.json per stage, for `dvc metrics show`")
+
+    @model_validator(mode="after")
+    def _apart(self) -> Paths:
+        """No relative path that climbs out (``..``: DVC tracks and removes only what is inside the repository, and
+        an output outside it is written where no lineage sees it; an absolute path is checked against the
+        repository by ``outside``, which ``posttrain validate`` and ``posttrain repro`` call: a stage run by hand
+        or a test may write anywhere), and no two at one place or one inside another (two stages would replace or
+        delete each other's files)."""
+        parts: dict[str, tuple[str, ...]] = {}
+        for key, value in self.model_dump().items():
+            p = PurePosixPath(value.replace("\\", "/"))
+            if ".." in p.parts:
+                raise Refusal(key, f"{value!r} climbs out of the repository: give a path inside it, without ..")
+            parts[key] = tuple(x for x in p.parts if x != ".")
+        seen: list[str] = []
+        for b, pb in parts.items():
+            for a in seen:
+                pa = parts[a]
+                n = min(len(pa), len(pb))
+                if pa[:n] == pb[:n]:
+                    what = "the same path as" if pa == pb else "inside" if len(pb) > len(pa) else "around"
+                    raise Refusal(b, f"{getattr(self, b)!r} is {what} paths.{a} ({getattr(self, a)!r}): two "
+                                  "stages would replace or delete each other's files")
+            seen.append(b)
+        return self
+
+    def outside(self, root: Path) -> str | None:
+        """``paths.<key>: '<value>' is outside the repository <root>`` for the first path not inside ``root`` (the
+        folder of params.yaml, where DVC runs), or None."""
+        top = root.resolve()
+        for key, value in self.model_dump().items():
+            if not (top / value).resolve().is_relative_to(top):
+                return f"paths.{key}: {value!r} is outside the repository {top}: DVC would neither track nor " \
+                       "restore it; give a path inside it"
+        return None

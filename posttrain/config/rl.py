@@ -66,6 +66,13 @@ class RlSelect(Section):
     max_pass_rate: float = Field(0.99, ge=0, le=1, description="drop prompts solved more often (always solved)")
     top_k: int = Field(1, ge=1, le=MAX_ROWS, description="prompts kept by top_variance (1: 1-shot RLVR)")
 
+    @model_validator(mode="after")
+    def _band(self) -> RlSelect:
+        if self.min_pass_rate > self.max_pass_rate:
+            raise Refusal("max_pass_rate", f"{self.max_pass_rate} < min_pass_rate {self.min_pass_rate}: the pass "
+                          "band is empty, so no prompt could ever be selected")
+        return self
+
     @field_validator("strategy")
     @classmethod
     def _strategy(cls, v: str) -> str:

@@ -56,7 +56,7 @@ def llm_judge(samples: Sequence[Sample], *, base_url: str | None = None, model: 
               rubric: str = "", rubrics: dict[str, str] | None = None, template: str = DEFAULT_TEMPLATE,
               verdict: str = "score", max_score: int = 10, api: str = "chat", max_tokens: int = 512,
               temperature: float = 0.0, seed: int = 0, timeout_s: float = 60.0, retries: int = 2,
-              concurrency: int = 8, revision: str | None = None, overlong_score: float = 0.0) -> list[Scored]:
+              concurrency: int = 8, overlong_score: float = 0.0, revision: str | None = None) -> list[Scored]:
     """The judge's verdict on each sample, in [0, 1] (``score``: n / max_score; ``binary``: PASS 1, FAIL 0), or
     None with why (malformed reply, failed request, no rubric for the task). Greedy by default (temperature 0),
     so a cached judgement is the one the judge would give again."""
