@@ -18,14 +18,17 @@ PARAMS = typer.Option(Path("params.yaml"), "--params", "-p", help="params file")
 
 
 def _params(path: Path) -> Params:
-    """The validated params, with every ``paths.*`` inside the repository (the params file's folder: DVC's);
-    else one line and exit 2."""
+    """The validated params, with every ``paths.*`` inside the repository (the params file's folder: DVC's) and
+    ``model.base`` importable here (``config.model.unavailable``); else one line and exit 2."""
     try:
         p = load_params(path)
     except ConfigError as e:
         print(f"posttrain: {e}", file=sys.stderr)
         raise typer.Exit(EXIT_CONFIG_ERROR) from None
-    if bad := p.paths.outside(path.resolve().parent):
+    from posttrain.config.model import unavailable
+
+    root = path.resolve().parent
+    if bad := p.paths.outside(root) or unavailable(p.model.base, p.model.revision, root):
         print(f"posttrain: {path}: {bad}", file=sys.stderr)
         raise typer.Exit(EXIT_CONFIG_ERROR)
     return p

@@ -295,6 +295,24 @@ def test_contradictions_the_fuzz_found_are_refused_at_load_naming_the_key(edit, 
     assert msg.startswith(f"params: {key}: ") and "\n" not in msg, msg
 
 
+@pytest.mark.parametrize("base,says", [("./no/such/model", "no such folder"), ("weights/nope.gguf", "no such file"),
+                                       ("nobody/uncached-model-xyz", "not in the local hub cache")])
+def test_validate_refuses_a_model_that_cannot_be_imported_here(tmp_path, base, says):
+    """Issue 49, finding 8: ``posttrain validate`` accepted a missing local model.base and an uncached hub id offline;
+    the run failed in sft ~20 s later, after DVC had deleted that stage's outputs. Now validate (and repro, which
+    loads params the same way) exits 2 with one line first."""
+    import os
+
+    raw = repo_params()
+    raw["model"]["base"] = base
+    f = tmp_path / "params.yaml"
+    f.write_text(yaml.safe_dump(raw))
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "validate", "-p", str(f)], capture_output=True,
+                       text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
+    assert "model.base: " in r.stderr
+
+
 def test_validate_refuses_an_absolute_output_outside_the_repository(tmp_path):
     """Issue 49, finding 8: an output outside the repository loaded, and DVC would neither track nor restore it.
     A stage run by hand (or a test) may write anywhere, so load accepts an absolute path; ``posttrain validate``

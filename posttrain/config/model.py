@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Literal
@@ -26,6 +27,28 @@ def base_kind(base: str) -> BaseKind:
     if Path(base).exists() or not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", base):
         return "folder"
     return "hub"
+
+
+def unavailable(base: str, revision: str | None = None, root: Path = Path(".")) -> str | None:
+    """Why ``model.base`` cannot be imported here, in one line, or None: a local folder or .gguf file that does not
+    exist, or (with ``HF_HUB_OFFLINE=1``) a hub id whose config is not in the local hub cache. What only a fetch
+    can tell (a wheel's hash, a hub id online) is left to the model stage's own check. ``posttrain validate`` and
+    ``posttrain repro`` call it, so the run stops before DVC deletes any stage's outputs. ``root``: where the
+    stages run (relative paths are read from there)."""
+    kind = base_kind(base)
+    if kind == "tiny" or kind == "wheel" or (root / base).exists():
+        return None
+    if kind == "folder":
+        return f"model.base: no such folder {base!r}"
+    if kind == "gguf":
+        return f"model.base: no such file {base!r}"
+    if kind == "hub" and os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False"):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(base, "config.json", revision=revision), str):
+            return (f"model.base: hub id {base!r} is not in the local hub cache and HF_HUB_OFFLINE is set: "
+                    "download it once online, or give a local folder")
+    return None
 
 
 class TinyModel(Section):
