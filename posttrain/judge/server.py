@@ -9,7 +9,9 @@ module behind ``vllm serve``): the CPU build's ``vllm`` console script fails at 
 builds. It runs in its own session (process group): stopping it sends SIGTERM to the group (API server, engine
 core, workers), waits, then SIGKILLs whatever is left, including any child that left the group (found with
 psutil before the first signal). Its output goes to a log file; a server that exits or is not healthy in time
-is a ``StageError`` with the log's last lines.
+is a ``StageError`` with the log's last lines. It is started under ``posttrain.judge.guard``, in the guard's group:
+if the stage dies without stopping it (SIGKILL, where no ``finally`` runs), the guard stops the server's whole
+tree within a second and ``GRACE_S``, so no orphaned judge keeps its memory.
 
 ``identity`` is the judge's identity for the cache: a hash of every file of the folder (config, tokenizer,
 weights; ``posttrain.digests``, computed once per stage: a 15 GB folder takes about a minute) and the server's
@@ -23,6 +25,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -134,6 +137,7 @@ def serve(folder: str | Path, *, python: str, model: str = "judge", args: Sequen
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [python, "-m", SERVER_MODULE, "--model", str(folder), "--served-model-name", model,
            "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "posttrain.judge.guard", str(os.getpid()), *cmd]  # dies with this process
     base = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     with log_path.open("ab") as out:
