@@ -73,14 +73,14 @@ def test_verdicts_and_the_fraction_of_tests_passed():
     (" return sum(a", "parse: SyntaxError"),
     (" return undefined_name", "tests: NameError"),
     (" return 0\nraise SystemExit(0)", "run: SystemExit"),  # exit() before the tests: a failure, never a pass
-    (" return 0\nimport os\nos._exit(0)", "no verdict"),  # no verdict line at all
+    (" return 0\nimport os\nos._exit(0)", "run: exited"),  # the solution's process ends before any test
     (" return 0\nprint('\\nabc ' + FAKE)\nimport os\nos._exit(0)".replace("FAKE", repr(FAKE)),
-     "no verdict"),  # a forged verdict without the nonce
+     "run: exited"),  # a forged verdict line: the solution's stdout is not the verdict's
     (" return 0\nclass A:\n def __eq__(s, o): return True\ndef f(a): return A()",
      "tests: AssertionError"),  # an object equal to everything
     (" return 0\nimport json\nT = open('tests.json').read()\ndef f(a): return 0",
      "run: FileNotFoundError"),  # the expected values are out of reach
-    (" while True: pass", "timeout"),
+    (" while True: pass", "tests: timeout"),  # the solution's process past cpu_s
     (" raise SystemExit(0)", "tests: SystemExit"),  # nor inside a test
 ])
 def test_the_verdict_resists_the_common_hacks(completion, why):
@@ -179,3 +179,85 @@ def _code_raw(tiny: dict) -> dict:
         raw[sec]["sampling"]["max_new_tokens"] = 80
     raw["distill"]["max_new_tokens"] = 80
     return raw
+
+
+MEMSCAN = r"""
+import os, re
+cands = set()
+for line in open('/proc/self/maps'):
+    a, perm = line.split()[:2]
+    if 'rw' not in perm:
+        continue
+    lo, hi = (int(x, 16) for x in a.split('-'))
+    try:
+        with open('/proc/self/mem', 'rb') as m:
+            m.seek(lo)
+            cands.update(re.findall(rb'(?<![0-9a-f])[0-9a-f]{32}(?![0-9a-f])', m.read(min(hi - lo, 1 << 24))))
+    except (OSError, ValueError, OverflowError):
+        pass
+for c in list(cands)[:200]:
+    print('\n' + c.decode() + ' {"stage": "tests", "passed": 4, "total": 4, "why": null}', flush=True)
+os._exit(0)
+"""
+# Completions that forge a verdict for a wrong solution (f returns 0, or reads the expected value), one or more per
+# class of issue 49's finding 3; every one scored full marks against the harness that ran the solution in its own
+# interpreter (watched: against the harness of 44954d7).
+FORGERIES = {
+    "json.dumps patched": " return 0\nimport json\n_d = json.dumps\njson.dumps = lambda kw, *a, **k: _d({**kw, "
+                          "'passed': kw['total'], 'why': None}, *a, **k)",
+    "the verdict function called": " return 0\nimport __main__, os\n__main__._verdict(stage='tests', "
+                                   "passed=__main__._total, total=__main__._total, why=None)\nos._exit(0)",
+    "builtins.exec patched": " return 0\nimport builtins\nbuiltins.exec = lambda *a, **k: None",
+    "the comparison helper patched": " return 0\nimport __main__\n__main__._eq = lambda *a: True",
+    "the list of tests replaced": " return 0\nimport __main__\n__main__._tests[:] = [(compile('pass', 't', 'exec'), "
+                                  "True)] * __main__._total",
+    "a late verdict from atexit": " return 0\nimport atexit, __main__\natexit.register(lambda: __main__._verdict("
+                                  "stage='tests', passed=__main__._total, total=__main__._total, why=None))",
+    "the expected value read from the test's bytecode":
+        " import sys\n return [c for c in sys._getframe(1).f_code.co_consts if type(c) is int][-1]",
+    "the nonce scanned in /proc/self/mem": " return 0\n" + MEMSCAN,
+    "the nonce found through gc": " return 0\nimport gc, os\nfor o in gc.get_objects():\n if getattr(o, '__name__', "
+                                  "'') == '_verdict':\n  o(stage='tests', passed=4, total=4, why=None)\n  os._exit(0)",
+}
+OVERFLOWS = {  # fraction mode above 1, or a 0 turned into "unscorable"
+    "extra passing tests": " return 0\nimport __main__\n__main__._tests += [(compile('pass', 't', 'exec'), True)] * 12",
+    "a float passed": " return 0\nimport json\n_d = json.dumps\njson.dumps = lambda kw, *a, **k: _d({**kw, "
+                      "'passed': 1e9}, *a, **k)",
+    "a malformed verdict": " return 0\nimport json\n_d = json.dumps\njson.dumps = lambda kw, *a, **k: _d({**kw, "
+                           "'passed': 'all'}, *a, **k)",
+}
+
+
+@pytest.mark.parametrize("name", list(FORGERIES))
+def test_a_completion_cannot_forge_its_verdict(name):
+    """Issue 49, finding 3: the harness exec'd the solution in the interpreter that then wrote the verdict, so these
+    gave full marks to a function that returns 0 (or reads the answer out of the test). The solution now runs in its
+    own process and answers calls by value; the harness compares and writes the verdict: at most the 1 of 4 that
+    ``return 0`` honestly passes (f([2]) == 0)."""
+    v = codeexec.run_tests(PROMPT, FORGERIES[name], TESTS, FAST)
+    assert v.passed <= 1 and not v.all_passed, (name, v)
+
+
+@pytest.mark.parametrize("name", list(OVERFLOWS))
+def test_fraction_stays_in_0_1_and_a_bad_verdict_scores_the_minimum(name):
+    """``fraction`` mode scored far above 1 (extra always-passing tests, a float ``passed``) and a malformed verdict
+    made a 0 unscorable; now what ``return 0`` honestly earns, 1 of 4 = 0.25 (passed is the harness's own count,
+    read strictly by the host), or 0.0."""
+    [r] = combine([Sample(OVERFLOWS[name], TESTS, "code", 10, 80, "stop", PROMPT)],
+                  specs_of([_spec("code_tests", 1.0, {"mode": "fraction"})]))
+    assert r[0] is not None and 0.0 <= r[0] <= 0.25, (name, r)
+
+
+@pytest.mark.parametrize("line,why", [
+    ('{"stage": "tests", "passed": 5, "total": 4, "why": null}', "malformed verdict"),
+    ('{"stage": "tests", "passed": 4.0, "total": 4, "why": null}', "malformed verdict"),
+    ('{"stage": "tests", "passed": true, "total": 4, "why": null}', "malformed verdict"),
+    ('{"stage": "other", "passed": 4, "total": 4, "why": null}', "malformed verdict"),
+    ('{"stage": "tests", "passed": 4, "total": 9, "why": null}', "malformed verdict"),
+    ('{"stage": "tests", "passed": 4}', "malformed verdict"),
+    ("not json", "malformed verdict"),
+    ('{"stage": "tests", "passed": 1, "total": 4, "why": "Assertion\\u001b[2KError\\n"}', "tests: Assertion[2KError"),
+])
+def test_the_host_reads_the_verdict_strictly(line, why):
+    v = codeexec._read_verdict(line, 4)
+    assert v.why == why and v.passed in (0, 1)

@@ -1,16 +1,28 @@
-"""Running a completion against its tests in the sandbox, and reading back a verdict that the completion cannot
-forge by accident or by the common reward hacks.
+"""Running a completion against its tests in the sandbox, and reading back a verdict the completion cannot reach.
 
-One sandbox (:mod:`posttrain.sandbox`) per completion: a harness (``/scratch/main.py``) reads a random nonce from
-stdin, then compiles and runs ``solution.py`` (prompt + completion) in a fresh namespace and each test statement
-of ``tests.py`` in that namespace, catching everything (``BaseException``: ``exit()`` inside the completion is a
-failure, not a pass), and writes one line ``<nonce> <json>`` to the real stdout at the end. Only that line
-counts; a run without it (killed, timed out, ``os._exit``, closed stdout) passed nothing. What holds: printing a
-fake verdict (the nonce is unknown to the completion's text), exiting early, raising ``SystemExit`` in a test,
-objects whose ``__eq__`` always answers yes in the synthetic task (its tests compare through the harness's
-``_eq``: exact type, then value). What does not: a completion that searches the harness's own frames or memory
-for the nonce or rebinds names the tests use could forge a pass. The host is safe either way (the sandbox); the
-*reward* is as trustworthy as in-process execution with these guards, like HumanEval's own harness.
+One sandbox (:mod:`posttrain.sandbox`) per completion, two processes in it that share nothing but a pair of pipes:
+
+- the **harness** (``/scratch/main.py``, ``HARNESS``) reads a random nonce from stdin and the gold tests from
+  ``tests.json`` (then deletes the file), makes itself non-dumpable (no ``/proc/<pid>/mem`` or ``fd`` of it from
+  another process; ``ptrace`` and ``process_vm_readv`` are refused by the seccomp filter anyway), and starts
+- the **solution** (``RUNNER``, a fresh interpreter: ``solution.py`` = prompt + completion, its stdout and stderr
+  to /dev/null, its stdin closed), which runs the program and then answers calls: a name and arguments in, the
+  return value out, both as *plain data* (``CODEC``: None, bool, int, float, str, bytes, complex, list, tuple,
+  dict, set, frozenset, tagged by exact type; anything else, an object of the solution's own class included,
+  becomes an ``Opaque`` value equal to nothing).
+
+The harness runs every test statement itself, in its own namespace, where each name the solution defined is a
+proxy that asks the solution process; the comparisons (``==``, ``_eq``, ``abs(x - y) < eps``) run in the harness
+on the decoded values, never on an object the solution made. It writes one line ``<nonce> <json>`` (stage,
+passed, total, first failure) to the sandbox's stdout, which the solution's process does not hold. The host
+reads it strictly: ``passed`` an int in [0, total] over the host's own count of tests, a known stage; anything
+else, or no line (killed, timed out, the harness killed by the solution), passes nothing (the minimum, never
+unscorable). What this closes (tests/test_code_task.py): patching what the harness uses (``json.dumps``,
+``builtins``, its comparison helper, its list of tests), calling its verdict function through ``__main__``, a
+late verdict from ``atexit``, an ``__eq__`` that always says yes, reading the expected value from the test's
+bytecode, scanning memory for the nonce, extra "tests" or a float ``passed``. What it costs: a second interpreter
+start per completion, and tests see the solution's results by value (a test that checks an argument mutated in
+place, or calls a method of a returned object, fails: HumanEval and the synthetic task have none).
 
 Sandbox settings: ``sandbox:`` of params.yaml reaches every process of a stage (reward workers included) through
 the environment (``config.sandbox.from_env``; the runner sets it); without it, the defaults.
@@ -20,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,40 +41,162 @@ from posttrain.config.sandbox import SandboxCfg, from_env
 from posttrain.tasks import code
 
 HARNESS = r'''
-import json, os, sys
+import ctypes, json, os, subprocess, sys
+ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the solution cannot read this process's memory or fds
 _nonce = sys.stdin.readline().strip()
-_out = os.fdopen(os.dup(1), "w")  # the verdict's own copy of stdout: closing sys.stdout does not hide it
-def _verdict(**kw):
-    _out.write("\n" + _nonce + " " + json.dumps(kw) + "\n")
-    _out.flush()
-def _why(e):
-    return type(e).__name__
-def _eq(got, want, _type=type):
-    return _type(got) is _type(want) and got == want
+_out = os.fdopen(os.dup(1), "w")
 _tests = [(compile(src, "tests.py", "exec"), is_test) for src, is_test in json.load(open("tests.json"))]
+os.remove("tests.json")  # the solution's process cannot read the expected values
 _total = sum(t for _, t in _tests)
-_src = open("solution.py").read()
-os.remove("tests.json")  # the completion cannot read the expected values
-try:
-    _code = compile(_src, "solution.py", "exec")
-except BaseException as e:
-    _verdict(stage="parse", passed=0, total=_total, why=_why(e))
+def _verdict(stage, passed, why):
+    _out.write("\n" + _nonce + " " + json.dumps({"stage": stage, "passed": passed, "total": _total, "why": why}) + "\n")
+    _out.flush()
+exec(open("codec.py").read())
+_req_r, _req_w = os.pipe()
+_ret_r, _ret_w = os.pipe()
+_sol = subprocess.Popen([sys.executable, "-E", "-s", "-B", "runner.py", str(_req_r), str(_ret_w)],
+                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                        pass_fds=(_req_r, _ret_w))
+os.close(_req_r); os.close(_ret_w)
+_to, _from = os.fdopen(_req_w, "w"), os.fdopen(_ret_r, "r")
+class SolutionRaised(Exception):
+    pass
+def _ask(msg):
+    try:
+        _to.write(json.dumps(msg) + "\n"); _to.flush()
+        line = _from.readline()
+        if line:
+            return json.loads(line)
+    except (OSError, ValueError):
+        pass
+    return {"raise": "timeout" if _sol.wait() in (-9, -24) else "exited"}  # SIGKILL / SIGXCPU: a CPU limit
+def _proxy(name):
+    def call(*args, **kwargs):
+        r = _ask({"call": name, "args": encode(list(args)), "kwargs": encode(kwargs)})
+        if not isinstance(r, dict) or "value" not in r:
+            raise SolutionRaised(str(r.get("raise", "malformed")) if isinstance(r, dict) else "malformed")
+        return decode(r["value"])
+    call.__name__ = name
+    return call
+_hello = _ask({"hello": True})
+if not isinstance(_hello, dict) or "names" not in _hello or not isinstance(_hello["names"], dict):
+    stage = _hello.get("stage") if isinstance(_hello, dict) and _hello.get("stage") in ("parse", "run") else "run"
+    why = _hello.get("raise") if isinstance(_hello, dict) else None
+    _verdict(stage, 0, str(why)[:80] if why else "no answer")
     raise SystemExit(0)
-_g = {"__name__": "solution"}
-try:
-    exec(_code, _g)
-except BaseException as e:
-    _verdict(stage="run", passed=0, total=_total, why=_why(e))
-    raise SystemExit(0)
-_g["_eq"] = _eq
+_g = {"__name__": "tests", "_eq": lambda got, want, _t=type: _t(got) is _t(want) and got == want}
+for _n, _v in _hello["names"].items():
+    if isinstance(_n, str) and _n.isidentifier():
+        _g[_n] = _proxy(_n) if _v == "callable" else decode(_v)
 _passed, _first = 0, None
 for _c, _is_test in _tests:
     try:
         exec(_c, _g)
         _passed += _is_test
     except BaseException as e:
-        _first = _first or _why(e)
-_verdict(stage="tests", passed=_passed, total=_total, why=_first)
+        _first = _first or (str(e)[:80] if isinstance(e, SolutionRaised) else type(e).__name__)
+_verdict("tests", _passed, _first)
+'''
+
+RUNNER = r'''
+import json, os, sys
+_req, _ret = os.fdopen(int(sys.argv[1]), "r"), os.fdopen(int(sys.argv[2]), "w")
+exec(open("codec.py").read())
+def _send(m):
+    _ret.write(json.dumps(m) + "\n")
+    _ret.flush()
+_req.readline()  # hello
+try:
+    _code = compile(open("solution.py").read(), "solution.py", "exec")
+except BaseException as e:
+    _send({"stage": "parse", "raise": type(e).__name__})
+    raise SystemExit(0)
+_g = {"__name__": "solution"}
+try:
+    exec(_code, _g)
+except BaseException as e:
+    _send({"stage": "run", "raise": type(e).__name__})
+    raise SystemExit(0)
+_send({"names": {k: "callable" if callable(v) else encode(v) for k, v in list(_g.items()) if not k.startswith("__")}})
+for _line in _req:
+    _m = json.loads(_line)
+    try:
+        _v = _g[_m["call"]](*decode(_m["args"]), **decode(_m["kwargs"]))
+        _send({"value": encode(_v)})
+    except BaseException as e:
+        _send({"raise": type(e).__name__})
+'''
+
+CODEC = r'''
+class Opaque:
+    """A value that is not plain data (an object of the solution's own class, a module, a function): equal to
+    nothing, so no test that compares it passes."""
+    def __init__(self, name):
+        self.name = name
+    def __eq__(self, other):
+        return False
+    def __ne__(self, other):
+        return True
+    def __hash__(self):
+        return id(self)
+    def __repr__(self):
+        return "<" + self.name + ">"
+_SEQ = {list: "l", tuple: "t", set: "S", frozenset: "F"}
+_SEQ_OF = {v: k for k, v in _SEQ.items()}
+def encode(v, _d=0):
+    t = type(v)
+    try:
+        if _d > 64:
+            return {"o": "too deep"}
+        if v is None:
+            return None
+        if t is bool:
+            return {"b": v}
+        if t is int:
+            return {"i": str(v)}
+        if t is float:
+            return {"f": repr(v)}
+        if t is str:
+            return {"s": v}
+        if t in _SEQ:
+            return {_SEQ[t]: [encode(x, _d + 1) for x in v]}
+        if t is dict:
+            return {"d": [[encode(k, _d + 1), encode(x, _d + 1)] for k, x in v.items()]}
+        if t is bytes:
+            return {"y": v.hex()}
+        if t is complex:
+            return {"c": [repr(v.real), repr(v.imag)]}
+    except Exception:
+        return {"o": "unencodable " + t.__name__}
+    return {"o": t.__name__}
+def decode(v, _d=0):
+    if v is None:
+        return None
+    try:
+        (k, x), = v.items()
+        if _d > 64:
+            return Opaque("too deep")
+        if k == "b" and type(x) is bool:
+            return x
+        if k == "i" and type(x) is str and len(x) <= 5000:
+            return int(x)
+        if k == "f" and type(x) is str:
+            return float(x)
+        if k == "s" and type(x) is str:
+            return x
+        if k in _SEQ_OF and type(x) is list:
+            return _SEQ_OF[k](decode(e, _d + 1) for e in x)
+        if k == "d" and type(x) is list:
+            return {decode(a, _d + 1): decode(b, _d + 1) for a, b in x}
+        if k == "y" and type(x) is str:
+            return bytes.fromhex(x)
+        if k == "c" and type(x) is list:
+            return complex(float(x[0]), float(x[1]))
+        if k == "o":
+            return Opaque(str(x)[:40])
+    except Exception:
+        pass
+    return Opaque("malformed")
 '''
 
 
@@ -115,13 +250,32 @@ def _run_tests(prompt: str, completion: str, tests: str, cfg_json: str) -> Verdi
     total = sum(t for _, t in stmts)
     nonce = secrets.token_hex(16)
     r = sandbox(cfg).run(HARNESS, stdin=nonce + "\n", files={"solution.py": code.program(prompt, completion),
-                                                            "tests.json": json.dumps(stmts)})
-    for line in reversed(r.stdout.splitlines()):
-        if line.startswith(nonce + " "):
-            v = json.loads(line[len(nonce) + 1:])
-            why = None if v["passed"] == total else f"{v['stage']}: {v['why']}" if v["why"] else v["stage"]
-            return Verdict(int(v["passed"]), total, why)
-    return Verdict(0, total, r.status if r.status != "ok" else "no verdict")
+                                                            "tests.json": json.dumps(stmts), "runner.py": RUNNER,
+                                                            "codec.py": CODEC})
+    lines = [line for line in r.stdout.splitlines() if line.startswith(nonce + " ")]
+    if len(lines) != 1:
+        return Verdict(0, total, r.status if r.status != "ok" and not lines else "no verdict" if not lines
+                       else "malformed verdict")
+    return _read_verdict(lines[0][len(nonce) + 1 :], total)
+
+
+_STAGES = ("parse", "run", "tests")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _read_verdict(text: str, total: int) -> Verdict:
+    """The harness's line, read strictly: a known stage, ``passed`` an int in [0, ``total``] (the host's own count
+    of tests), ``why`` a short string; anything else passes nothing."""
+    try:
+        v = json.loads(text)
+        stage, passed, why = v["stage"], v["passed"], v["why"]
+    except (ValueError, TypeError, KeyError):
+        return Verdict(0, total, "malformed verdict")
+    if stage not in _STAGES or type(passed) is not int or not 0 <= passed <= total or v.get("total") != total \
+            or not (why is None or isinstance(why, str)):
+        return Verdict(0, total, "malformed verdict")
+    why = _CONTROL.sub("", why)[:80] if why else None
+    return Verdict(passed, total, None if passed == total else f"{stage}: {why}" if why else stage)
 
 
 def run_many(items: Sequence[tuple[str, str, str]], cfg: SandboxCfg | None = None) -> list[Verdict]:
