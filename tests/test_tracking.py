@@ -101,6 +101,7 @@ def test_disabled_tracking_logs_nothing(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI leaves it out (time, 95 s): the outbox replay is in CI (test_unreachable_store_...)
 def test_server_killed_mid_stage_then_outbox_sync_loses_nothing(tmp_path):
     import os
     import signal

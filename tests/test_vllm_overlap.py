@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 pytest.importorskip("vllm")
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.extended]  # CI leaves it out (time, ~4 min): make test-extended
 
 from conftest import copy_repo, tiny_raw  # noqa: E402
 
