@@ -474,3 +474,20 @@ def test_lineage_reaches_a_reward_model_a_reward_kwarg_names_and_its_pairs(tmp_p
     rm = d["parents"][0]
     assert rm["parents"][0]["refs"] == {"reward.rewards[0].kwargs.path": "models/reward_model/rm"}
     assert rm["parents"][0]["parents"] == [{"stage": "reward_model@rm", "above": True}]
+
+
+def test_a_final_metric_that_shares_a_per_step_key_is_logged_as_end_not_at_step_0(tmp_path):
+    """Issue 46, finding 4: end-of-stage totals went to step 0 under the per-step keys (rl's gen_s 35.7 at step 0
+    beside ~0.9 at each step), a spike that flattened every such curve. Such a key is now ``end/<key>``; a final
+    metric with no per-step twin keeps its name."""
+    import json
+
+    from posttrain.tracking.records import build_record
+
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "rl.json").write_text(json.dumps({"gen_s": 35.7, "steps": 40}))
+    rec = build_record("rl", parse_params(tiny_raw(None)), tmp_path, 0, "FINISHED",
+                       live=[("gen_s", 0.9, 1), ("gen_s", 0.8, 2)])
+    assert sorted(m for m in rec.metrics if m[0].endswith("gen_s")) == [("end/gen_s", 35.7, 0), ("gen_s", 0.8, 2),
+                                                                        ("gen_s", 0.9, 1)]
+    assert ("steps", 40.0, 0) in rec.metrics

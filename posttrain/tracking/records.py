@@ -1,13 +1,14 @@
 """What one stage run logs to MLflow, collected after it ran: a :class:`StageRecord` (JSON-serialisable, so it
 can wait in the outbox).
 
-The params ``dvc.yaml`` declares for the stage (flattened, as DVC reads them), per-step metrics (the rows the
-stage logged live, and any ``train_log.csv`` row among its outputs not seen live), final metrics (the stage's
-metrics JSON), artifacts (its report folders and metrics file), dataset inputs (each Parquet dep, with DVC's md5
-as the digest) and tags: git commit and dirty flag, DVC stage name, the md5 of every dep and out *as DVC
-computes them* (``dvc.dep.<path>``, ``dvc.out.<path>``; ``posttrain lineage`` joins ``dvc.lock`` to runs
-through these), hostname, device and package versions; the model outputs to register and the evaluation
-that may move a ``champion`` alias.
+The params ``dvc.yaml`` declares for the stage (flattened, as DVC reads them), per-step metrics (the rows the stage
+logged live, and any ``train_log.csv`` row among its outputs not seen live), final metrics (the stage's metrics
+JSON at step 0; one whose key is also a per-step metric's, such as rl's ``gen_s`` total, as ``end/<key>``, so the
+per-step curve has no end-of-stage spike at step 0), artifacts (its report folders and metrics file), dataset
+inputs (each Parquet dep, with DVC's md5 as the digest) and tags: git commit and dirty flag, DVC stage name, the
+md5 of every dep and out *as DVC computes them* (``dvc.dep.<path>``, ``dvc.out.<path>``; ``posttrain lineage``
+joins ``dvc.lock`` to runs through these), hostname, device and package versions; the model outputs to register and
+the evaluation that may move a ``champion`` alias.
 """
 
 from __future__ import annotations
@@ -128,6 +129,9 @@ def _train_logs(paths: list[Path]) -> list[tuple[str, float, int]]:
     return out
 
 
+END = "end/"  # the prefix of a final metric whose key is also a per-step metric's
+
+
 def build_record(stage: str, params: Params, root: Path, start_ms: int, status: str,
                  live: list[tuple[str, float, int]] | None = None) -> StageRecord:
     """Collect the stage's record after it ran (see module docstring). ``live``: the per-step metrics the stage
@@ -148,17 +152,18 @@ def build_record(stage: str, params: Params, root: Path, start_ms: int, status: 
                 "device": "cuda" if torch is not None and torch.cuda.is_available() else "cpu", **_versions(),
                 **{f"dvc.dep.{p}": h for p, h in deps.items()}, **{f"dvc.out.{p}": h for p, h in outs.items()}}
     metrics_file = root / stage_metrics(params.paths.metrics_dir, stage)
-    if metrics_file.is_file():
-        for k, v in flatten(json.loads(metrics_file.read_text())).items():
-            if isinstance(v, int | float) and not isinstance(v, bool):
-                rec.metrics.append((k, float(v), 0))
-        rec.artifacts.append(str(metrics_file.resolve()))
     paths = params.paths.model_dump()
     reports = {v for k, v in paths.items() if k.endswith("report_dir")}
     report_outs = [root / p for p in outs if any(p == r or p.startswith(r.rstrip("/") + "/") for r in reports)]
     live = list(live or [])
     seen = {(k, step) for k, _, step in live}
     rec.metrics += live + [m for m in _train_logs(report_outs) if (m[0], m[2]) not in seen]
+    per_step = {k for k, _, _ in rec.metrics}
+    if metrics_file.is_file():  # the stage's final numbers; one that shares a per-step key (rl's gen_s: the run's
+        for k, v in flatten(json.loads(metrics_file.read_text())).items():  # total beside each step's) is END/k,
+            if isinstance(v, int | float) and not isinstance(v, bool):  # not a spike at step 0 of that curve
+                rec.metrics.append((f"{END}{k}" if k in per_step else k, float(v), 0))
+        rec.artifacts.append(str(metrics_file.resolve()))
     rec.artifacts += [str(p.resolve()) for p in report_outs if p.exists()]
     for p, h in deps.items():
         if p.endswith(".parquet") or (root / p).is_dir() and any((root / p).glob("*.parquet")):
