@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -49,7 +50,7 @@ def test_send_logs_one_batched_run_with_everything_and_registers_the_model(tmp_p
     assert run.data.params == {"rl.lr": "3e-05", "seed": "0"}
     assert len(client.get_metric_history(rid, "reward_mean")) == 250
     assert run.data.tags["dvc.out.models/rl"] == "abc123.dir"
-    assert [a.path for a in client.list_artifacts(rid)] == ["rl"]  # the report folder
+    assert [a.path for a in client.list_artifacts(rid)] == ["model", "rl"]  # the registered model, the report folder
     assert run.inputs.dataset_inputs[0].dataset.digest == "d41d8cd9"
     mv = client.get_model_version_by_alias("posttrain-rl", "candidate")
     assert mv.run_id == rid and mv.tags["dvc_md5"] == "md5-rl"
@@ -491,3 +492,41 @@ def test_a_final_metric_that_shares_a_per_step_key_is_logged_as_end_not_at_step_
     assert sorted(m for m in rec.metrics if m[0].endswith("gen_s")) == [("end/gen_s", 35.7, 0), ("gen_s", 0.8, 2),
                                                                         ("gen_s", 0.9, 1)]
     assert ("steps", 40.0, 0) in rec.metrics
+
+
+def test_a_registered_version_keeps_its_own_bytes_whatever_the_workspace_holds_later(tmp_path, mlflow_uri):
+    """Issue 49, finding 1: every version's source was the live workspace folder (``models/rl``), so after another
+    run (or a ``dvc checkout``) ``models:/posttrain-rl/1`` loaded whatever was checked out. Now each version points at
+    its run's own artifact ``model/<name>`` (hard links into a local store): version 1 still loads version 1's
+    bytes after the folder was replaced by version 2's, and both survive the folder's deletion."""
+    import mlflow
+
+    client = store.mlflow_client(mlflow_uri)
+    rec = _record(tmp_path)
+    folder = Path(rec.models[0]["source"])
+    (folder / "model.safetensors").write_bytes(b"weights of version 1")
+    tracking.send(rec, mlflow_uri, tmp_path)
+    shutil.rmtree(folder)  # the stage replaces its outputs whole: a new folder, new files
+    rec2 = _record(tmp_path)
+    (folder / "model.safetensors").write_bytes(b"weights of version 2")
+    rec2.models[0]["md5"] = "md5-rl-2"
+    tracking.send(rec2, mlflow_uri, tmp_path)
+    shutil.rmtree(folder)
+    mlflow.set_tracking_uri(mlflow_uri)
+    for version, want in (("1", b"weights of version 1"), ("2", b"weights of version 2")):
+        assert client.get_model_version("posttrain-rl", version).source.endswith("/artifacts/model/rl")
+        got = Path(mlflow.artifacts.download_artifacts(f"models:/posttrain-rl/{version}", dst_path=str(tmp_path /
+                                                                                                         version)))
+        assert (got / "model.safetensors").read_bytes() == want
+
+
+def test_a_stage_that_did_not_finish_registers_nothing(tmp_path, mlflow_uri):
+    """Issue 49, finding 2: a run stopped with Ctrl-C still registered a version (READY, with DVC's outputs already
+    gone). A record whose status is not FINISHED logs its run and registers no model."""
+    client = store.mlflow_client(mlflow_uri)
+    for status in ("KILLED", "FAILED"):
+        rec = _record(tmp_path)
+        rec.status = status
+        rid = tracking.send(rec, mlflow_uri, tmp_path)
+        assert client.get_run(rid).info.status == status
+    assert client.search_model_versions("name='posttrain-rl'") == []

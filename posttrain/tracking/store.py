@@ -129,19 +129,47 @@ def _fill(client: Any, run: Any, rec: StageRecord, uri: str, metrics: list[tuple
             client.log_artifacts(rid, str(p), artifact_path=p.name)
         elif p.is_file():
             client.log_artifact(rid, str(p), artifact_path=p.parent.name)
-    remote = uri.startswith(("http://", "https://", "databricks"))
-    for m in rec.models:
+    for m in rec.models if rec.status == "FINISHED" else []:  # a stage that did not finish registers nothing
         if m.get("version"):
             continue  # registered by an earlier, interrupted fill of this record
-        source = m["source"]
-        if remote:  # a server accepts only sources inside the run's artifacts: upload the folder there
-            name = Path(source).name
-            client.log_artifacts(rid, source, artifact_path=f"model/{name}")
-            source = f"{run.info.artifact_uri}/model/{name}"
-        m["version"] = register(client, {**m, "source": source}, rid)
+        if not Path(m["source"]).is_dir():
+            log.warning("%s: no model folder %s to register", rec.stage, m["source"])
+            continue
+        m["version"] = register(client, {**m, "source": own_copy(client, run, Path(m["source"]))}, rid)
     for e in rec.evals:
         promote(client, e)
     client.set_terminated(rid, rec.status, end_time=rec.end_ms)
+
+
+def own_copy(client: Any, run: Any, folder: Path) -> str:
+    """The model folder as the run's own artifact ``model/<name>``, its URI: what a registered version points
+    at, so ``models:/<name>@<alias>`` loads that version's bytes whatever the workspace holds later (the
+    workspace folder is replaced by every later run and every ``dvc checkout``). A local artifact store gets
+    hard links (no second copy on disk; the stages replace files whole, never in place, so a link keeps the
+    old bytes), a copy where links cannot be made; a server gets an upload."""
+    import shutil
+    from urllib.parse import unquote, urlparse
+
+    base = run.info.artifact_uri
+    dest_uri = f"{base}/model/{folder.name}"
+    parsed = urlparse(base)
+    if parsed.scheme in ("", "file"):
+        dest = Path(unquote(parsed.path)) / "model" / folder.name
+        if not dest.exists():
+            tmp = dest.with_name(f".{dest.name}.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+
+            def link(src: str, dst: str) -> None:
+                try:
+                    os.link(src, dst)
+                except OSError:
+                    shutil.copy2(src, dst)
+
+            shutil.copytree(folder, tmp, copy_function=link)
+            tmp.rename(dest)  # whole or not at all
+        return dest_uri
+    client.log_artifacts(run.info.run_id, str(folder), artifact_path=f"model/{folder.name}")
+    return dest_uri
 
 
 PARENT_TAG = "posttrain.parent"  # marks a pipeline invocation's parent run; with its host and pid
