@@ -135,6 +135,27 @@ def repro(params: Path = PARAMS, args: list[str] = typer.Argument(None, help="pa
 
 
 @app.command()
+def compare(a: str = typer.Argument(..., help="a git revision or DVC experiment name (the baseline)"),
+            b: str = typer.Argument(..., help="a git revision or DVC experiment name"),
+            as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+            repo: Path = typer.Option(Path("."), help="repository root")) -> None:
+    """B against A: paired differences with 95% intervals on the same problems for every evaluated model, and
+    which params and stage outputs differ (posttrain/compare.py)."""
+    import dataclasses
+    import json as _json
+
+    from posttrain import compare as C
+    from posttrain.errors import StageError
+
+    try:
+        c = C.compare(repo.resolve(), a, b)
+    except StageError as e:
+        print(f"posttrain compare: {e}", file=sys.stderr)
+        raise typer.Exit(2) from None
+    typer.echo(_json.dumps(dataclasses.asdict(c), indent=2) if as_json else C.markdown(c, a, b))
+
+
+@app.command()
 def lineage(target: str = typer.Argument(..., help="a DVC output path (or a file in one), or models:/<name>/<v> "
                                          "or models:/<name>@<alias>"),
             verify: bool = typer.Option(False, "--verify", help="recompute hashes; exit 1 on any mismatch"),
