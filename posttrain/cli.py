@@ -160,6 +160,8 @@ def lineage(target: str = typer.Argument(..., help="a DVC output path (or a file
                                          "or models:/<name>@<alias>"),
             verify: bool = typer.Option(False, "--verify", help="recompute hashes; exit 1 on any mismatch"),
             as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+            samples: bool = typer.Option(False, "--samples", help="the rl run's sample ledger instead: which "
+                                         "curated rows each step consumed, in order (posttrain/lineage/ledger.py)"),
             params: Path = PARAMS) -> None:
     """Where TARGET came from: every stage back to the sources, with params, hashes, runs, metrics."""
     import json as _json
@@ -173,6 +175,22 @@ def lineage(target: str = typer.Argument(..., help="a DVC output path (or a file
 
     p = _params(params)
     root = params.resolve().parent
+    if samples:
+        from posttrain.lineage.ledger import ledger
+
+        if (root / target).resolve() != (root / p.paths.rl_model).resolve():
+            print(f"posttrain lineage: --samples: {target} is not the rl model ({p.paths.rl_model}); only rl records "
+                  "the rows each step consumed", file=sys.stderr)
+            raise typer.Exit(2)
+        led = ledger(root, p)
+        if as_json:
+            typer.echo(_json.dumps(led, indent=2))
+        else:
+            typer.echo(f"curated split {led['split']['path']} sha256 {led['split']['sha256']}")
+            for s in led["steps"]:
+                typer.echo(f"step {s['step']}: {s['samples']} samples, {s['used']} used, prompts "
+                           + " ".join(s["prompts"]))
+        return
     uri = tracking.store_uri(p, root) if p.tracking.enabled else None
     try:
         tree = L.trace(root, target, p.paths.metrics_dir, uri)

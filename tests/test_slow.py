@@ -115,6 +115,13 @@ def test_rl_sigkill_then_rerun_resumes_without_repeating_or_skipping_steps(tmp_p
     for step in (1, killed_at + 1, 30):  # the same rollouts before, right after, and long after the crash
         shard = {n: pq_rows(tmp_path / n / "data" / "rl" / "shards" / f"step_{step:05d}.parquet") for n in runs}
         assert shard["killed"] == shard["straight"]
+    # the sample ledger alone says so (issue 49 item 8): the same split, the same prompts step by step, in order
+    from posttrain.config import load_params
+    from posttrain.lineage.ledger import ledger
+
+    led = {n: ledger(tmp_path / n, load_params(tmp_path / n / "params.yaml")) for n in runs}
+    assert len(led["killed"]["steps"]) == 30 and led["killed"]["split"]["sha256"] is not None
+    assert led["killed"] == led["straight"]
 
 
 def pq_rows(path: Path) -> list[tuple]:
