@@ -29,3 +29,14 @@ def test_the_ledger_lists_each_steps_prompts_in_sampling_order_with_the_splits_h
     assert led["split"]["sha256"] == hashlib.sha256(b"PAR1 not really").hexdigest()
     assert led["steps"] == [{"step": 1, "prompts": ["b", "a"], "samples": 4, "used": 2},
                             {"step": 2, "prompts": ["c", "b"], "samples": 4, "used": 4}]
+
+
+def test_samples_of_a_model_other_than_rl_is_refused_in_one_line():
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "lineage", "models/sft", "--samples"], cwd=REPO,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "only rl records" in r.stderr, r.stderr
