@@ -30,8 +30,9 @@ from posttrain.logprobs import Seq, batch_tensors
 
 
 def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: torch.optim.Optimizer,
-                      seqs: Sequence[Seq], divergence: str, beta: float, pad_id: int, micro_batch_size: int,
-                      max_grad_norm: float = 1.0, temperature: float = 1.0, local: bool = False) -> dict[str, float]:
+                      seqs: Sequence[Seq], divergence: str, beta: float, pad_id: int,
+                      micro: int | training.MicroBatch, max_grad_norm: float = 1.0, temperature: float = 1.0,
+                      local: bool = False) -> dict[str, float]:
     """One step on sum_t D(student_t, teacher_t) / tokens over completion positions, both distributions of
     logits / ``temperature`` (the sampling temperature, as in GKD/TRL). Returns the step's mean divergence,
     forward and reverse KL (diagnostics), student entropy and completion length.
@@ -79,7 +80,7 @@ def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: t
                 sums[key] += float(v.sum())
         return loss
 
-    grad_norm = training.accumulate(student, opt, seqs, micro_batch_size, loss_of, max_grad_norm, local)
+    grad_norm = training.accumulate(student, opt, seqs, micro, loss_of, max_grad_norm, local)
     sums = dict(zip(sums, d.sum(*sums.values()), strict=True))
     tok = max(n_tok, 1)
     return {"loss": sums["loss"], "forward_kl": sums["forward_kl"] / tok, "reverse_kl": sums["reverse_kl"] / tok,
@@ -87,8 +88,8 @@ def divergence_update(student: torch.nn.Module, teacher: torch.nn.Module, opt: t
 
 
 def nll_update(student: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequence[Seq], pad_id: int,
-               micro_batch_size: int, max_grad_norm: float = 1.0, temperature: float = 1.0, local: bool = False
-               ) -> dict[str, float]:
+               micro: int | training.MicroBatch, max_grad_norm: float = 1.0, temperature: float = 1.0,
+               local: bool = False) -> dict[str, float]:
     """One SFT step on the sequences' completions (token-mean NLL of softmax(logits / ``temperature``), the
     distribution the student will sample from). Returns loss, entropy, length."""
     d = distributed.current()
@@ -107,7 +108,7 @@ def nll_update(student: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Seque
             ent_sum += float((ent.detach() * m).sum())
         return loss
 
-    grad_norm = training.accumulate(student, opt, seqs, micro_batch_size, loss_of, max_grad_norm, local)
+    grad_norm = training.accumulate(student, opt, seqs, micro, loss_of, max_grad_norm, local)
     loss_sum, ent_sum = d.sum(loss_sum, ent_sum)
     return {"loss": loss_sum, "entropy": ent_sum / max(n_tok, 1), "grad_norm": grad_norm,
             "response_len": n_len / max(n_seq, 1)}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -60,7 +61,40 @@ def adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[f
     return torch.optim.AdamW(modeling.trainable_params(model), lr=lr, weight_decay=weight_decay, betas=betas)
 
 
-def accumulate(model: torch.nn.Module, opt: torch.optim.Optimizer, items: Sequence[T], micro_batch_size: int,
+@dataclass(frozen=True)
+class MicroBatch:
+    """How ``accumulate`` cuts its share of a batch: at most ``size`` sequences per micro-batch and, with
+    ``max_tokens``, at most that many *padded* tokens (sequences x the longest one: what the activations scale
+    with), consecutive items in order; ``length`` gives an item's tokens. One item longer than the budget is a
+    micro-batch alone. Real trainers budget tokens: 4 sequences of 8k tokens are 100x the activations of 4 of 80."""
+
+    size: int
+    max_tokens: int | None = None
+    length: Callable[[Any], int] = len
+
+    def chunks(self, items: Sequence[T]) -> list[list[T]]:
+        """``items`` cut into micro-batches, in order."""
+        if self.max_tokens is None:
+            return [list(items[i : i + self.size]) for i in range(0, len(items), self.size)]
+        out: list[list[T]] = []
+        cur: list[T] = []
+        widest = 0
+        for it in items:
+            n = self.length(it)
+            if cur and (len(cur) >= self.size or (len(cur) + 1) * max(widest, n) > self.max_tokens):
+                out.append(cur)
+                cur, widest = [], 0
+            cur.append(it)
+            widest = max(widest, n)
+        return out + [cur] * bool(cur)
+
+
+def seq_tokens(s: Any) -> int:
+    """Tokens of a ``logprobs.Seq`` (prompt + completion): the RL and distillation updates' ``MicroBatch.length``."""
+    return int(s.prompt_ids.numel() + s.completion_ids.numel())
+
+
+def accumulate(model: torch.nn.Module, opt: torch.optim.Optimizer, items: Sequence[T], micro: int | MicroBatch,
                loss_of_batch: Callable[[list[T], bool], torch.Tensor], max_grad_norm: float,
                local: bool = False) -> float:
     """One optimizer step over ``items`` (the *global* batch: every rank passes the same list); returns the
@@ -68,7 +102,7 @@ def accumulate(model: torch.nn.Module, opt: torch.optim.Optimizer, items: Sequen
 
     This rank takes its contiguous share (``local``: ``items`` already are this rank's share, possibly
     empty; then ``loss_of_batch`` may get an empty chunk for a zero-weight pass), in micro-batches of
-    ``micro_batch_size``; ``loss_of_batch(chunk,
+    ``micro`` sequences (an int) or as a :class:`MicroBatch` cuts them (a token budget); ``loss_of_batch(chunk,
     real)`` returns the chunk's share of the full-batch loss (divided by full-batch totals, so the summed
     micro-batch gradients are the full batch's gradient), recording its own statistics only when ``real``.
     A rank with fewer micro-batches than the busiest one repeats its first (or the batch's first item) with
@@ -79,7 +113,7 @@ def accumulate(model: torch.nn.Module, opt: torch.optim.Optimizer, items: Sequen
     d = distributed.current()
     opt.zero_grad(set_to_none=True)
     mine = list(items) if local else d.shard(items)
-    chunks = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+    chunks = (micro if isinstance(micro, MicroBatch) else MicroBatch(micro)).chunks(mine)
     n_micro = d.micro_count(len(chunks))
     for k in range(n_micro):
         real = k < len(chunks)
@@ -203,7 +237,8 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
                 real_positions += sum(len(x) for x, _ in chunk)
             return s / max(n_tok, 1)
 
-        grad_norm = accumulate(model, opt, examples, cfg.micro_batch_size, loss_of, cfg.max_grad_norm)
+        micro = MicroBatch(cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, lambda e: len(e[0]))
+        grad_norm = accumulate(model, opt, examples, micro, loss_of, cfg.max_grad_norm)
         (loss_sum,) = d.sum(loss_sum)
         sched.step()
         loss = loss_sum / max(n_tok, 1)

@@ -230,14 +230,15 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
             student.train()
             if n_rows:  # (every rank decides alike: a rank that kept no row runs zero-weight passes)
                 seqs = _seqs(rows, prompt_ids)
+                micro = training.MicroBatch(cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, training.seq_tokens)
                 with amp():
                     if phase == "warmup" and cfg.warmup.targets == "hard":
-                        m = distillation.nll_update(student, opt, seqs, tok.pad_token_id, cfg.micro_batch_size,
+                        m = distillation.nll_update(student, opt, seqs, tok.pad_token_id, micro,
                                                     temperature=cfg.temperature, local=True)
                     else:
                         div = "forward_kl" if phase == "warmup" else cfg.on_policy.divergence
                         m = distillation.divergence_update(student, teacher, opt, seqs, div, cfg.on_policy.beta,
-                                                           tok.pad_token_id, cfg.micro_batch_size,
+                                                           tok.pad_token_id, micro,
                                                            temperature=cfg.temperature, local=True)
                 row.update(m)
         row["seconds"] = round(time.time() - t0, 3)

@@ -120,3 +120,31 @@ def test_stale_checkpoint_folder_name_says_what_it_was(tmp_path: Path):
     assert checkpoint.restore(ck, "bbbb", model, opt) is None
     (aside,) = tmp_path.glob("rl.stale-*")
     assert "aaaa" in aside.name and (aside / "step_0000005" / "meta.json").is_file()
+
+
+def test_a_token_budget_cuts_micro_batches_by_padded_tokens():
+    """Issue 50, finding 4: micro-batches were sized by sequence count only. ``MicroBatch(size, max_tokens)``:
+    lengths 10, 10, 50, 5, 5, 5, 100 at size 4, budget 60 (padded tokens = sequences x the longest):
+    [10, 10] (2 x 10 = 20; adding 50 would be 3 x 50 = 150), [50] (2 x 50 = 100 > 60), [5, 5, 5] (3 x 5; then
+    4 x 100), [100] alone (over the budget by itself). Nine 1-token items at size 4: 4, 4, 1."""
+    mb = training.MicroBatch(4, 60, lambda n: n)
+    assert mb.chunks([10, 10, 50, 5, 5, 5, 100]) == [[10, 10], [50], [5, 5, 5], [100]]
+    assert [len(c) for c in training.MicroBatch(4, 1000, lambda n: n).chunks([1] * 9)] == [4, 4, 1]
+    assert training.MicroBatch(4).chunks(list(range(9))) == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+
+
+def test_a_token_budget_gives_the_full_batch_gradient(tmp_path):
+    """The exact loss aggregation holds whatever the cut: SFT of 3 demos under a 40-token budget (one demo per
+    micro-batch here) ends where one micro-batch of all 3 ends."""
+    demos = DEMOS + [{"prompt": "57*8=", "answer": "456", "solution": None, "task": "arith"}]
+    ends = []
+    for kw in ({"micro_batch_size": 3}, {"micro_batch_size": 3, "max_tokens_per_micro_batch": 40}):
+        model, tok = _model()
+        training.sft_train(model, tok, demos, _sft(batch_size=3, lr=1e-2, **kw), 0, tmp_path / f"ck{len(kw)}", "fp",
+                           progress=False)
+        ends.append(model.state_dict())
+    assert all(torch.allclose(ends[0][k], ends[1][k], atol=1e-6) for k in ends[0])
+    lengths = [len(sft_data.encode_sft(tok, d["prompt"], "answer: " + d["answer"])[0]) for d in demos]
+    assert lengths == [18, 23, 19]  # 2 x 23 and 2 x 19 > 40: the budget put one demo in each micro-batch
+    assert len(training.MicroBatch(3, 40, len).chunks([[0] * n for n in lengths])) == 3
+    assert Rl(max_tokens_per_micro_batch=8192).max_tokens_per_micro_batch == 8192  # rl and distill take it too

@@ -88,6 +88,10 @@ class Distill(Section):
                                 description="longest completion sampled in phases A and B, in tokens")
     micro_batch_size: int = Field(64, ge=1, le=MAX_BATCH, description="sequences per forward/backward",
                                   json_schema_extra=NOT_RESULT)
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1, le=100_000_000, json_schema_extra=NOT_RESULT,
+                                                   description="also cut micro-batches at this many padded tokens "
+                                                   "(sequences x the longest): long completions get fewer per "
+                                                   "forward; null: micro_batch_size alone. The loss is the same")
     checkpoint_every: int = Field(10, ge=1, le=MAX_COUNT,
                                   description="resumable checkpoint every N steps of phases A-C",
                                   json_schema_extra=NOT_RESULT)

@@ -172,6 +172,10 @@ class Rl(Section):
     micro_batch_size: int = Field(64, ge=1, le=MAX_BATCH,
                                   description="sequences per forward/backward (gradient accumulation)",
                                   json_schema_extra=NOT_RESULT)
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1, le=100_000_000, json_schema_extra=NOT_RESULT,
+                                                   description="also cut micro-batches at this many padded tokens "
+                                                   "(sequences x the longest): long completions get fewer per "
+                                                   "forward; null: micro_batch_size alone. The loss is the same")
     pack: bool = Field(False, description="pack each micro-batch's sequences into rows of twice the longest "
                        "(block-diagonal attention via position ids) instead of padding them: the same loss and "
                        "gradient over fewer tokens; pays off when lengths vary widely (docs: Performance)",

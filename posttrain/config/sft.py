@@ -41,6 +41,10 @@ class Sft(Section):
     micro_batch_size: int = Field(64, ge=1, le=MAX_BATCH,
                                   description="sequences per forward pass (gradient accumulation "
                                   "up to batch_size; exact token-mean either way)", json_schema_extra=NOT_RESULT)
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1, le=100_000_000, json_schema_extra=NOT_RESULT,
+                                                   description="also cut micro-batches at this many padded tokens "
+                                                   "(sequences x the longest): long completions get fewer per "
+                                                   "forward; null: micro_batch_size alone. The loss is the same")
     lr: float = Field(2e-3, gt=0, le=MAX_LR, description="peak AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay")
     warmup_steps: int = Field(20, ge=0, le=MAX_COUNT, description="linear warmup, then cosine decay to 0")

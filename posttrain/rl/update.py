@@ -161,8 +161,9 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
                         gap_tokens += float(m.sum())
                 return loss
 
-            sums["grad_norm"] += training.accumulate(model, opt, mb_seqs, cfg.micro_batch_size, loss_of,
-                                                     cfg.max_grad_norm, local=True)
+            micro = training.MicroBatch(cfg.micro_batch_size, cfg.max_tokens_per_micro_batch, training.seq_tokens)
+            sums["grad_norm"] += training.accumulate(model, opt, mb_seqs, micro, loss_of, cfg.max_grad_norm,
+                                                     local=True)
             n_opt += 1
     keys = ("loss", "clipfrac", "kl", "entropy", "gap", "tis_capped", "is_masked")  # every rank's share -> totals
     *totals, tokens, gap_tokens = d.sum(*(sums[k] for k in keys), tokens, gap_tokens)
