@@ -142,6 +142,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
         spec = overlap.Spec(params, prompts, str(inputs["policy"]), policy0, str(ckpt_dir / "weights"), rl_seed, start)
         shutil.rmtree(spec.weights, ignore_errors=True)  # a killed run's versions are not this run's
         store = overlap.WeightStore(spec.weights)
+        stack.callback(store.flush)  # the last version's write finishes before the folder can go (after the feed)
         store.publish(d.plain(model), start)  # version = updates applied
         torch.set_num_threads(ov.trainer_threads)
 

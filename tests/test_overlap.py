@@ -118,11 +118,45 @@ def test_weight_store_publishes_versions_whole_and_loads_the_newest_allowed(tmp_
     for v in range(4):
         torch.nn.init.constant_(src.weight, float(v))
         store.publish(src, v)
+    store.flush()  # written by the store's thread, off the caller's
     assert store.versions() == [2, 3] and not list(tmp_path.glob(".*"))
     assert store.acquire(1, dst, None, lambda: False) == 3 and torch.all(dst.weight == 3.0)
     torch.nn.init.constant_(dst.weight, -1.0)
     assert store.acquire(3, dst, 3, lambda: False) == 3 and torch.all(dst.weight == -1.0)  # held: not reloaded
     assert store.acquire(4, dst, 3, lambda: True) is None
+
+
+def test_a_lora_policy_publishes_its_adapters_only_and_a_generator_loads_them_over_its_base(tmp_path):
+    """Issue 50, finding 6: every version was the whole state dict, the frozen base included (14.2 GiB at 7B for the
+    tens of MB that changed), written in the trainer's critical path. Now a version holds the trainable tensors
+    only: a LoRA policy's adapters (here q_proj's and v_proj's A and B: 4 tensors of the state dict's 16), and a
+    generator that built the same policy loads them over its base to the trainer's weights."""
+    from posttrain import modeling
+    from posttrain.config import LoraCfg, ModelCfg, TinyModel
+    from posttrain.rl.overlap import WeightStore
+
+    tok = modeling.build_char_tokenizer()
+    base = modeling.build_tiny_model(TinyModel(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64),
+                                     tok, 0)
+    folder = tmp_path / "policy"
+    modeling.save_checkpoint(base, tok, folder, "float32")
+    cfg = ModelCfg(lora=LoraCfg(r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    trainer = modeling.load_policy(str(folder), cfg, torch.device("cpu"))
+    with torch.no_grad():
+        for n, p in trainer.named_parameters():
+            if p.requires_grad:
+                p.add_(0.5)  # "an update": every adapter moves
+    store = WeightStore(tmp_path / "w")
+    store.publish(trainer, 1)
+    store.flush()
+    saved = torch.load(store.path(1), weights_only=True)
+    trainable = {n for n, p in trainer.named_parameters() if p.requires_grad}
+    assert set(saved) == trainable and (len(saved), len(trainer.state_dict())) == (4, 16)
+    assert all("lora" in n for n in saved)
+    gen = modeling.load_policy(str(folder), cfg, torch.device("cpu"))
+    assert store.acquire(1, gen, None, lambda: False) == 1
+    want = trainer.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in gen.state_dict().items())
 
 
 # ----------------------------------------------------------------------------------------- the refusals

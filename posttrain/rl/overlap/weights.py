@@ -7,6 +7,12 @@ generator loads the newest version at or above what it needs between two steps (
 while a generator opens it is retried with the newer one; one removed while it reads stays readable (POSIX).
 Files rather than shared memory: a version is immutable once written, so no generator can see weights change
 under it inside a sample, and no locking or reference counting of buffers is needed.
+
+A version holds the *trainable* tensors only (a LoRA policy's adapters: tens of MB where the whole state dict
+would be the frozen base too, 14.2 GiB at 7B in bf16); every generator built its model from the same policy
+folder, so the frozen rest is already there, and ``acquire`` loads a version over it (an unexpected key is an
+error, never ignored). The trainer's thread only snapshots those tensors; one writer thread per store saves and
+renames them, so the disk write is off the trainer's critical path (``flush`` waits for it).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -21,10 +28,20 @@ import torch
 POLL_S = 0.02
 
 
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A snapshot (detached copies) of ``model``'s trainable parameters by state-dict name; every parameter when
+    none is trainable (a frozen full-weight copy)."""
+    named = list(model.named_parameters())
+    chosen = [(n, p) for n, p in named if p.requires_grad] or named
+    return {n: p.detach().clone() for n, p in chosen}
+
+
 class WeightStore:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
 
     def path(self, version: int) -> Path:
         return self.root / f"v_{version:06d}.pt"
@@ -33,13 +50,27 @@ class WeightStore:
         return sorted(int(p.stem[2:]) for p in self.root.glob("v_*.pt"))
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
-        """Write ``model``'s weights as ``version`` and remove versions older than ``version - 1``."""
+        """Snapshot ``model``'s trainable weights as ``version`` and return; the writer thread saves them and
+        removes versions older than ``version - 1`` (an earlier write's error is raised here)."""
+        state = trainable_state(model)
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="weights")
+        if self._pending is not None:
+            self._pending.result()  # in order, one at a time; a failed write fails the stage
+        self._pending = self._writer.submit(self._write, state, version)
+
+    def _write(self, state: dict[str, torch.Tensor], version: int) -> None:
         tmp = self.root / f".v_{version:06d}.tmp"
-        torch.save(model.state_dict(), tmp)
+        torch.save(state, tmp)
         os.replace(tmp, self.path(version))
         for v in self.versions():
             if v < version - 1:
                 self.path(v).unlink(missing_ok=True)
+
+    def flush(self) -> None:
+        """Wait until every published version is on disk."""
+        if self._pending is not None:
+            self._pending.result()
 
     def acquire(self, need: int, model: torch.nn.Module, loaded: int | None, stopped: Callable[[], bool]
                 ) -> int | None:
@@ -55,7 +86,9 @@ class WeightStore:
                     state = torch.load(self.path(v), map_location="cpu", weights_only=True)
                 except FileNotFoundError:  # removed since listed: a newer one exists
                     continue
-                model.load_state_dict(state)
+                missing_ok = model.load_state_dict(state, strict=False)
+                if missing_ok.unexpected_keys:
+                    raise RuntimeError(f"weights v{v} hold tensors this model lacks: {missing_ok.unexpected_keys[:3]}")
                 return v
             time.sleep(POLL_S)
         return None
