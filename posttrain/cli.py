@@ -17,9 +17,18 @@ app = typer.Typer(help="posttrain: a reproducible, versioned pipeline for LLM re
 PARAMS = typer.Option(Path("params.yaml"), "--params", "-p", help="params file")
 
 
-def _params(path: Path) -> Params:
-    """The validated params, with every ``paths.*`` inside the repository (the params file's folder: DVC's) and
-    ``model.base`` importable here (``config.model.unavailable``); else one line and exit 2."""
+def _repo_root(params: Path) -> Path:
+    """The pipeline's repository: the nearest folder holding ``dvc.yaml``, from the working directory up (a
+    profile under ``profiles/`` belongs to the repository above it); the params file's folder if none."""
+    for d in (Path.cwd().resolve(), *Path.cwd().resolve().parents):
+        if (d / "dvc.yaml").is_file() and params.resolve().is_relative_to(d):
+            return d
+    return params.resolve().parent
+
+
+def _params(path: Path, root: Path | None = None) -> Params:
+    """The validated params, with every ``paths.*`` inside the repository (``root``; default the params file's
+    folder) and ``model.base`` importable here (``config.model.unavailable``); else one line and exit 2."""
     try:
         p = load_params(path)
     except ConfigError as e:
@@ -27,7 +36,7 @@ def _params(path: Path) -> Params:
         raise typer.Exit(EXIT_CONFIG_ERROR) from None
     from posttrain.config.model import unavailable
 
-    root = path.resolve().parent
+    root = root or path.resolve().parent
     if bad := p.paths.outside(root) or unavailable(p.model.base, p.model.revision, root):
         print(f"posttrain: {path}: {bad}", file=sys.stderr)
         raise typer.Exit(EXIT_CONFIG_ERROR)
@@ -91,23 +100,29 @@ def tracking_sync(params: Path = PARAMS) -> None:
 
 
 @app.command()
-def repro(params: Path = PARAMS, args: list[str] = typer.Argument(None, help="passed to `dvc repro`")) -> None:
+def repro(params: Path = PARAMS, args: list[str] = typer.Argument(None, help="passed to `dvc repro`, after "
+                                                                       "`--` when they start with -: "
+                                                                       "posttrain repro -- -s rl")) -> None:
     """`dvc repro` under one MLflow parent run: every stage run it starts is nested under it. One pipeline run
     per checkout (the flows' workspace lock). Ctrl-C or SIGTERM goes to dvc and the stage it runs (their own
     process group: the stage stops as it would alone, resumable), and the parent run ends KILLED; SIGKILLed, the
-    next invocation on this host ends it so."""
+    next invocation on this host ends it so. The repository is the one holding dvc.yaml above the working
+    directory; a params file other than its params.yaml (``-p profiles/code.yaml``) is what params.yaml reads
+    for the run, the checkout's own text again after (``dvcrepo.use_params``, as a flow run does)."""
     import os
     import signal
     import subprocess
 
     from posttrain import tracking
-    from posttrain.dvcrepo import clear_stale_locks, workspace_lock
+    from posttrain.dvcrepo import clear_stale_locks, use_params, workspace_lock
     from posttrain.errors import StageError
 
-    p = _params(params)
-    root = params.resolve().parent
+    root = _repo_root(params)
+    p = _params(params, root)
+    own = (root / "params.yaml").resolve() == params.resolve()
     try:
-        with workspace_lock(root, "posttrain repro", p.prefect.workspace_wait_s):
+        with workspace_lock(root, "posttrain repro", p.prefect.workspace_wait_s), \
+                use_params(root, None if own else params.read_text()):
             clear_stale_locks(root)  # left by a killed run
             parent = tracking.start_parent(p, root, "pipeline", {"launcher": "posttrain repro"})
             env = dict(os.environ)

@@ -326,3 +326,28 @@ def test_validate_refuses_an_absolute_output_outside_the_repository(tmp_path):
                        text=True, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "paths.rl_model: " in r.stderr and "is outside the repository" in r.stderr
+
+
+@pytest.mark.slow  # a copy of the repository and dvc: over 2 s
+def test_repro_of_a_profile_runs_in_the_repository_and_leaves_params_yaml_as_it_was(tmp_path):
+    """Issue 46, finding 2: ``posttrain repro -p profiles/x.yaml`` took profiles/ as the repository (it created
+    profiles/.dvc and profiles/mlflow.db and failed). Now the repository is the one holding dvc.yaml; the profile
+    is what params.yaml reads for the run, the checkout's own text after; DVC options pass after ``--``."""
+    import os
+
+    from conftest import copy_repo
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    copy_repo(repo, tiny_raw(None))
+    own = (repo / "params.yaml").read_text()
+    profile = tiny_raw(None)
+    profile["rl"]["lr"] = 7.5e-6
+    (repo / "profiles" / "mine.yaml").write_text(yaml.safe_dump(profile))
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "repro", "-p", "profiles/mine.yaml", "--", "--dry",
+                        "model"], cwd=repo, capture_output=True, text=True,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "DVC_NO_ANALYTICS": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "Running stage 'model'" in r.stdout + r.stderr
+    assert not (repo / "profiles" / ".dvc").exists() and not (repo / "profiles" / "mlflow.db").exists()
+    assert (repo / "params.yaml").read_text() == own
