@@ -143,7 +143,7 @@ def test_a_lora_policy_publishes_its_adapters_only_and_a_generator_loads_them_ov
     cfg = ModelCfg(lora=LoraCfg(r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"]))
     trainer = modeling.load_policy(str(folder), cfg, torch.device("cpu"))
     with torch.no_grad():
-        for n, p in trainer.named_parameters():
+        for p in trainer.parameters():
             if p.requires_grad:
                 p.add_(0.5)  # "an update": every adapter moves
     store = WeightStore(tmp_path / "w")
