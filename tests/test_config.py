@@ -54,6 +54,7 @@ def test_bad_config_names_the_key(mutate, expected):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 @pytest.mark.parametrize("cmd", [["posttrain.cli", "validate", "--params"], ["stages.curate", "--params"]])
 def test_broken_params_exit_2_with_one_line(tmp_path, cmd):
     raw = repo_params()

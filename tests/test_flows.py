@@ -55,6 +55,7 @@ def test_bad_override_exits_2_naming_the_key_before_prefect_starts(tmp_path, mon
     assert (repo / "params.yaml").read_text() == before
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 @pytest.mark.parametrize("override, says", [("rl.lr=[1", "not valid YAML"), ("rl.lr", "expected key.path=value")])
 def test_malformed_override_exits_2_in_one_line_naming_it(tmp_path, monkeypatch, capsys, override, says):
     from flows import pipeline

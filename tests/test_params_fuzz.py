@@ -81,6 +81,7 @@ def _dotted(path: tuple) -> str:
     return out
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_every_params_leaf_mutated_is_refused_naming_it_or_means_something():
     raw0 = repo_params()
     refused, accepted, wrong = 0, {}, []

@@ -222,6 +222,7 @@ def _params(tiny: dict[str, Any], tmp: Path, **rm: Any):
     return p
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_run_learns_a_separable_preference_and_saves_one_ensemble(tiny, tmp_path):
     p = _params(tiny, tmp_path, members=2)
     _arith_prefs(tmp_path / "prefs.jsonl", 80, seed=1)
@@ -283,6 +284,7 @@ def test_dvc_params_cover_every_result_field():
     assert "${item}" in do["deps"] and do["cmd"] == "python -m stages.reward_model --model ${key}"
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_run_with_lora_resumes_a_killed_member(tiny, tmp_path, monkeypatch):
     """LoRA (peft SEQ_CLS: adapters + the head) trains and saves a plain folder; a run killed in member 1 keeps
     member 0 and resumes member 1 from its checkpoint, ending with the weights of an uninterrupted run."""

@@ -379,6 +379,7 @@ def test_rl_stops_when_steps_in_a_row_have_nothing_to_update(tiny):
     assert not Path(p.paths.rl_model).exists()
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_rl_with_1_shot_selection_entropy_tokens_reference_resets_and_prior_fused_baseline(tiny, caplog):
     """The techniques through the stage: top_variance keeps the 2 prompts of largest p(1 - p), the policy
     gradient uses the top 20% entropy tokens (pg_tokens logged ~0.2), the reference resets every 2 steps, and

@@ -201,6 +201,7 @@ def test_distillation_losses_average_over_model_tokens_only():
     assert got[0] == pytest.approx(got[1], rel=1e-5)
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_the_distill_stage_samples_through_the_tool_loop_and_masks_observations(tiny, char_format, monkeypatch):
     """tools.enabled in distill: teacher (warmup) and student (on-policy, grpo) samples come from the tool loop,
     every sequence the divergence sees carries its loss mask, and the distill log has a tool_calls column."""

@@ -71,6 +71,7 @@ def test_send_logs_one_batched_run_with_everything_and_registers_the_model(tmp_p
     assert str(client.get_model_version_by_alias("posttrain-rl", "champion").version) == "2"
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_unreachable_store_keeps_the_run_in_the_outbox_and_sync_replays_it_whole(tmp_path, mlflow_uri, monkeypatch):
     raw = tiny_raw(tmp_path)
     raw["tracking"] = {"enabled": True, "uri": f"http://127.0.0.1:{_free_port()}", "experiment": "t", "outbox": "box"}
