@@ -36,6 +36,7 @@ def test_rollout_reward_rl_evaluate_on_the_real_engine(tmp_path):
     raw["model"]["tiny"] = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 128,
                             "max_position_embeddings": 128}
     raw["rollout"]["backend"] = raw["evaluate"]["backend"] = "vllm"
+    raw["rollout"]["vllm"]["enforce_eager"] = True  # inductor's compile would take most of each engine start
     raw["rl"]["steps"] = 5
     raw["evaluate"]["models"] = {"rl": raw["paths"]["rl_model"]}
     raw["report"]["compare"] = []

@@ -24,7 +24,7 @@ from posttrain.modeling import build_char_tokenizer, build_tiny_model, load_mode
 from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids, generator  # noqa: E402
 
 SHAPE = TinyModel(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, max_position_embeddings=256)
-OPTS = VLLMOptions(dtype="float32", max_model_len=256)
+OPTS = VLLMOptions(dtype="float32", max_model_len=256, enforce_eager=True)  # no inductor compile
 
 
 @pytest.fixture(scope="module")

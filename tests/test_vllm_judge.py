@@ -31,7 +31,7 @@ from posttrain.modeling import build_char_tokenizer, build_tiny_model, save_chec
 from posttrain.rewards import Spec, score_rows  # noqa: E402
 
 SHAPE = TinyModel(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, max_position_embeddings=1024)
-ARGS = ["--dtype", "float32", "--max-model-len", "1024"]
+ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--enforce-eager"]  # no inductor compile at start
 SPECS = [Spec("llm_judge", 1.0, {"rubric": "Full marks for the correct product, none otherwise.",
                                  "max_tokens": 16, "timeout_s": 60.0, "retries": 1, "concurrency": 4})]
 

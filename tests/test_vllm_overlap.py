@@ -57,6 +57,7 @@ def test_vllm_generators_at_staleness_0_equal_the_synchronous_vllm_loop_and_at_1
         shutil.copytree(up, repo, copy_function=os.link, symlinks=True)  # stages replace files whole
         p = yaml.safe_load((repo / "params.yaml").read_text())
         p["rollout"]["backend"] = "vllm"
+        p["rollout"]["vllm"]["enforce_eager"] = True  # no inductor compile at each engine start
         p["rl"]["overlap"] = ov
         if ov and ov["max_staleness"]:
             p["rl"]["correction"] = {"name": "icepop"}  # k > 0 needs one (refused at load otherwise)

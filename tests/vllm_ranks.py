@@ -23,7 +23,7 @@ from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids
 def main(folder: str, out: str) -> None:
     d = distributed.init("auto", "ddp", 300)  # gloo on CPU, nccl on CUDA
     tok, model = load_tokenizer(folder), load_model(folder, "float32")
-    backend = BACKENDS["vllm"](model, tok, 8, VLLMOptions(dtype="float32", max_model_len=128))
+    backend = BACKENDS["vllm"](model, tok, 8, VLLMOptions(dtype="float32", max_model_len=128, enforce_eager=True))
     ids = chat_prompt_ids(tok, ["3*7="])  # the same request on every rank: only the weights differ
     sp = SamplingParams(1.0, 1.0, 8, 0)
     g = torch.Generator().manual_seed(d.rank)
