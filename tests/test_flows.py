@@ -304,6 +304,31 @@ def test_two_machines_share_only_the_server_and_a_dvc_remote_and_a_killed_worker
 
 
 @pytest.mark.slow
+def test_the_nightly_deployment_gets_scheduled_runs_from_the_servers_scheduler(tmp_path):
+    """``flows.deploy``'s cron deployment on a real ``prefect server``: the scheduler service creates its runs.
+    With SQLAlchemy 2.1.9 (unpinned before) the scheduler failed every loop ("Can't evaluate bulk DML
+    statement") and the nightly deployment never ran (watched: no scheduled run in 90 s)."""
+    repo = _repo(tmp_path)
+    api = f"http://127.0.0.1:{_free_port()}/api"
+    env = _env(tmp_path / "prefect", api) | {"PREFECT_API_SERVICES_SCHEDULER_LOOP_SECONDS": "2"}
+    procs = Procs(tmp_path)
+    try:
+        procs.start("server", [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                               api.split(":")[-1].removesuffix("/api")], {**env, "PREFECT_API_URL": ""}, repo)
+        _wait(lambda: _healthy(api), 120, "prefect server")
+        dep = subprocess.run([sys.executable, "-m", "flows.deploy", "--repo", str(repo), "--pools", "cpu",
+                              "--cron", "*/10 * * * *"], cwd=repo, env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert dep.returncode == 0, dep.stderr[-3000:]
+        scheduled = _wait(lambda: [r for r in _runs(env) if r["state"] == "SCHEDULED"], 90, "scheduled runs",
+                          every=3)
+    finally:
+        procs.stop_all()
+    assert {r["params"].get("target") for r in scheduled} == {"report"}  # the nightly-evaluate deployment's
+    assert "Can't evaluate bulk DML" not in (tmp_path / "server.log").read_text()
+
+
+@pytest.mark.slow
 def test_two_overlapping_flow_runs_each_run_with_their_own_params(tmp_path):
     """The in-process flow on Prefect's ephemeral server, twice at once: the nightly run and a manual run with
     overrides start together in one checkout. Both complete, each one's stage ran (and was tracked in MLflow)
