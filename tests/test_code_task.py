@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import bench_file
 
 from posttrain.config import CodeTask, ConfigError, SandboxCfg, parse_params
 from posttrain.config.sandbox import ENV
@@ -101,7 +101,7 @@ def test_a_fenced_code_block_replaces_the_completion_and_maj_votes_on_normalised
 
 
 def test_humaneval_rows_verify_by_their_own_tests():
-    rows = [json.loads(line) for line in (REPO.parent / "shared/benchmarks/humaneval.jsonl").open()][:3]
+    rows = [json.loads(line) for line in bench_file("humaneval.jsonl").open()][:3]
     probs = [code.from_humaneval(r) for r in rows]
     assert all(code.gold_ok(p["answer"]) and p["answer"].endswith(f"check({r['entry_point']})\n")
                for p, r in zip(probs, rows, strict=True))
@@ -216,6 +216,11 @@ FORGERIES = {
     "the expected value read from the test's bytecode":
         " import sys\n return [c for c in sys._getframe(1).f_code.co_consts if type(c) is int][-1]",
     "the nonce scanned in /proc/self/mem": " return 0\n" + MEMSCAN,
+    "the comparison helper shadowed by a name": " return 0\ndef _eq(*a):\n return True",
+    "the parent's memory read through /proc": (
+        " return 0\nimport os\nfor pid in (os.getppid(), 1):\n for f in ('mem', 'environ', 'fd/0', 'fd/1'):\n"
+        "  try:\n   open(f'/proc/{pid}/{f}', 'rb').read(64)\n  except OSError:\n   pass\n  else:\n"
+        "   raise SystemExit(f'read /proc/{pid}/{f}')"),
     "the nonce found through gc": " return 0\nimport gc, os\nfor o in gc.get_objects():\n if getattr(o, '__name__', "
                                   "'') == '_verdict':\n  o(stage='tests', passed=4, total=4, why=None)\n  os._exit(0)",
 }
@@ -236,6 +241,15 @@ def test_a_completion_cannot_forge_its_verdict(name):
     ``return 0`` honestly passes (f([2]) == 0)."""
     v = codeexec.run_tests(PROMPT, FORGERIES[name], TESTS, FAST)
     assert v.passed <= 1 and not v.all_passed, (name, v)
+
+
+def test_a_builtin_the_tests_use_is_the_harness_own_not_the_solution_one():
+    """A solution defining ``abs`` (or ``max``, ``sorted``...) at top level: the tests' ``abs`` stays the builtin.
+    Before, every name the solution defined was bound into the tests' namespace, so ``def abs(x): return 0``
+    passed ``assert abs(candidate(2.0) - 4.0) < 1e-6`` with a wrong candidate (watched: 1 of 1)."""
+    prompt, tests = "def sq(x):\n", "def check(candidate):\n    assert abs(candidate(2.0) - 4.0) < 1e-6\ncheck(sq)\n"
+    assert codeexec.run_tests(prompt, "    return 0.0\ndef abs(x):\n    return 0\n", tests, FAST).passed == 0
+    assert codeexec.run_tests(prompt, "    return x * x\ndef abs(x):\n    return 0\n", tests, FAST).all_passed
 
 
 @pytest.mark.parametrize("name", list(OVERFLOWS))

@@ -18,11 +18,13 @@ passed, total, first failure) to the sandbox's stdout, which the solution's proc
 reads it strictly: ``passed`` an int in [0, total] over the host's own count of tests, a known stage; anything
 else, or no line (killed, timed out, the harness killed by the solution), passes nothing (the minimum, never
 unscorable). What this closes (tests/test_code_task.py): patching what the harness uses (``json.dumps``,
-``builtins``, its comparison helper, its list of tests), calling its verdict function through ``__main__``, a
-late verdict from ``atexit``, an ``__eq__`` that always says yes, reading the expected value from the test's
-bytecode, scanning memory for the nonce, extra "tests" or a float ``passed``. What it costs: a second interpreter
-start per completion, and tests see the solution's results by value (a test that checks an argument mutated in
-place, or calls a method of a returned object, fails: HumanEval and the synthetic task have none).
+``builtins``, its comparison helper, its list of tests), shadowing a name the tests use (a top-level ``_eq`` or
+``abs``: the tests keep the harness's and the builtins), calling its verdict function through ``__main__``, a late
+verdict from ``atexit``, an ``__eq__`` that always says yes, reading the expected value from the test's bytecode,
+scanning memory for the nonce (its own, or its parent's through ``/proc``), extra "tests" or a float ``passed``.
+What it costs: a second interpreter start per completion, and tests see the solution's results by value (a test
+that checks an argument mutated in place, or calls a method of a returned object, fails: HumanEval and the
+synthetic task have none).
 
 Sandbox settings: ``sandbox:`` of params.yaml reaches every process of a stage (reward workers included) through
 the environment (``config.sandbox.from_env``; the runner sets it); without it, the defaults.
@@ -41,8 +43,9 @@ from posttrain.config.sandbox import SandboxCfg, from_env
 from posttrain.tasks import code
 
 HARNESS = r'''
-import ctypes, json, os, subprocess, sys
-ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the solution cannot read this process's memory or fds
+import builtins, ctypes, json, os, subprocess, sys
+if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: no reading this process's memory or fds
+    os._exit(126)
 _nonce = sys.stdin.readline().strip()
 _out = os.fdopen(os.dup(1), "w")
 _tests = [(compile(src, "tests.py", "exec"), is_test) for src, is_test in json.load(open("tests.json"))]
@@ -85,8 +88,8 @@ if not isinstance(_hello, dict) or "names" not in _hello or not isinstance(_hell
     _verdict(stage, 0, str(why)[:80] if why else "no answer")
     raise SystemExit(0)
 _g = {"__name__": "tests", "_eq": lambda got, want, _t=type: _t(got) is _t(want) and got == want}
-for _n, _v in _hello["names"].items():
-    if isinstance(_n, str) and _n.isidentifier():
+for _n, _v in _hello["names"].items():  # never over the harness's own names or a builtin the tests use
+    if isinstance(_n, str) and _n.isidentifier() and _n not in _g and not hasattr(builtins, _n):
         _g[_n] = _proxy(_n) if _v == "callable" else decode(_v)
 _passed, _first = 0, None
 for _c, _is_test in _tests:
