@@ -6,13 +6,14 @@ now, before, ...), every repeat is reported; each arm must pass all 164.
 
     python benchmarks/code_verifier.py --repeats 3   # prints a table, writes benchmarks/results/code_verifier.json
 
-Needs ../shared/benchmarks/humaneval.jsonl (beside the checkout on our machines and in CI).
+Needs humaneval.jsonl in ``$POSTTRAIN_BENCH`` (docs/real-models.md#benchmark-files).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import secrets
 import time
@@ -23,7 +24,7 @@ from posttrain.config import SandboxCfg
 from posttrain.tasks import code, codeexec
 
 ROOT = Path(__file__).resolve().parents[1]
-HUMANEVAL = ROOT.parent / "shared" / "benchmarks" / "humaneval.jsonl"
+HUMANEVAL = Path(os.environ.get("POSTTRAIN_BENCH", ".")) / "humaneval.jsonl"
 
 BEFORE = r'''
 import json, os, sys

@@ -1,6 +1,6 @@
 """Dedup: distinct problems kept, planted near-duplicates caught, time and memory at 10^4..10^6 rows.
 
-Run: ``python benchmarks/dedup.py [--sizes 10000 100000 1000000]`` (needs ../shared/benchmarks); a size run
+Run: ``python benchmarks/dedup.py [--sizes 10000 100000 1000000]`` (needs ``$POSTTRAIN_BENCH``); a size run
 apart (``--one 1000000 ngram > f.json``) is added with ``--append-rows f.json``.
 Writes ``benchmarks/results/dedup.json`` and prints the tables.
 
@@ -30,8 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-BENCH = next((p for p in (ROOT.parent / "shared" / "benchmarks", Path("/work/shared/benchmarks")) if p.is_dir()),
-             ROOT.parent / "shared" / "benchmarks")
+BENCH = Path(os.environ.get("POSTTRAIN_BENCH", "."))  # the benchmark files (docs/real-models.md#benchmark-files)
 SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 DAPO = ("Solve the following math problem step by step. The last line of your response should be of the form "
         "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{q}\n\nRemember to put "

@@ -10,7 +10,7 @@ The arms run alternately under ``farm-bench`` (this machine is noisy: compare ar
 Prints one JSON line: completion tokens, seconds (generation only; the engine start is reported apart as
 ``start_s``), tokens/s, the share of completions that stopped, and appends it to ``--json`` when given.
 Prompts: the first ``--prompts`` GSM8K-test questions through the model folder's chat template (``--bench`` or
-``$POSTTRAIN_BENCH``, default ../shared/benchmarks). Sampling at temperature 1 (``--greedy``: 0), seed 0.
+``$POSTTRAIN_BENCH``). Sampling at temperature 1 (``--greedy``: 0), seed 0.
 """
 
 from __future__ import annotations
@@ -98,8 +98,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--greedy", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--bench", default=os.environ.get("POSTTRAIN_BENCH", str(Path(__file__).resolve().parents[2]
-                                                                             / "shared" / "benchmarks")))
+    ap.add_argument("--bench", default=os.environ.get("POSTTRAIN_BENCH", "."))
     ap.add_argument("--json", help="append the result line to this JSON-lines file")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)

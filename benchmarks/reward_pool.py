@@ -1,6 +1,6 @@
 """Reward throughput: completions/s scored serially (in-process) vs in a ``RewardPool``, at G=64 on math.
 
-Completions are built from MATH-500 golds (``../shared/benchmarks/math500.jsonl``): a few sentences of
+Completions are built from MATH-500 golds (``$POSTTRAIN_BENCH/math500.jsonl``): a few sentences of
 working, then a final answer that is the gold, an equivalent rewriting of it (spaces, ``\\dfrac``, ``$...$``,
 "The answer is"), a wrong answer (a digit changed), a hedge, two boxes or no answer at all, so math-verify
 does the work it does in an RL step. Each repeat scores one step (``--prompts`` prompts x G samples, distinct
@@ -26,7 +26,7 @@ from pathlib import Path
 from posttrain.rewards import RewardPool, Sample, Spec
 
 ROOT = Path(__file__).resolve().parents[1]
-MATH500 = ROOT.parent / "shared" / "benchmarks" / "math500.jsonl"
+MATH500 = Path(os.environ.get("POSTTRAIN_BENCH", ".")) / "math500.jsonl"
 SPECS = [Spec("correct", 1.0, {}), Spec("format", 0.1, {})]
 WORK = ["First, let us restate the problem in terms of the given quantities.",
         "We substitute the values and simplify step by step: $2x + 3 = 11$, so $x = 4$.",

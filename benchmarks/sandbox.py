@@ -25,7 +25,7 @@ from posttrain.sandbox import Program, SandboxPool
 from posttrain.sandbox.bwrap import resolve_python
 
 ROOT = Path(__file__).resolve().parents[1]
-HUMANEVAL = ROOT.parent / "shared" / "benchmarks" / "humaneval.jsonl"
+HUMANEVAL = Path(os.environ.get("POSTTRAIN_BENCH", ".")) / "humaneval.jsonl"
 
 
 def humaneval_programs(path: Path) -> tuple[list[str], list[Program]]:

@@ -38,7 +38,7 @@ EVAL = ["runtime.progress=false", "evaluate.models={sft: models/sft, rl: models/
 
 def write_params(folder: Path, name: str, base: Path, overrides: list[str]) -> str:
     _, edits = parse_overrides(base, overrides)  # a bad override is refused before any work
-    text = render_overrides(base.read_text(), edits).replace("../shared/", f"{REPO.parent}/shared/")
+    text = render_overrides(base.read_text(), edits)
     (folder / name).write_text(text)
     return name
 

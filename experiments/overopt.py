@@ -68,8 +68,7 @@ def write_params(folder: Path, name: str, overrides: list[str]) -> str:
     base = REPO / "params.yaml"
     with contextlib.chdir(folder):  # relative paths (the reward model's) are checked where the stages run
         _, edits = parse_overrides(base, overrides)  # a bad override is refused before any work
-    (folder / name).write_text(render_overrides(base.read_text(), edits).replace("../shared/",
-                                                                                  f"{REPO.parent}/shared/"))
+    (folder / name).write_text(render_overrides(base.read_text(), edits))
     return name
 
 

@@ -46,7 +46,7 @@ def run_arm(folder: Path, overrides: list[str], isa: str, chain: list[list[str]]
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     _, edits = parse_overrides(base, overrides)  # refuses a bad override before any work
-    text = render_overrides(base.read_text(), edits).replace("../shared/", f"{REPO.parent}/shared/")
+    text = render_overrides(base.read_text(), edits)
     (folder / "params.yaml").write_text(text)
     env = {**os.environ, **ISAS[isa], "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
            "MLFLOW_TRACKING_URI": f"sqlite:///{folder}/mlflow.db",}

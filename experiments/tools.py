@@ -67,7 +67,7 @@ def _params_text(profile: Path, seed: int, edit: dict, rl_seed: int) -> str:
                        "runtime": {"progress": False, "train_threads": 1, "generate_threads": 1},
                        "report": {"compare": [["sft", "rl"]]}})
     raw["evaluate"]["models"] = {"sft": raw["paths"]["sft_model"], "rl": raw["paths"]["rl_model"]}
-    return yaml.safe_dump(raw, sort_keys=False).replace("../shared/", f"{REPO.parent}/shared/")
+    return yaml.safe_dump(raw, sort_keys=False)
 
 
 def run_chain(folder: Path, chain: list[list[str]]) -> float:

@@ -17,18 +17,30 @@ app = typer.Typer(help="posttrain: a reproducible, versioned pipeline for LLM re
 PARAMS = typer.Option(Path("params.yaml"), "--params", "-p", help="params file")
 
 
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"posttrain {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
+    """posttrain: a reproducible, versioned pipeline for LLM reasoning post-training."""
+
+
 def _repo_root(params: Path) -> Path:
-    """The pipeline's repository: the nearest folder holding ``dvc.yaml``, from the working directory up (a
-    profile under ``profiles/`` belongs to the repository above it); the params file's folder if none."""
-    for d in (Path.cwd().resolve(), *Path.cwd().resolve().parents):
-        if (d / "dvc.yaml").is_file() and params.resolve().is_relative_to(d):
-            return d
-    return params.resolve().parent
+    """The pipeline's repository: the nearest folder holding ``dvc.yaml`` from the params file's folder up (a
+    profile under ``profiles/`` belongs to the repository above it, wherever the command runs from); the params
+    file's folder if none."""
+    here = params.resolve().parent
+    return next((d for d in (here, *here.parents) if (d / "dvc.yaml").is_file()), here)
 
 
 def _params(path: Path, root: Path | None = None) -> Params:
-    """The validated params, with every ``paths.*`` inside the repository (``root``; default the params file's
-    folder) and ``model.base`` importable here (``config.model.unavailable``); else one line and exit 2."""
+    """The validated params, with every ``paths.*`` inside the repository (``root``; default the one holding
+    the params file, :func:`_repo_root`) and ``model.base`` importable here (``config.model.unavailable``);
+    else one line and exit 2."""
     try:
         p = load_params(path)
     except ConfigError as e:
@@ -36,7 +48,7 @@ def _params(path: Path, root: Path | None = None) -> Params:
         raise typer.Exit(EXIT_CONFIG_ERROR) from None
     from posttrain.config.model import unavailable
 
-    root = root or path.resolve().parent
+    root = root or _repo_root(path)
     if bad := p.paths.outside(root) or unavailable(p.model.base, p.model.revision, root):
         print(f"posttrain: {path}: {bad}", file=sys.stderr)
         raise typer.Exit(EXIT_CONFIG_ERROR)

@@ -43,7 +43,7 @@ def _synthetic(name: str, n: int, task: Any, rng: random.Random) -> Iterator[Raw
 
 def _jsonl(src: FileSource) -> Iterator[Raw]:
     """Line by line, so one undecodable or malformed line is quarantined instead of failing the file."""
-    with open(src.path, "rb") as f:
+    with open(src.file, "rb") as f:
         for i, line in enumerate(f):
             if src.limit is not None and i >= src.limit:
                 return
@@ -66,10 +66,10 @@ def _datasets_rows(src: FileSource | HubSource) -> Iterator[Raw]:
     """Parquet files and hub datasets go through ``datasets.load_dataset``."""
     import datasets
 
-    what = src.path if isinstance(src, FileSource) else f"hub dataset {src.hub_id!r}"
+    what = src.file if isinstance(src, FileSource) else f"hub dataset {src.hub_id!r}"
     try:
         if isinstance(src, FileSource):
-            ds = datasets.load_dataset("parquet", data_files=src.path, split="train")
+            ds = datasets.load_dataset("parquet", data_files=src.file, split="train")
         else:
             ds = datasets.load_dataset(src.hub_id, src.config, split=src.split, revision=src.revision)
     except Exception as e:  # datasets raises many types (offline, not found, corrupt): one line naming the source
@@ -134,7 +134,7 @@ def check_usable(src: SourceSpec | BenchmarkSpec, n_ok: int, reasons: list[str],
         return
     from collections import Counter
 
-    where = getattr(src, "path", None) or getattr(src, "hub_id", None) or src.name
+    where = getattr(src, "file", None) or getattr(src, "hub_id", None) or src.name
     top = ", ".join(f"{r} ({k})" for r, k in Counter(x.split(":")[0] for x in reasons).most_common(3)) or "no rows"
     raise StageError(f"benchmark {src.name!r} ({where}): {n_ok} usable of {n} rows ({len(reasons)} dropped > "
                      f"{knob}={limit}); top reasons: {top}")

@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "shared" / "benchmarks"
+from conftest import BENCH  # noqa: E402 ($POSTTRAIN_BENCH; test_decontam skips without it)
+
 SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 WRAPPERS = [
     "Solve the following problem. Show your work, then give the final answer.\n\n{q}\n\nAnswer:",

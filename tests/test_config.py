@@ -352,3 +352,83 @@ def test_repro_of_a_profile_runs_in_the_repository_and_leaves_params_yaml_as_it_
     assert "Running stage 'model'" in r.stdout + r.stderr
     assert not (repo / "profiles" / ".dvc").exists() and not (repo / "profiles" / "mlflow.db").exists()
     assert (repo / "params.yaml").read_text() == own
+
+
+def test_a_file_source_reads_its_folder_from_the_environment_and_its_pin_refuses_other_bytes(tmp_path, monkeypatch):
+    """``${POSTTRAIN_BENCH}/x.jsonl``: the same params on every machine; unset, one line naming the key and the
+    variable; ``sha256`` pins the bytes (a one-byte change is refused before any work)."""
+    import hashlib
+
+    from posttrain.sources import read_source
+
+    rows = b'{"question": "1+1?", "answer": "#### 2"}\n'
+    (tmp_path / "g.jsonl").write_bytes(rows)
+    src = {"kind": "file", "name": "g", "path": "${POSTTRAIN_BENCH}/g.jsonl", "format": "gsm8k",
+           "sha256": hashlib.sha256(rows).hexdigest()}
+    raw = repo_params()
+    raw["curate"]["sources"] = [src]
+    monkeypatch.delenv("POSTTRAIN_BENCH", raising=False)
+    with pytest.raises(ConfigError, match=r"curate.sources\[0\].path: Value error, "
+                       r"\$\{POSTTRAIN_BENCH\} is not set: export it as the folder holding g.jsonl"):
+        parse_params(raw)
+    monkeypatch.setenv("POSTTRAIN_BENCH", str(tmp_path))
+    p = parse_params(raw)
+    assert p.curate.sources[0].path == "${POSTTRAIN_BENCH}/g.jsonl"  # the params as written: DVC sees no change
+    assert [r for r in read_source(p.curate.sources[0], p.task, 0)][0][1]["answer"] == "2"
+    (tmp_path / "g.jsonl").write_bytes(rows.replace(b"2", b"3"))
+    with pytest.raises(ConfigError, match=r"curate.sources\[0\].sha256: .*g.jsonl has sha256 [0-9a-f]{64}, not "
+                       "the pinned"):
+        parse_params(raw)
+
+
+@pytest.mark.parametrize("section,key,hint", [
+    ("rl", "lerning_rate", "did you mean 'lr'?"),  # spelling of another trainer's name for it
+    ("rl", "num_generations", "did you mean 'samples_per_prompt'?"),  # TRL's name
+    ("sft", "bach_size", "did you mean 'batch_size'?"),
+    ("curate", "sorces", "did you mean 'sources'?"),
+    ("rl", "zzz", None),  # nothing close: no guess
+])
+def test_an_unknown_key_suggests_the_nearest_known_one(section, key, hint):
+    raw = repo_params()
+    raw[section][key] = 1
+    with pytest.raises(ConfigError) as e:
+        parse_params(raw)
+    assert f"{section}.{key}: unknown key" in str(e.value)
+    assert (hint in str(e.value)) if hint else "did you mean" not in str(e.value)
+
+
+def test_a_yaml_syntax_error_names_its_line_and_column(tmp_path):
+    bad = tmp_path / "params.yaml"
+    bad.write_text("seed: 0\nrl:\n  lr: [1, 2\n  steps: 3\n")
+    with pytest.raises(ConfigError, match=rf"^{bad}:4:8: not valid YAML: expected ',' or '\]', but got ':'$"):
+        load_params(bad)
+
+
+def test_version_flag_prints_the_version():
+    from typer.testing import CliRunner
+
+    from posttrain import __version__
+    from posttrain.cli import app
+
+    r = CliRunner().invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.output == f"posttrain {__version__}\n"
+
+
+def test_validate_reads_a_profiles_local_paths_from_its_repository_wherever_it_runs(tmp_path, monkeypatch):
+    """``posttrain validate -p profiles/x.yaml`` from outside the repository: ``model.base: models/base`` is the
+    repository's folder, not ``profiles/models/base`` (it was: exit 2, "no such folder")."""
+    from typer.testing import CliRunner
+
+    from posttrain.cli import app
+
+    repo = tmp_path / "repo"
+    (repo / "profiles").mkdir(parents=True)
+    (repo / "dvc.yaml").write_text("stages: {}\n")
+    (repo / "models" / "base").mkdir(parents=True)
+    (repo / "models" / "base" / "config.json").write_text("{}")
+    raw = repo_params()
+    raw["model"]["base"] = "models/base"
+    (repo / "profiles" / "x.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["validate", "-p", "repo/profiles/x.yaml"])
+    assert r.exit_code == 0, r.output

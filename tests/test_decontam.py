@@ -69,7 +69,7 @@ TARGETS = {"verbatim": 0.99, "recase_respace": 0.99, "wrapped": 0.99, "reordered
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not BENCH.is_dir(), reason="../shared/benchmarks not present")
+@pytest.mark.skipif(not BENCH.is_dir(), reason="no benchmark files: $POSTTRAIN_BENCH unset or empty")
 def test_rewritten_copies_are_caught_without_false_positives():
     """100 rewritten copies per kind (tests/perturb.py, seeded) of GSM8K-test / MATH-500 / AIME / AMC items
     planted into the 7,473 real GSM8K-train rows: recall per kind, and clean train rows flagged (<= 0.3%)."""

@@ -144,13 +144,13 @@ def test_guards_never_refuse_a_real_benchmark_answer():
     AMC 23 (1,546 answers), boxed at the end of a solution, passes them."""
     import json
 
-    from conftest import BENCH
+    from conftest import bench_file
 
     from posttrain.tasks import mathfmt
 
     n = 0
     for name in ("math500", "minervamath", "olympiadbench", "aime24", "aime25", "amc2023"):
-        for line in (BENCH / f"{name}.jsonl").read_text().splitlines():
+        for line in bench_file(f"{name}.jsonl").read_text().splitlines():
             a = json.loads(line)["answer"]
             gold = str(a[0] if isinstance(a, list) else a)
             assert mathfmt.guard(f"Working it out carefully, we get \\boxed{{{gold}}}.") is None, (name, gold)

@@ -25,11 +25,13 @@ from posttrain.config import ModelCfg
 from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids
 from tests.conftest import BENCH, REPO
 
-pytestmark = [pytest.mark.realmodel,  # a user's clone has no ../shared: the GSM8K files the tier runs on
-              pytest.mark.skipif(not (BENCH / "gsm8k_train.jsonl").is_file(), reason=f"no GSM8K files in {BENCH}")]
+pytestmark = [pytest.mark.realmodel,  # the GSM8K files the tier runs on: $POSTTRAIN_BENCH (conftest)
+              pytest.mark.skipif(not (BENCH / "gsm8k_train.jsonl").is_file(),
+                                 reason="no GSM8K files: $POSTTRAIN_BENCH unset or without them")]
 PROFILE = yaml.safe_load((REPO / "profiles" / "smollm2-gsm8k.yaml").read_text())
 ENV_BASE = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "DVC_NO_ANALYTICS": "1",
-            "HOME": str(Path.home())} | {k: os.environ[k] for k in ("POSTTRAIN_CACHE",) if k in os.environ}
+            "HOME": str(Path.home())} | {k: os.environ[k] for k in ("POSTTRAIN_CACHE", "POSTTRAIN_BENCH")
+                                         if k in os.environ}
 ENV = {**ENV_BASE, "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
 MODELS = ("sft", "rl", "student")  # the shortened profile evaluates these (each evaluate@ loads the model)
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -21,15 +21,16 @@ vllm = pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
+from conftest import BENCH  # noqa: E402
+
 from posttrain import logprobs, modeling  # noqa: E402
 from posttrain.config import ConfigError, LoraCfg, VLLMOptions, parse_params  # noqa: E402
 from posttrain.errors import ModelLoadError  # noqa: E402
 from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-BENCH = REPO.parent / "shared" / "benchmarks"
 PROFILE = yaml.safe_load((REPO / "profiles" / "smollm2-gsm8k.yaml").read_text())
-OPTS = VLLMOptions(dtype="float32", max_model_len=1024)
+OPTS = VLLMOptions(dtype="float32", max_model_len=1024, enforce_eager=True)  # no compile: 14 s, not 177 s
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -35,12 +38,42 @@ class _Rows(Section):
         return self
 
 
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+DATA_DOC = "docs/real-models.md#benchmark-files"
+
+
+def expand(path: str) -> str:
+    """``path`` with each ``${NAME}`` replaced by the environment's value (``${POSTTRAIN_BENCH}``: the folder of
+    benchmark files on this machine). An unset or empty variable is a ``ValueError`` naming it."""
+    def value(m: re.Match[str]) -> str:
+        if not os.environ.get(m.group(1)):
+            raise ValueError(f"${{{m.group(1)}}} is not set: export it as the folder holding "
+                             f"{Path(path).name} ({DATA_DOC})")
+        return os.environ[m.group(1)]
+
+    return _VAR.sub(value, path)
+
+
+def sha256_of(path: str | Path) -> str:
+    """A file's sha256, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 class FileSource(_Rows):
-    """A local JSONL or Parquet file, read line by line (JSONL) so malformed rows are quarantined."""
+    """A local JSONL or Parquet file, read line by line (JSONL) so malformed rows are quarantined. ``path`` may
+    start from an environment variable (``${POSTTRAIN_BENCH}/gsm8k_train.jsonl``): the params stay the same on
+    every machine, and ``sha256`` pins the bytes wherever the folder is."""
 
     kind: Literal["file"] = "file"
     name: str = Field(min_length=1, description="source name recorded in every row's `source`")
-    path: str = Field(min_length=1, description="path to .jsonl/.json/.parquet, relative to the repo root")
+    path: str = Field(min_length=1, description="path to .jsonl/.json/.parquet, relative to the repo root; "
+                      "${NAME} is read from the environment (e.g. ${POSTTRAIN_BENCH})")
+    sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="the file's sha256: other bytes are "
+                               "refused before any work (null: not pinned)")
     format: Literal[names.FORMATS] = Field(
         description="gsm8k: question/answer with '#### n'; math: problem/answer (or solution with \\boxed{}); "
         "generic: prompt/answer[/solution]; humaneval: prompt/test/entry_point[/canonical_solution] (task code)"
@@ -49,9 +82,20 @@ class FileSource(_Rows):
     @field_validator("path")
     @classmethod
     def _exists(cls, v: str) -> str:
-        if not Path(v).is_file():
-            raise ValueError(f"file not found: {v}")
+        if not Path(expand(v)).is_file():
+            raise ValueError(f"file not found: {expand(v)}" + (f" ({DATA_DOC})" if _VAR.search(v) else ""))
         return v
+
+    @model_validator(mode="after")
+    def _pinned(self) -> FileSource:
+        if self.sha256 is not None and (got := sha256_of(self.file)) != self.sha256:
+            raise Refusal("sha256", f"{self.file} has sha256 {got}, not the pinned {self.sha256}")
+        return self
+
+    @property
+    def file(self) -> str:
+        """``path`` with its environment variables filled in: the file this machine reads."""
+        return expand(self.path)
 
 
 class HubSource(_Rows):

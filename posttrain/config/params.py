@@ -9,6 +9,7 @@ CLI turn that error into one line on stderr and exit code 2. A key renamed so th
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -120,10 +121,42 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out or "<root>"
 
 
+# Names other trainers (TRL, verl, open-r1) give to keys posttrain names otherwise: a "did you mean" beyond spelling
+SYNONYMS = {"learning_rate": "lr", "num_generations": "samples_per_prompt", "beta": "kl_coef",
+            "max_completion_length": "max_new_tokens", "epsilon": "clip_eps_low", "epsilon_high": "clip_eps_high",
+            "per_device_train_batch_size": "micro_batch_size", "max_steps": "steps", "num_train_epochs": "epochs"}
+
+
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the params model accepts beside ``loc``'s last part (an unknown key), following sections and
+    lists; [] where the path passes through a union or a free-form mapping."""
+    node: Any = Params
+    for part in loc[:-1]:
+        if isinstance(part, int) or part in _UNION_TAGS:
+            continue
+        fields = getattr(node, "model_fields", None)
+        if not fields or part not in fields:
+            return []
+        node = fields[part].annotation
+        args = [a for a in typing.get_args(node) if hasattr(a, "model_fields")]
+        node = args[0] if len(args) == 1 else node  # Optional[Section] and list[Section]
+    return list(getattr(node, "model_fields", {}) or [])
+
+
+def _suggest(loc: tuple[Any, ...]) -> str:
+    """'; did you mean X?' for an unknown key, from the section's own keys (spelling, or another trainer's name)."""
+    import difflib
+
+    names_here = _fields_at(loc)
+    known = {n: n for n in names_here} | {k: v for k, v in SYNONYMS.items() if v in names_here}
+    close = difflib.get_close_matches(str(loc[-1]), list(known), n=1, cutoff=0.75)
+    return f"; did you mean {known[close[0]]!r}?" if close else ""
+
+
 def _describe(err: dict[str, Any]) -> str:
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
-        msg = "unknown key"
+        msg = "unknown key" + _suggest(err["loc"])
     elif "input" in err and err["type"] not in {"missing"} and not isinstance(err["input"], dict | list):
         msg = f"{msg}, got {shown(err['input'])}"
     return msg
@@ -191,6 +224,9 @@ def load_params(path: str | Path = "params.yaml") -> Params:
         raise ConfigError(f"{p}: cannot be read ({e.strerror})") from None
     try:
         raw = read_yaml(text)
-    except YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0][:200]}") from None
+    except YAMLError as e:  # the editor's file:line:column form, where ruamel knows the position
+        mark = getattr(e, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML: {what[:200]}") from None
     return parse_params(raw or {}, origin=str(p))

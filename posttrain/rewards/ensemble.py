@@ -3,7 +3,7 @@ how the scores of a completion's prefixes become a bounded per-step reward (``ST
 
 ``COMBINES``: one signature ``fn(r [N, K], lam) -> [N]``, ``r`` the K members' scores of N texts. From Coste,
 Anwar, Kirk and Krueger, "Reward Model Ensembles Help Mitigate Overoptimization" (ICLR 2024, arXiv 2310.02743),
-their section 3 (the digest in ``../shared/research/papers_digest_A.md`` names WCO/UWO but gives no formula;
+their section 3 (the digest we worked from names WCO/UWO but gives no formula;
 these are the paper's):
 
 - ``mean``: ``R_mean = (1/K) sum_i R_i``;
