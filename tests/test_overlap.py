@@ -126,6 +126,25 @@ def test_weight_store_publishes_versions_whole_and_loads_the_newest_allowed(tmp_
     assert store.acquire(4, dst, 3, lambda: True) is None
 
 
+def test_a_failed_weight_write_fails_the_next_publish_once(tmp_path, monkeypatch):
+    """A write that raises in the store's thread is raised by the next ``publish`` (the stage fails), and only
+    once: a ``flush`` while the stage unwinds does not raise it again over the first error (it did: the
+    pending future was never cleared)."""
+    from posttrain.rl.overlap import WeightStore, weights
+
+    store, model = WeightStore(tmp_path), torch.nn.Linear(2, 2)
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(weights.torch, "save", full)
+    store.publish(model, 0)
+    with pytest.raises(OSError, match="No space left"):
+        store.publish(model, 1)
+    store.flush()  # nothing pending: the error was reported
+    assert store.versions() == []
+
+
 def test_a_lora_policy_publishes_its_adapters_only_and_a_generator_loads_them_over_its_base(tmp_path):
     """Issue 50, finding 6: every version was the whole state dict, the frozen base included (14.2 GiB at 7B for the
     tens of MB that changed), written in the trainer's critical path. Now a version holds the trainable tensors

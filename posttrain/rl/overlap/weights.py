@@ -29,11 +29,11 @@ POLL_S = 0.02
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A snapshot (detached copies) of ``model``'s trainable parameters by state-dict name; every parameter when
-    none is trainable (a frozen full-weight copy)."""
+    """A snapshot (detached copies in host memory: no second copy on the accelerator) of ``model``'s trainable
+    parameters by state-dict name; every parameter when none is trainable (a frozen full-weight copy)."""
     named = list(model.named_parameters())
     chosen = [(n, p) for n, p in named if p.requires_grad] or named
-    return {n: p.detach().clone() for n, p in chosen}
+    return {n: p.detach().to("cpu", copy=True) for n, p in chosen}
 
 
 class WeightStore:
@@ -52,11 +52,10 @@ class WeightStore:
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """Snapshot ``model``'s trainable weights as ``version`` and return; the writer thread saves them and
         removes versions older than ``version - 1`` (an earlier write's error is raised here)."""
+        self.flush()  # in order, one snapshot at a time (never two in memory); a failed write fails the stage
         state = trainable_state(model)
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="weights")
-        if self._pending is not None:
-            self._pending.result()  # in order, one at a time; a failed write fails the stage
         self._pending = self._writer.submit(self._write, state, version)
 
     def _write(self, state: dict[str, torch.Tensor], version: int) -> None:
@@ -68,9 +67,11 @@ class WeightStore:
                 self.path(v).unlink(missing_ok=True)
 
     def flush(self) -> None:
-        """Wait until every published version is on disk."""
-        if self._pending is not None:
-            self._pending.result()
+        """Wait until every published version is on disk; a failed write is raised once (not again by a later
+        ``flush`` while the stage unwinds from it)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def acquire(self, need: int, model: torch.nn.Module, loaded: int | None, stopped: Callable[[], bool]
                 ) -> int | None:
