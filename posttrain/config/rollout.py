@@ -44,7 +44,9 @@ class VLLMOptions(Section):
     max_model_len: int | None = Field(None, ge=1, le=1_048_576,
                                       description="context length the KV cache is sized for; None: "
                                       "the model config's", json_schema_extra=NOT_RESULT)
-    enforce_eager: bool = Field(False, description="no CUDA graphs (faster start, slower decode)",
+    enforce_eager: bool = Field(False, description="no CUDA graphs, no CPU inductor compile (faster start, slower "
+                                "decode: on CPU, SmolLM2-135M's engine 14 s vs 177 s, decode 15% slower; "
+                                "docs/gpu-vllm.md)",
                                 json_schema_extra=NOT_RESULT)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = Field(
         None, description="the engine's weights and compute; null: model.dtype (the trainer's, so sampler and "
