@@ -133,18 +133,29 @@ def test_a_token_budget_cuts_micro_batches_by_padded_tokens():
     assert training.MicroBatch(4).chunks(list(range(9))) == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
 
 
-def test_a_token_budget_gives_the_full_batch_gradient(tmp_path):
-    """The exact loss aggregation holds whatever the cut: SFT of 3 demos under a 40-token budget (one demo per
-    micro-batch here) ends where one micro-batch of all 3 ends."""
+def test_a_token_budget_gives_the_full_batch_gradient(tmp_path, monkeypatch):
+    """The exact loss aggregation holds whatever the cut: SFT of 3 demos (18, 23 and 19 tokens) under a 40-token
+    budget ends where one micro-batch of all 3 ends. The budget is used, counted: 2 forward passes against 1
+    (``batching: grouped`` orders them by length: [18, 19] is 2 x 19 = 38 tokens, [23] alone)."""
     demos = DEMOS + [{"prompt": "57*8=", "answer": "456", "solution": None, "task": "arith"}]
-    ends = []
+    ends, passes, accumulate = [], [], training.accumulate
+
+    def counted(model, opt, items, micro, loss_of_batch, *a, **k):  # the chunks sft_train's budget made
+        def loss(chunk, real):
+            passes[-1] += 1
+            return loss_of_batch(chunk, real)
+        return accumulate(model, opt, items, micro, loss, *a, **k)
+
+    monkeypatch.setattr(training, "accumulate", counted)
     for kw in ({"micro_batch_size": 3}, {"micro_batch_size": 3, "max_tokens_per_micro_batch": 40}):
         model, tok = _model()
+        passes.append(0)
         training.sft_train(model, tok, demos, _sft(batch_size=3, lr=1e-2, **kw), 0, tmp_path / f"ck{len(kw)}", "fp",
                            progress=False)
         ends.append(model.state_dict())
+    assert passes == [1, 2]  # one step each: all 3 demos at once; then [18, 19] and [23]
     assert all(torch.allclose(ends[0][k], ends[1][k], atol=1e-6) for k in ends[0])
     lengths = [len(sft_data.encode_sft(tok, d["prompt"], "answer: " + d["answer"])[0]) for d in demos]
-    assert lengths == [18, 23, 19]  # 2 x 23 and 2 x 19 > 40: the budget put one demo in each micro-batch
-    assert len(training.MicroBatch(3, 40, len).chunks([[0] * n for n in lengths])) == 3
+    assert lengths == [18, 23, 19]
+    assert len(training.MicroBatch(3, 40, len).chunks([[0] * n for n in lengths])) == 3  # in this order: 3 cuts
     assert Rl(max_tokens_per_micro_batch=8192).max_tokens_per_micro_batch == 8192  # rl and distill take it too
