@@ -105,7 +105,9 @@ def delimited(completion: str) -> str:
     return f"<<<RESPONSE {tag}>>>\n{text}\n<<<END RESPONSE {tag}>>>"
 
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+# C0 but newline and tab, DEL, C1 (ESC's 8-bit twins, NEL), Unicode's line and paragraph separators and the bidi
+# embeddings, overrides and isolates: what could move or hide text in the prompt the judge (or a person) reads
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
 def render(template: str, *, prompt: str, completion: str, answer: str, rubric: str, verdict: str,
