@@ -68,7 +68,7 @@ def wilson_ci(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
-BINARY_EPS = 0.01  # a per-problem rate within this of 0 or 1 is a decided problem (pass@8 of 64 at c >= 30)
+BINARY_EPS = 0.01  # a per-problem rate within this of 0 or 1 is a decided problem (pass@8 of 64 at c >= 27)
 
 
 def near_binary(x: np.ndarray, eps: float = BINARY_EPS) -> bool:
