@@ -87,23 +87,6 @@ def _timing(key: str) -> bool:
     return key.endswith("_s") or key in TIMING
 
 
-def paired(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]], n_boot: int, seed: int
-           ) -> dict[str, dict[str, Any]]:
-    """B - A per metric over the problem ids both have (``a``/``b``: problem id -> per-problem metrics)."""
-    ids = [i for i in a if i in b]
-    keys = [k for k in dict.fromkeys(k for i in ids for k in a[i]) if not _timing(k)]
-    out: dict[str, dict[str, Any]] = {}
-    for key in keys:
-        both = [i for i in ids if key in a[i] and key in b[i]]
-        if not both:
-            continue
-        x, y = [float(a[i][key]) for i in both], [float(b[i][key]) for i in both]
-        ci = M.paired_rate_ci(x, y, n_boot, seed) if key not in M.NO_INTERVAL else (float("nan"), float("nan"))
-        out[key] = {"a": round(float(np.mean(x)), 4), "b": round(float(np.mean(y)), 4),
-                    "diff": round(float(np.mean(y) - np.mean(x)), 4), "ci": [round(v, 4) for v in ci], "n": len(both)}
-    return out
-
-
 def stale_inputs(lock: dict[str, Any]) -> list[str]:
     """Stages of one ``dvc.lock`` whose input is a path another stage outputs, with another md5: built from an
     output this revision no longer holds."""
@@ -151,7 +134,7 @@ def compare(root: Path, a: str, b: str, n_boot: int = 1000, seed: int = 0) -> Co
                                 "(dvc pull, or run it there)")
             continue
         per_a, per_b = json.loads(ta), json.loads(tb)
-        out.paired[name] = {s: paired(per_a[s], per_b[s], n_boot, seed) for s in per_a if s in per_b}
+        out.paired[name] = {s: M.paired_table(per_a[s], per_b[s], n_boot, seed, _timing) for s in per_a if s in per_b}
     return out
 
 

@@ -8,7 +8,8 @@ a heavy dependency for them; every formula is tested against hand-computed value
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -149,3 +150,22 @@ def rate_ci(values: Sequence[float], n_boot: int = 1000, seed: int = 0) -> tuple
 # Per-problem metrics reported as plain means, without an interval (lengths, the truncated share and the share
 # refused by a verifier guard describe the completions; they are not accuracies to compare).
 NO_INTERVAL = frozenset({"len", "greedy_len", "truncated", "guarded"})
+
+
+def paired_table(per_a: dict[str, dict[str, Any]], per_b: dict[str, dict[str, Any]], n_boot: int, seed: int,
+                 skip: Callable[[str], bool] = lambda key: False) -> dict[str, dict[str, Any]]:
+    """B - A per metric over the problem ids both have (``per_*``: problem id -> per-problem metrics): each
+    side's mean, the mean difference, its paired 95% interval (:func:`paired_rate_ci`; (nan, nan) for a key in
+    ``NO_INTERVAL``) and the problems counted. Keys for which ``skip`` says so are left out. What the report
+    stage and ``posttrain compare`` both print."""
+    ids = [i for i in per_a if i in per_b]
+    out: dict[str, dict[str, Any]] = {}
+    for key in (k for k in dict.fromkeys(k for i in ids for k in per_a[i]) if not skip(k)):
+        both = [i for i in ids if key in per_a[i] and key in per_b[i]]
+        if not both:
+            continue
+        x, y = [float(per_a[i][key]) for i in both], [float(per_b[i][key]) for i in both]
+        ci = paired_rate_ci(x, y, n_boot, seed) if key not in NO_INTERVAL else (float("nan"), float("nan"))
+        out[key] = {"a": round(float(np.mean(x)), 4), "b": round(float(np.mean(y)), 4),
+                    "diff": round(float(np.mean(y) - np.mean(x)), 4), "ci": [round(v, 4) for v in ci], "n": len(both)}
+    return out

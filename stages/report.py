@@ -18,8 +18,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from posttrain import metrics as M
 from posttrain import plots
 from posttrain.config import Params
@@ -29,24 +27,6 @@ from posttrain.runner import stage_main
 from posttrain.schema import write_json, write_text
 
 log = logging.getLogger("report")
-
-
-def paired(per_a: dict[str, dict[str, Any]], per_b: dict[str, dict[str, Any]], n_boot: int, seed: int
-           ) -> dict[str, Any]:
-    """b - a on the problems both have, per metric: the mean difference and its paired 95% interval
-    (``metrics.paired_rate_ci``: Newcombe's for 0/1 outcomes, else the bootstrap with problems resampled
-    jointly). ``per_*``: problem id -> per-problem metrics."""
-    ids = [i for i in per_a if i in per_b]
-    out: dict[str, Any] = {}
-    keys = [k for k in dict.fromkeys(k for i in ids for k in per_a[i]) if k not in M.NO_INTERVAL]
-    for key in keys:
-        both = [i for i in ids if key in per_a[i] and key in per_b[i]]
-        if not both:
-            continue
-        a, b = [per_a[i][key] for i in both], [per_b[i][key] for i in both]
-        out[key] = {"diff": round(float(np.mean(b) - np.mean(a)), 4), "n": len(both),
-                    "ci": [round(x, 4) for x in M.paired_rate_ci(a, b, n_boot, seed)]}
-    return out
 
 
 def crossing(a: dict[str, Any], b: dict[str, Any], ks: list[int]) -> str:
@@ -119,7 +99,8 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
     splits = list(dict.fromkeys(s for n in names for s in summaries[n]))
     results = {s: {n: summaries[n][s] for n in names if s in summaries[n]} for s in splits}
     cfg = params.evaluate
-    diffs = {s: {f"{a} vs {b}": paired(per[a].get(s, {}), per[b].get(s, {}), cfg.bootstrap, params.seed)
+    diffs = {s: {f"{a} vs {b}": M.paired_table(per[a].get(s, {}), per[b].get(s, {}), cfg.bootstrap, params.seed,
+                                                    lambda k: k in M.NO_INTERVAL)
                  for a, b in params.report.compare} for s in splits}
     write_json(out["dir"] / "paired.json", diffs)
     write_text(out["dir"] / "report.md", report_markdown(results, cfg.ks, cfg.sampling, params.report.compare, diffs))
