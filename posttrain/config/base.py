@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 EXIT_CONFIG_ERROR = 2
 
@@ -45,6 +45,13 @@ MAX_COEF = 1000.0  # coefficients of the KL and entropy terms
 # cadence, how long to run): resume fingerprints (``checkpoint.fingerprint``) leave it out, so changing it
 # between a kill and a resume (the usual out-of-memory fix, or more steps) resumes instead of starting over.
 NOT_RESULT: dict[str, Any] = {"fingerprint": False}
+
+
+def token_budget() -> Any:
+    """The ``max_tokens_per_micro_batch`` field sft, rl and distill share (``training.MicroBatch``)."""
+    return Field(None, ge=1, le=100_000_000, json_schema_extra=NOT_RESULT,
+                 description="also cut micro-batches at this many padded tokens (sequences x the longest): long "
+                 "completions get fewer per forward; null: micro_batch_size alone. The loss is the same")
 
 
 SHOWN = 80  # characters of a rejected value echoed in a one-line message

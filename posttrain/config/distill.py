@@ -18,6 +18,7 @@ from posttrain.config.base import (
     MAX_TEMPERATURE,
     NOT_RESULT,
     Section,
+    token_budget,
 )
 from posttrain.config.model import TinyModel
 
@@ -88,10 +89,7 @@ class Distill(Section):
                                 description="longest completion sampled in phases A and B, in tokens")
     micro_batch_size: int = Field(64, ge=1, le=MAX_BATCH, description="sequences per forward/backward",
                                   json_schema_extra=NOT_RESULT)
-    max_tokens_per_micro_batch: int | None = Field(None, ge=1, le=100_000_000, json_schema_extra=NOT_RESULT,
-                                                   description="also cut micro-batches at this many padded tokens "
-                                                   "(sequences x the longest): long completions get fewer per "
-                                                   "forward; null: micro_batch_size alone. The loss is the same")
+    max_tokens_per_micro_batch: int | None = token_budget()
     checkpoint_every: int = Field(10, ge=1, le=MAX_COUNT,
                                   description="resumable checkpoint every N steps of phases A-C",
                                   json_schema_extra=NOT_RESULT)

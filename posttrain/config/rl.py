@@ -22,6 +22,7 @@ from posttrain.config.base import (
     Refusal,
     Section,
     registered,
+    token_budget,
 )
 from posttrain.config.correction import CorrectionSpec, legacy_tis
 from posttrain.config.rollout import Sampling
@@ -172,10 +173,7 @@ class Rl(Section):
     micro_batch_size: int = Field(64, ge=1, le=MAX_BATCH,
                                   description="sequences per forward/backward (gradient accumulation)",
                                   json_schema_extra=NOT_RESULT)
-    max_tokens_per_micro_batch: int | None = Field(None, ge=1, le=100_000_000, json_schema_extra=NOT_RESULT,
-                                                   description="also cut micro-batches at this many padded tokens "
-                                                   "(sequences x the longest): long completions get fewer per "
-                                                   "forward; null: micro_batch_size alone. The loss is the same")
+    max_tokens_per_micro_batch: int | None = token_budget()
     pack: bool = Field(False, description="pack each micro-batch's sequences into rows of twice the longest "
                        "(block-diagonal attention via position ids) instead of padding them: the same loss and "
                        "gradient over fewer tokens; pays off when lengths vary widely (docs: Performance)",

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from posttrain.config.base import MAX_BATCH, MAX_COUNT, MAX_LR, NOT_RESULT, Refusal, Section
+from posttrain.config.base import MAX_BATCH, MAX_COUNT, MAX_LR, NOT_RESULT, Refusal, Section, token_budget
 
 MAX_SEQ_LEN = 1_048_576  # tokens of one demo (prompt + completion): beyond today's longest contexts
 
@@ -41,10 +41,7 @@ class Sft(Section):
     micro_batch_size: int = Field(64, ge=1, le=MAX_BATCH,
                                   description="sequences per forward pass (gradient accumulation "
                                   "up to batch_size; exact token-mean either way)", json_schema_extra=NOT_RESULT)
-    max_tokens_per_micro_batch: int | None = Field(None, ge=1, le=100_000_000, json_schema_extra=NOT_RESULT,
-                                                   description="also cut micro-batches at this many padded tokens "
-                                                   "(sequences x the longest): long completions get fewer per "
-                                                   "forward; null: micro_batch_size alone. The loss is the same")
+    max_tokens_per_micro_batch: int | None = token_budget()
     lr: float = Field(2e-3, gt=0, le=MAX_LR, description="peak AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay")
     warmup_steps: int = Field(20, ge=0, le=MAX_COUNT, description="linear warmup, then cosine decay to 0")
