@@ -9,7 +9,6 @@ with ``id = <source name>:<row index>``, traceable to the raw line.
 from __future__ import annotations
 
 import json
-import os
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +21,7 @@ from posttrain.config import (
     SyntheticSource,
     Validation,
 )
+from posttrain.config.model import hub_offline
 from posttrain.errors import StageError
 from posttrain.schema import Problem
 from posttrain.tasks import ADAPTERS, FORMAT_TASK, get_task
@@ -75,7 +75,7 @@ def _datasets_rows(src: FileSource | HubSource) -> Iterator[Raw]:
     except Exception as e:  # datasets raises many types (offline, not found, corrupt): one line naming the source
         hint = (" (HF_HUB_OFFLINE=1 and it is not in the local cache: run once with the hub reachable, or point "
                 "a `kind: file` source at a local copy)" if isinstance(src, HubSource)
-                and os.environ.get("HF_HUB_OFFLINE") == "1" else "")
+                and hub_offline() else "")
         raise StageError(f"source {src.name!r}: {what} cannot be read: {type(e).__name__}: "
                          f"{str(e).splitlines()[0][:200] if str(e) else ''}{hint}") from None
     for i, row in enumerate(ds):

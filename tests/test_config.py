@@ -432,3 +432,14 @@ def test_validate_reads_a_profiles_local_paths_from_its_repository_wherever_it_r
     monkeypatch.chdir(tmp_path)
     r = CliRunner().invoke(app, ["validate", "-p", "repo/profiles/x.yaml"])
     assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("value,offline", [("1", True), ("true", True), ("YES", True), ("on", True), ("0", False),
+                                           ("", False), ("no", False), ("off", False)])
+def test_hf_hub_offline_is_read_as_huggingface_hub_reads_it(monkeypatch, value, offline):
+    """One reading of ``HF_HUB_OFFLINE`` for validation, sources and model loading, huggingface_hub's: before,
+    validation took "no" and "off" for offline and the loaders took only "1" (review)."""
+    from posttrain.config.model import hub_offline
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", value)
+    assert hub_offline() is offline

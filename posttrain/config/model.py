@@ -29,6 +29,11 @@ def base_kind(base: str) -> BaseKind:
     return "hub"
 
 
+def hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` read as huggingface_hub reads it (1, ON, YES, TRUE, any case), now (not at import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+
+
 def unavailable(base: str, revision: str | None = None, root: Path = Path(".")) -> str | None:
     """Why ``model.base`` cannot be imported here, in one line, or None: a local folder or .gguf file that does not
     exist, or (with ``HF_HUB_OFFLINE=1``) a hub id whose config is not in the local hub cache. What only a fetch
@@ -42,7 +47,7 @@ def unavailable(base: str, revision: str | None = None, root: Path = Path(".")) 
         return f"model.base: no such folder {base!r}"
     if kind == "gguf":
         return f"model.base: no such file {base!r}"
-    if kind == "hub" and os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false", "False"):
+    if kind == "hub" and hub_offline():
         from huggingface_hub import try_to_load_from_cache
 
         if not isinstance(try_to_load_from_cache(base, "config.json", revision=revision), str):

@@ -27,6 +27,7 @@ from transformers import (
 )
 
 from posttrain.config import LoraCfg, ModelCfg, TinyModel
+from posttrain.config.model import hub_offline
 from posttrain.errors import ModelLoadError
 
 
@@ -131,7 +132,7 @@ def autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextMana
 def load_hint(name: str, e: Exception) -> str:
     if is_local(name) and not Path(name).exists():
         return f"model {name!r}: no such folder"
-    if os.environ.get("HF_HUB_OFFLINE") == "1" and not Path(name).exists():
+    if hub_offline() and not Path(name).exists():
         return f"model {name!r}: not a local folder and HF_HUB_OFFLINE=1 (hub ids need the hub or a cache)"
     return f"model {name!r}: {str(e).splitlines()[0]}"
 
