@@ -15,6 +15,7 @@ import errno
 import logging
 import os
 import random
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -116,6 +117,11 @@ def _torchrun(name: str, cmd: list[str]) -> int:
     return 0
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    """SIGTERM (a scheduler stopping the job, ``kill``) ends a stage as Ctrl-C does, not in mid-write."""
+    raise KeyboardInterrupt("SIGTERM")
+
+
 def model_arg(argv: list[str]) -> tuple[str, list[str]]:
     """``--model NAME`` of a per-model stage (evaluate@<name>) and the remaining arguments; missing -> exit 2."""
     ap = argparse.ArgumentParser(add_help=False)
@@ -182,9 +188,14 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
     t0 = time.time()
     from posttrain.tracking import stage_run
 
+    signal.signal(signal.SIGTERM, _terminated)  # as Ctrl-C: outputs stay whole, the MLflow run ends KILLED
     try:
         with stage_run(name, params, Path(args.params).resolve().parent):
             body(params)
+    except KeyboardInterrupt as e:
+        print(f"posttrain {name}: interrupted; re-run the same command to resume (sft, rollout, rl and distill go "
+              "on from their last checkpoint)", file=sys.stderr)
+        sys.exit(143 if str(e) == "SIGTERM" else 130)  # the shell's codes for a process ended by the signal
     except ConfigError as e:  # a config problem only the stage can see (e.g. an unknown --model name)
         print(f"posttrain: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)

@@ -145,3 +145,33 @@ def test_distill_sigkill_then_rerun_resumes_to_the_same_student(tmp_path):
     w = {n: load_file(tmp_path / n / "models" / "student" / "model.safetensors") for n in runs}
     for k in w["straight"]:
         torch.testing.assert_close(w["killed"][k], w["straight"][k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), pytest.param(signal.SIGINT, 130,
+                                                                           marks=pytest.mark.extended)])
+def test_an_interrupted_stage_says_so_in_one_line_and_its_run_ends_killed(tmp_path, sig, code):
+    """Issue 46, finding 9: Ctrl-C in a stage printed a 94-line traceback, and a SIGTERM'd stage left its MLflow
+    run RUNNING (SIGTERM's default action ends the process with no cleanup). Now either signal is one line with
+    the resume hint, the shell's exit code for it, and a KILLED run; the re-run resumes from the checkpoint."""
+    from mlflow import MlflowClient
+
+    raw = tiny_raw(tmp_path)
+    raw["sft"].update({"phases": [{"steps": 400, "cot_frac": 0.5}], "checkpoint_every": 5})
+    raw["tracking"] = {"enabled": True, "uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "t"}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    for up in ("model", "curate"):
+        assert _stage(up, tmp_path / "params.yaml").wait() == 0
+    proc = _stage("sft", tmp_path / "params.yaml")
+    deadline = time.time() + 120
+    while not list((tmp_path / "checkpoints" / "sft").glob("step_*")) and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == code, err[-3000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        "posttrain sft: interrupted; re-run the same command to resume (sft, rollout, rl and distill go on from "
+        "their last checkpoint)")
+    client = MlflowClient(raw["tracking"]["uri"])
+    (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id], "attributes.run_name = 'sft'")
+    assert run.info.status == "KILLED"
