@@ -71,6 +71,18 @@ def test_send_logs_one_batched_run_with_everything_and_registers_the_model(tmp_p
     assert str(client.get_model_version_by_alias("posttrain-rl", "champion").version) == "2"
 
 
+def test_the_experiment_opens_in_mlflows_training_view(tmp_path, mlflow_uri):
+    """Issue 46, finding 5: with no experiment-kind tag MLflow 3's UI opened the experiment in its GenAI view
+    ("No data", "Evaluation runs"). A new experiment gets the training kind, and one made before gets it too."""
+    client = store.mlflow_client(mlflow_uri)
+    made = client.get_experiment(store._experiment_id(client, "new", tmp_path))
+    assert made.tags["mlflow.experimentKind"] == "custom_model_development"
+    old = client.create_experiment("old")
+    assert "mlflow.experimentKind" not in client.get_experiment(old).tags
+    assert store._experiment_id(client, "old", tmp_path) == old
+    assert client.get_experiment(old).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
 @pytest.mark.slow  # over 2 s: out of the fast suite
 def test_unreachable_store_keeps_the_run_in_the_outbox_and_sync_replays_it_whole(tmp_path, mlflow_uri, monkeypatch):
     raw = tiny_raw(tmp_path)

@@ -33,12 +33,19 @@ def mlflow_client(uri: str) -> Any:
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
+# MLflow 3's UI opens an experiment without this tag in its GenAI view ("No data", "Evaluation runs"); with it,
+# in the training view: runs, metrics, charts
+KIND_TAG = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def _experiment_id(client: Any, name: str, root: Path | None) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is not None:
+        if "mlflow.experimentKind" not in exp.tags:  # made before the tag was set, or by someone else
+            client.set_experiment_tag(exp.experiment_id, *next(iter(KIND_TAG.items())))
         return exp.experiment_id
     loc = (root / "mlartifacts").resolve().as_uri() if root is not None else None
-    return client.create_experiment(name, artifact_location=loc)
+    return client.create_experiment(name, artifact_location=loc, tags=KIND_TAG)
 
 
 def open_run(uri: str, experiment: str, stage: str, start_ms: int, parent: str | None, root: Path | None) -> str:
