@@ -543,3 +543,27 @@ def test_a_stage_that_did_not_finish_registers_nothing(tmp_path, mlflow_uri):
         rid = tracking.send(rec, mlflow_uri, tmp_path)
         assert client.get_run(rid).info.status == status
     assert client.search_model_versions("name='posttrain-rl'") == []
+
+
+def test_git_dirty_ignores_what_the_pipeline_itself_writes(tmp_path):
+    """Issue 46, finding 5: every stage after curate was tagged git.dirty=True, because the stages before it had
+    rewritten dvc.lock and metrics/*.json. Those are left out; an edited tracked file still counts."""
+    import subprocess
+
+    from posttrain.tracking.records import dirty
+
+    def git(*a):
+        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *a], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    for f in ("dvc.lock", "metrics/sft.json", "params.yaml"):
+        (tmp_path / f).parent.mkdir(exist_ok=True)
+        (tmp_path / f).write_text("a\n")
+    git("add", "-A")
+    git("commit", "-qm", "x")
+    (tmp_path / "dvc.lock").write_text("b\n")
+    (tmp_path / "metrics" / "sft.json").write_text("b\n")
+    assert not dirty(tmp_path, "metrics")
+    (tmp_path / "params.yaml").write_text("b\n")
+    assert dirty(tmp_path, "metrics")

@@ -69,6 +69,13 @@ def _git(root: Path, *args: str) -> str:
     return r.stdout.strip() if r.returncode == 0 else ""
 
 
+def dirty(root: Path, metrics_dir: str) -> bool:
+    """Tracked files changed since the commit, the pipeline's own writes left out (``dvc.lock`` and the metrics
+    files its stages rewrite as they run: every stage after the first saw them and said dirty)."""
+    return bool(_git(root, "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)dvc.lock",
+                     f":(exclude){metrics_dir.rstrip('/')}"))
+
+
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -147,7 +154,7 @@ def build_record(stage: str, params: Params, root: Path, start_ms: int, status: 
         rec.params[k] = json.dumps(v) if isinstance(v, list | dict) else str(v)
     torch = sys.modules.get("torch")  # curate never imports it
     rec.tags = {"dvc.stage": stage, "git.commit": _git(root, "rev-parse", "HEAD"),
-                "git.dirty": str(bool(_git(root, "status", "--porcelain", "--untracked-files=no"))),
+                "git.dirty": str(dirty(root, params.paths.metrics_dir)),
                 "hostname": socket.gethostname(), "platform": platform.platform(),
                 "device": "cuda" if torch is not None and torch.cuda.is_available() else "cpu", **_versions(),
                 **{f"dvc.dep.{p}": h for p, h in deps.items()}, **{f"dvc.out.{p}": h for p, h in outs.items()}}
