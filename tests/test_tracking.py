@@ -567,3 +567,24 @@ def test_git_dirty_ignores_what_the_pipeline_itself_writes(tmp_path):
     assert not dirty(tmp_path, "metrics")
     (tmp_path / "params.yaml").write_text("b\n")
     assert dirty(tmp_path, "metrics")
+
+
+def test_a_parent_no_stage_ran_under_is_deleted_one_with_stages_is_kept(tmp_path, mlflow_uri):
+    """Issue 46, finding 5: every no-op `posttrain repro` (DVC found everything up to date) added an empty
+    FINISHED ``pipeline`` run. A parent with no child is deleted at its end; one with a stage, or that failed,
+    stays."""
+    raw = tiny_raw(tmp_path)
+    raw["tracking"] = {"enabled": True, "uri": mlflow_uri, "experiment": "t"}
+    params = parse_params(raw)
+    client = store.mlflow_client(params.tracking.uri)
+    empty = tracking.start_parent(params, tmp_path, "pipeline")
+    tracking.end_parent(params, tmp_path, empty, "FINISHED")
+    assert client.get_run(empty).info.lifecycle_stage == "deleted"
+    failed = tracking.start_parent(params, tmp_path, "pipeline")
+    tracking.end_parent(params, tmp_path, failed, "FAILED")
+    assert client.get_run(failed).info.status == "FAILED" and client.get_run(failed).info.lifecycle_stage == "active"
+    busy = tracking.start_parent(params, tmp_path, "pipeline")
+    exp = client.get_run(busy).info.experiment_id
+    client.create_run(exp, tags={"mlflow.parentRunId": busy}, run_name="curate")
+    tracking.end_parent(params, tmp_path, busy, "FINISHED")
+    assert client.get_run(busy).info.status == "FINISHED" and client.get_run(busy).info.lifecycle_stage == "active"

@@ -217,9 +217,16 @@ def reap_runs(client: Any, exp_id: str) -> list[str]:
 
 
 def end_parent(params: Params, root: Path, run_id: str | None, status: str) -> None:
-    """End the parent run: FINISHED, FAILED or KILLED."""
+    """End the parent run: FINISHED, FAILED or KILLED. A FINISHED parent no stage ran under (``dvc repro`` found
+    everything up to date) is deleted: a no-op run leaves no empty ``pipeline`` run behind."""
     if run_id:
         try:
-            mlflow_client(store_uri(params, root)).set_terminated(run_id, status)
+            client = mlflow_client(store_uri(params, root))
+            exp = client.get_run(run_id).info.experiment_id
+            if status == "FINISHED" and not client.search_runs([exp], f"tags.mlflow.parentRunId = '{run_id}'",
+                                                                 max_results=1):
+                client.delete_run(run_id)
+                return
+            client.set_terminated(run_id, status)
         except Exception as e:
             log.warning("could not close parent run %s: %s", run_id, e)
