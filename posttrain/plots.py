@@ -8,22 +8,41 @@ from typing import Any
 
 from posttrain.outputs import atomic_path
 
+Panel = str | tuple[str, ...]  # one metric, or several drawn in one panel (the first names it)
 
-def training_curves(rows: Sequence[dict[str, Any]], x: str, ys: Sequence[str], title: str, path: Path) -> None:
-    """One small panel per metric in ``ys`` against ``x``; rows as written to a stage's train_log.csv."""
+
+def training_curves(rows: Sequence[dict[str, Any]], x: str, ys: Sequence[Panel], title: str, path: Path,
+                    phase: str | None = None, per_row: int = 4) -> None:
+    """One small panel per entry of ``ys`` against ``x`` (a tuple: its metrics as lines of one panel, with a
+    legend), ``per_row`` panels a row; rows as written to a stage's train_log.csv. ``phase``: a column whose
+    changes are drawn as dashed vertical lines, labelled with the phase that starts there."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(ys), figsize=(3.2 * len(ys), 2.8), squeeze=False)
+    n_rows = -(-len(ys) // per_row)
+    cols = min(len(ys), per_row)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(3.4 * cols, 2.9 * n_rows), squeeze=False)
     xs = [float(r[x]) for r in rows]
-    for ax, y in zip(axes[0], ys, strict=True):
-        pts = [(a, float(r[y])) for a, r in zip(xs, rows, strict=True) if r.get(y) not in (None, "")]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", linewidth=1)
-        ax.set_title(y, fontsize=10)
-        ax.set_xlabel(x, fontsize=9)
+    starts = [(xs[i], str(r[phase])) for i, r in enumerate(rows)
+              if phase and (i == 0 or r[phase] != rows[i - 1][phase])]
+    for ax, panel in zip(axes.flat, ys, strict=False):
+        names = (panel,) if isinstance(panel, str) else panel
+        for y in names:
+            pts = [(a, float(r[y])) for a, r in zip(xs, rows, strict=True) if r.get(y) not in (None, "")]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", linewidth=1, label=y)
+        if len(names) > 1:
+            ax.legend(fontsize=7)
+        for i, (at, name) in enumerate(starts if len(starts) > 1 else []):
+            if i:
+                ax.axvline(at - 0.5, color="grey", linestyle="--", linewidth=0.8)
+            ax.annotate(name, (at - 0.5, 1.0), xycoords=("data", "axes fraction"), fontsize=7, va="top")
+        ax.set_title(" / ".join(names), fontsize=9)
+        ax.set_xlabel(x, fontsize=8)
         ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(ys):]:
+        ax.axis("off")
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     with atomic_path(path) as tmp:

@@ -259,7 +259,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     if log_rows:
         plots.training_curves(log_rows, "step", ["reverse_kl", "forward_kl", "entropy", "sample_pass_rate"],
                               "distill (A: warmup, B: on-policy" + (", C: grpo)" if cfg.grpo_steps else ")"),
-                              out["report_dir"] / "curves.png")
+                              out["report_dir"] / "curves.png", phase="phase")
     else:
         out["report_dir"].mkdir(parents=True, exist_ok=True)
         plots.training_curves([{"step": 0, "loss": 0.0}], "step", ["loss"], "distill (no steps)",

@@ -242,7 +242,9 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
         if (ckpt_dir / "saved").is_dir():
             shutil.copytree(ckpt_dir / "saved", tmp / "checkpoints")
     train_log.close()
-    plots.training_curves(log_rows, "step", ["reward_mean", "zero_var_frac", "response_len", "entropy"],
+    plots.training_curves(log_rows, "step", [("reward_mean", "pass_rate"), "kl", "entropy", "clipfrac",
+                                             "response_len", "zero_var_frac", "grad_norm",
+                                             ("gen_s", "reward_s", "update_s")],
                           f"rl ({cfg.advantage}, lr {cfg.lr})", out["report_dir"] / "curves.png")
     last = [r for r in log_rows[-5:] if r["reward_mean"] is not None]
     result = {
