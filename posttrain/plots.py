@@ -51,25 +51,47 @@ def training_curves(rows: Sequence[dict[str, Any]], x: str, ys: Sequence[Panel],
 
 
 def pass_at_k_curves(results: dict[str, dict[str, dict[str, Any]]], ks: Sequence[int], path: Path) -> None:
-    """pass@k against k (log scale), one line per model, one panel per split (``evaluate`` results)."""
+    """pass@k against k (log scale) with 95% intervals, one line per model (its own marker and dash, models
+    nudged apart on x so equal curves stay visible), two panels per split (``evaluate`` results): the whole
+    [0, 1] and a zoom on the models whose best pass@k is within 0.5 of the best model's (a base model at 0
+    would squash the rest into a line at the top)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.6), squeeze=False)
-    for ax, (split, by_model) in zip(axes[0], results.items(), strict=True):
-        for name, m in by_model.items():
-            pts = [(k, m[f"pass@{k}"]) for k in ks if f"pass@{k}" in m]
-            if pts:
-                ax.plot([k for k, _ in pts], [v for _, v in pts], marker="o", markersize=3, label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("k")
-        ax.set_ylabel("pass@k")
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_title(f"pass@k on {split}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    styles = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"), ("v", "-"), ("P", "--"), ("X", "-.")]
+    fig, axes = plt.subplots(len(results), 2, figsize=(11, 3.8 * len(results)), squeeze=False)
+    for (full, zoom), (split, by_model) in zip(axes, results.items(), strict=True):
+        curves: list[tuple[list[float], list[float]]] = []  # per model: its values, and its interval ends
+        for j, (name, m) in enumerate(by_model.items()):
+            pts = [(k, m[f"pass@{k}"], m.get(f"pass@{k}_ci")) for k in ks if f"pass@{k}" in m]
+            if not pts:
+                continue
+            marker, line = styles[j % len(styles)]
+            x = [k * 1.04 ** (j - len(by_model) / 2) for k, _, _ in pts]
+            y = [v for _, v, _ in pts]
+            err = [[max(v - ci[0], 0) for _, v, ci in pts], [max(ci[1] - v, 0) for _, v, ci in pts]] \
+                if all(ci is not None for _, _, ci in pts) else None
+            for ax in (full, zoom):
+                ax.errorbar(x, y, yerr=err, marker=marker, linestyle=line, markersize=4, capsize=2, linewidth=1,
+                            label=name)
+            curves.append((y, y + [v - e for v, e in zip(y, err[0], strict=True)]
+                           + [v + e for v, e in zip(y, err[1], strict=True)] if err else y))
+        for ax, title in ((full, f"pass@k on {split}"), (zoom, f"pass@k on {split}, zoomed")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("k")
+            ax.set_ylabel("pass@k (95% interval)")
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+        full.set_ylim(-0.02, 1.02)
+        full.legend(fontsize=8)
+        if curves:
+            best = max(max(y) for y, _ in curves)
+            near = [v for y, ends in curves if max(y) >= best - 0.5 for v in ends]
+            lo, hi = min(near), max(near)
+            pad = max(0.01, 0.15 * (hi - lo))
+            zoom.set_ylim(max(-0.02, lo - pad), min(1.02, hi + pad))
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=100)
