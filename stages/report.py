@@ -54,17 +54,17 @@ def report_markdown(results: dict[str, dict[str, dict[str, Any]]], ks: list[int]
              "point of 0% or 100%, where a bootstrap cannot move). Guarded: the share of completions a verifier "
              "guard refused (several different answers, a hedge, ...). Curves: pass_at_k.png.", ""]
     for split, by_model in results.items():
-        lines += [f"## {split}", "", "| model | n | " + " | ".join(cols) + " | mean len | cut at max | guarded |",
-                  "|---|---:|" + "---:|" * (len(cols) + 3)]
+        lines += [f"## {split}", "", "| model | n greedy | n sampled | " + " | ".join(cols)
+                  + " | mean len | cut at max | guarded |", "|---|---:|---:|" + "---:|" * (len(cols) + 3)]
         for name, m in by_model.items():
             if not m.get("n"):
-                lines.append(f"| {name} | 0 | " + " | ".join("—" for _ in cols) + " | — | — | — |")
+                lines.append(f"| {name} | 0 | 0 | " + " | ".join("—" for _ in cols) + " | — | — | — |")
                 continue
             cells = [f"{100 * m[c]:.1f} [{100 * m[c + '_ci'][0]:.1f}, {100 * m[c + '_ci'][1]:.1f}]" if c in m
                      else "—" for c in cols]
             tail = f" | {m['len']:.1f} | {100 * m['truncated']:.0f}%" if "len" in m else " | — | —"
             tail += f" | {100 * m['guarded']:.0f}% |" if "guarded" in m else " | — |"
-            lines.append(f"| {name} | {m['n']} | " + " | ".join(cells) + tail)
+            lines.append(f"| {name} | {m['n']} | {m.get('n_sampled', '—')} | " + " | ".join(cells) + tail)
         for a, b in compare:
             if a in by_model and b in by_model:
                 lines.append(f"\npass@k, {a} vs {b}: {crossing(by_model[a], by_model[b], ks)}.")

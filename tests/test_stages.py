@@ -211,6 +211,8 @@ def test_sft_then_evaluate(tiny, monkeypatch):
     diffs = report.run(p, *report.paths(p))
     md = (Path(p.paths.eval_report_dir) / "summary" / "report.md").read_text()
     assert "| base |" in md and "| sft |" in md and "base vs sft" in md
+    n, n_sampled = res["sft"]["eval"]["n"], res["sft"]["eval"]["n_sampled"]  # both sample sizes, stated
+    assert "| model | n greedy | n sampled |" in md and f"| sft | {n} | {n_sampled} |" in md
     d = diffs["eval"]["base vs sft"]["greedy"]  # paired: the mean of per-problem differences
     assert d["diff"] == pytest.approx(res["sft"]["eval"]["greedy"] - res["base"]["eval"]["greedy"], abs=1e-3)
     assert json.loads((Path(p.paths.metrics_dir) / "report.json").read_text()) == diffs
