@@ -170,8 +170,11 @@ def audit_markdown(a: dict[str, Any]) -> str:
              f"{a['samples']} samples over {a['prompts']} prompts; unscorable {a['unscorable']} "
              f"({100 * a['unscorable_frac']:.2f}%); mean reward {a['reward_mean']}; mean pass rate "
              f"{a['pass_rate_mean']}; never solved {a['never_solved']}, always solved {a['always_solved']}.", "",
-             "| component | mean |", "|---|---:|"]
-    lines += [f"| {k} | {v:.4f} |" for k, v in a["component_means"].items()]
+             "The reward is the weighted sum of its components (weight 0: logged, not rewarded):", "",
+             "| component | weight | mean | weight x mean |", "|---|---:|---:|---:|"]
+    w = a.get("component_weights", {})
+    lines += [f"| {k} | {w[k]:g} | {v:.4f} | {w[k] * v:.4f} |" if k in w and v is not None else f"| {k} | — | {v} | — |"
+              for k, v in a["component_means"].items()]
     lines += ["", "Verifier guards (completions refused before any equivalence check; they earn nothing):", "",
               "| guard | samples |", "|---|---:|"] + [f"| {k} | {v} |" for k, v in a["guards"].items()]
     if "errors" in a:
@@ -251,7 +254,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     if np.any(ids[1:] == ids[:-1]):  # (a 64-bit hash: two prompts colliding is a ~1e-8 chance at 10^6)
         raise StageError(f"{inputs['rollouts']}: a prompt's samples are not contiguous (the rollout stage writes "
                          "each prompt's samples together; was the file written by another tool?)")
-    res = a.result()
+    res = a.result() | {"component_weights": {s.name: s.weight for s in cfg.rewards}}
     judged = any(s.name == "llm_judge" for s in cfg.rewards)
     if judged:  # (absent otherwise: the default audit and metrics are unchanged)
         res["judge"] = judge.metrics(js)

@@ -180,6 +180,8 @@ def test_the_reward_audit_is_the_same_whatever_the_batching():
     assert a["reward_mean"] == 0.5  # (1 + 0 + 0.5) / 3 scorable
     assert a["unscorable"] == 1 and a["component_means"] == {"correct": 0.5}
     assert a["pass_rate_mean"] == 0.25 and a["never_solved"] == 1 and a["always_solved"] == 0  # (0.5 + 0) / 2
+    md = reward.audit_markdown(a | {"component_weights": {"correct": 2.0}})  # the weights that make the total
+    assert "| component | weight | mean | weight x mean |" in md and "| correct | 2 | 0.5000 | 1.0000 |" in md
 
 
 def test_evaluate_reports_how_often_a_guard_fired():
