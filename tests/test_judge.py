@@ -118,6 +118,19 @@ def test_a_completion_over_the_judges_context_scores_the_minimum_counted(cache_f
     assert sess.stats["overlong"] == 2 and sess.stats["failed"] == 0
 
 
+@pytest.mark.slow  # over 2 s: out of the fast suite
+def test_a_judge_that_refuses_most_requests_as_overlong_is_warned_about(cache_file, caplog):
+    """Review: a judge whose context cannot hold even short completions (judge.max_tokens above the server's
+    max_model_len, a long template) scored every sample 0 in silence. Most of a batch overlong is a warning that
+    names the knob."""
+    stub = Stub(reply=lambda p: "SCORE: 9", context_chars=50)  # too small for any prompt
+    with running(stub), session(cache_file):
+        llm_judge(samples(8), base_url=stub.base_url, model="stub-judge", rubric="correct?", max_tokens=64)
+    (w,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    msg = w.getMessage()
+    assert "8 of 8 requests exceeded the judge's context" in msg and "judge.max_tokens (64)" in msg
+
+
 def test_cache_key_covers_judge_template_prompt_completion_but_not_the_served_name():
     req = {"api": "chat", "prompt": "P", "max_tokens": 8, "temperature": 0.0, "seed": 0}
     k = jcache.key("sha256:a", req)

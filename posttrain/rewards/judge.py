@@ -21,6 +21,7 @@ the rollouts do not carry today (``Sample`` has no such field): not done here.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
 from collections.abc import Sequence
@@ -32,6 +33,8 @@ from posttrain.judge.client import CONTEXT_EXCEEDED, ask, served_digest
 from posttrain.judge.session import ENV_BASE_URL, ENV_DIGEST, ENV_MODEL
 from posttrain.judge.verdict import DEFAULT_TEMPLATE, VERDICTS, render
 from posttrain.rewards.sample import Sample, Scored
+
+log = logging.getLogger(__name__)
 
 MALFORMED = "malformed verdict: "  # the prefix of why a reply was refused (the audit counts them by text)
 
@@ -103,6 +106,10 @@ def llm_judge(samples: Sequence[Sample], *, base_url: str | None = None, model: 
         store.put(k, digest, entry)
         out[i] = _scored(entry)
     counts["malformed"] = sum(o is not None and o.why is not None and o.why.startswith(MALFORMED) for o in out)
+    if len(todo) >= 8 and counts["overlong"] > len(todo) / 2:  # not long completions: a judge with no room
+        log.warning("llm_judge: %d of %d requests exceeded the judge's context and scored %s: check that "
+                    "judge.max_tokens (%d) and the prompt template fit the server's max_model_len",
+                    counts["overlong"], len(todo), overlong_score, max_tokens)
     store.count(counts)
     return [o if o is not None else Scored(None, "not judged") for o in out]
 
