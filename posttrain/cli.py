@@ -137,7 +137,9 @@ def repro(params: Path = PARAMS, args: list[str] = typer.Argument(None, help="pa
                 use_params(root, None if own else params.read_text()):
             clear_stale_locks(root)  # left by a killed run
             parent = tracking.start_parent(p, root, "pipeline", {"launcher": "posttrain repro"})
-            env = dict(os.environ)
+            # the stages' `python` is the one posttrain runs in (`.venv/bin/posttrain repro` with nothing
+            # activated ran them on the system python: "No module named 'transformers'")
+            env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
             if parent:
                 env[tracking.PARENT_ENV] = parent
             proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro", *(args or [])], cwd=root, env=env,

@@ -588,3 +588,24 @@ def test_a_parent_no_stage_ran_under_is_deleted_one_with_stages_is_kept(tmp_path
     client.create_run(exp, tags={"mlflow.parentRunId": busy}, run_name="curate")
     tracking.end_parent(params, tmp_path, busy, "FINISHED")
     assert client.get_run(busy).info.status == "FINISHED" and client.get_run(busy).info.lifecycle_stage == "active"
+
+
+@pytest.mark.slow
+def test_posttrain_repro_runs_stages_with_its_own_python_whatever_the_path(tmp_path):
+    """`.venv/bin/posttrain repro -p profiles/x.yaml`, as docs/real-models.md said, with nothing activated ran the
+    stages on the system python ("No module named 'transformers'", watched in a fresh clone). The stages now find
+    posttrain's own interpreter first on PATH."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import copy_repo
+
+    repo = tmp_path / "repo"
+    copy_repo(repo, tiny_raw(None))
+    (repo / "dvc.yaml").write_text("stages:\n  which:\n    cmd: python -c \"import sys, posttrain; "
+                                   "open('which.txt', 'w').write(sys.prefix)\"\n    outs: [which.txt]\n")
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "repro"], cwd=repo, capture_output=True, text=True,
+                       env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert (repo / "which.txt").read_text() == sys.prefix
