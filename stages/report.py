@@ -52,7 +52,9 @@ def report_markdown(results: dict[str, dict[str, dict[str, Any]]], ks: list[int]
              "over samples; maj@k the mean over disjoint blocks of k samples). 95% intervals in brackets: Wilson "
              "for greedy accuracy, bootstrap over problems for the rest (Wilson where every problem is within one "
              "point of 0% or 100%, where a bootstrap cannot move). Guarded: the share of completions a verifier "
-             "guard refused (several different answers, a hedge, ...). Curves: pass_at_k.png.", ""]
+             "guard refused before any equivalence check: no answer at all, several different answers, a hedge "
+             "(the task's guard: reports/reward/audit.md counts each reason). n sampled: the problems the "
+             "sampled metrics use. Curves: pass_at_k.png.", ""]
     for split, by_model in results.items():
         lines += [f"## {split}", "", "| model | n greedy | n sampled | " + " | ".join(cols)
                   + " | mean len | cut at max | guarded |", "|---|---:|---:|" + "---:|" * (len(cols) + 3)]
