@@ -609,3 +609,38 @@ def test_posttrain_repro_runs_stages_with_its_own_python_whatever_the_path(tmp_p
                        env={**os.environ, "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert (repo / "which.txt").read_text() == sys.prefix
+
+
+def test_the_stages_of_a_dvc_experiment_nest_under_a_run_named_after_it(tmp_path, mlflow_uri, monkeypatch):
+    """Issue 46, finding 5: the stage runs of `dvc exp run -n lr1e5 -S rl.lr=1e-5` were top-level orphans named
+    `rl`, `evaluate@rl`, with no experiment name. DVC gives each stage DVC_EXP_NAME and DVC_EXP_BASELINE_REV:
+    the first stage creates a parent named after the experiment, its params the overrides against the baseline
+    commit's params.yaml; the next stage nests under the same parent."""
+    import subprocess
+
+    import yaml
+
+    raw = tiny_raw(tmp_path)
+    raw["tracking"] = {"enabled": True, "uri": mlflow_uri, "experiment": "t"}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "add", "params.yaml"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], cwd=tmp_path, check=True)
+    base = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    raw["rl"]["lr"] = 1e-5  # what -S rl.lr=1e-5 writes
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    monkeypatch.setenv("DVC_EXP_NAME", "lr1e5")
+    monkeypatch.setenv("DVC_EXP_BASELINE_REV", base)
+    monkeypatch.delenv(tracking.PARENT_ENV, raising=False)
+    params = parse_params(raw)
+    for stage in ("rl", "evaluate@rl"):
+        with tracking.stage_run(stage, params, tmp_path):
+            pass
+        monkeypatch.delenv(tracking.PARENT_ENV, raising=False)  # each stage is its own process
+    client = store.mlflow_client(mlflow_uri)
+    runs = client.search_runs([client.get_experiment_by_name("t").experiment_id])
+    (parent,) = [r for r in runs if r.info.run_name == "lr1e5"]
+    assert parent.data.params == {"rl.lr": "1e-05"} and parent.data.tags["dvc.exp_baseline"] == base
+    assert sorted(r.info.run_name for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id) == [
+        "evaluate@rl", "rl"]

@@ -121,6 +121,12 @@ def stage_run(stage: str, params: Params, root: Path = Path(".")) -> Iterator[No
         yield
         return
     start = int(time.time() * 1000)
+    if not os.environ.get(records.PARENT_ENV) and os.environ.get("DVC_EXP_NAME"):  # a stage of `dvc exp run`
+        from posttrain.tracking.store import exp_parent
+
+        parent = exp_parent(params, root, os.environ["DVC_EXP_NAME"], os.environ.get("DVC_EXP_BASELINE_REV", ""))
+        if parent:  # (the record built at the end reads it too)
+            os.environ[records.PARENT_ENV] = parent
     live = LiveRun(store_uri(params, root), params.tracking.experiment, stage, start,
                    os.environ.get(records.PARENT_ENV) or None, root)
     trainlog.LISTENERS.append(live.row)

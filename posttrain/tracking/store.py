@@ -200,6 +200,37 @@ def start_parent(params: Params, root: Path, name: str, tags: dict[str, str] | N
         return None
 
 
+def exp_parent(params: Params, root: Path, name: str, baseline: str) -> str | None:
+    """The parent run of a ``dvc exp run`` experiment's stages (DVC gives each stage ``DVC_EXP_NAME`` and
+    ``DVC_EXP_BASELINE_REV``): found by its tags, else created, named after the experiment, with the params that
+    differ from the baseline commit's ``params.yaml`` as its params (the experiment's overrides). Ended at once:
+    its stages nest under it as they come. None (with a warning) when the store is down."""
+    import yaml
+
+    from posttrain.tracking.records import flatten
+
+    try:
+        client = mlflow_client(store_uri(params, root))
+        exp_id = _experiment_id(client, params.tracking.experiment, root)
+        found = client.search_runs([exp_id], f"tags.`dvc.exp_name` = '{name}' and tags.`dvc.exp_baseline` = "
+                                   f"'{baseline}'", max_results=1)
+        if found:
+            return found[0].info.run_id
+        run = client.create_run(exp_id, run_name=name, tags={PARENT_TAG: "true", "dvc.exp_name": name,
+                                                              "dvc.exp_baseline": baseline, "git.commit": baseline,
+                                                              "launcher": "dvc exp run"})
+        base = flatten(yaml.safe_load(_git(root, "show", f"{baseline}:params.yaml") or "{}") or {})
+        now = flatten(yaml.safe_load((root / "params.yaml").read_text()) or {})
+        for k, v in now.items():
+            if base.get(k, object()) != v:
+                client.log_param(run.info.run_id, k, str(v)[:6000])
+        client.set_terminated(run.info.run_id, "FINISHED")
+        return run.info.run_id
+    except Exception as e:
+        log.warning("no experiment parent run for %s (tracking store unreachable: %s)", name, type(e).__name__)
+        return None
+
+
 def reap_runs(client: Any, exp_id: str) -> list[str]:
     """End as KILLED every RUNNING run (a pipeline's parent, a stage's) of this host whose process no longer
     exists (SIGKILLed: nothing ended it); returns their ids. Runs keep every metric they logged."""
