@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -11,7 +12,6 @@ from pydantic import Field, field_validator, model_validator
 
 from posttrain.config import names
 from posttrain.config.base import MAX_CHARS, MAX_ROWS, Refusal, Section
-from posttrain.digests import sha256_file
 
 
 class SyntheticSource(Section):
@@ -54,6 +54,11 @@ def expand(path: str) -> str:
     return _VAR.sub(value, path)
 
 
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:  # (not posttrain.digests: config's dvc deps stay config alone)
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 class FileSource(_Rows):
     """A local JSONL or Parquet file, read line by line (JSONL) so malformed rows are quarantined. ``path`` may
     start from an environment variable (``${POSTTRAIN_BENCH}/gsm8k_train.jsonl``): the params stay the same on
@@ -79,7 +84,7 @@ class FileSource(_Rows):
 
     @model_validator(mode="after")
     def _pinned(self) -> FileSource:
-        if self.sha256 is not None and (got := sha256_file(self.file)) != self.sha256:
+        if self.sha256 is not None and (got := _sha256(self.file)) != self.sha256:
             raise Refusal("sha256", f"{self.file} has sha256 {got}, not the pinned {self.sha256}")
         return self
 
