@@ -18,7 +18,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -134,11 +134,13 @@ def model_arg(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[str] | None = None,
-               distributed: bool = False, precheck: Callable[[Params], None] | None = None) -> None:
+               distributed: bool = False, precheck: Callable[[Params], None] | None = None,
+               needs: Callable[[Params], Iterable[Path]] | None = None) -> None:
     """Parse ``--params``, validate, run ``body``; one-line errors: config -> exit 2, stage -> exit 1.
 
     ``precheck``: a check only the stage can make (a pinned hash, say) that must refuse before any work, the
-    MLflow run included: its ConfigError is the stage's only output.
+    MLflow run included: its ConfigError is the stage's only output. ``needs``: the inputs an upstream stage
+    writes; one missing is one line (exit 1) before any work, no MLflow run and no output touched.
 
     ``distributed``: the stage can run on several processes. When ``runtime.distributed`` asks for more than
     one and this process is not a torchrun worker, it becomes torch's launcher running the same command
@@ -154,6 +156,11 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
     except ConfigError as e:
         print(f"posttrain: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
+    missing = [str(x) for x in (needs(params) if needs is not None else ()) if not Path(x).exists()]
+    if missing:
+        print(f"posttrain {name}: {missing[0]} does not exist: run the stages upstream of {name} first "
+              f"(`dvc repro {name}` or `posttrain repro`)", file=sys.stderr)
+        sys.exit(1)
     rank = 0
     if distributed:  # (imports torch: stages that cannot run distributed, like curate, do not pay for it)
         from posttrain import distributed as dist

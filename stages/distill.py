@@ -290,7 +290,8 @@ def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
 
 
 def main() -> None:
-    stage_main("distill", lambda p: run(p, *paths(p)), distributed=True)
+    stage_main("distill", lambda p: run(p, *paths(p)), distributed=True,
+               needs=lambda p: [paths(p)[0]["demos"], paths(p)[0]["train"]])
 
 
 if __name__ == "__main__":

@@ -190,7 +190,8 @@ def paths(p: Params, name: str) -> tuple[dict[str, Any], dict[str, Path]]:
 
 def main() -> None:
     model, argv = model_arg(sys.argv[1:])
-    stage_main(f"evaluate@{model}", lambda p: run(p, *paths(p, model)), argv)
+    stage_main(f"evaluate@{model}", lambda p: run(p, *paths(p, model)), argv,
+               needs=lambda p: [Path(p.paths.curated_dir) / "eval.parquet"])
 
 
 if __name__ == "__main__":

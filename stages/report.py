@@ -121,7 +121,7 @@ def paths(p: Params) -> tuple[dict[str, Any], dict[str, Path]]:
 
 
 def main() -> None:
-    stage_main("report", lambda p: run(p, *paths(p)))
+    stage_main("report", lambda p: run(p, *paths(p)), needs=lambda p: [paths(p)[0]["models_dir"]])
 
 
 if __name__ == "__main__":

@@ -281,7 +281,7 @@ def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
 
 
 def main() -> None:
-    stage_main("rl", lambda p: run(p, *paths(p)), distributed=True)
+    stage_main("rl", lambda p: run(p, *paths(p)), distributed=True, needs=lambda p: paths(p)[0].values())
 
 
 if __name__ == "__main__":

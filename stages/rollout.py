@@ -143,7 +143,7 @@ def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
 
 
 def main() -> None:
-    stage_main("rollout", lambda p: run(p, *paths(p)))
+    stage_main("rollout", lambda p: run(p, *paths(p)), needs=lambda p: paths(p)[0].values())
 
 
 if __name__ == "__main__":

@@ -175,3 +175,19 @@ def test_an_interrupted_stage_says_so_in_one_line_and_its_run_ends_killed(tmp_pa
     client = MlflowClient(raw["tracking"]["uri"])
     (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id], "attributes.run_name = 'sft'")
     assert run.info.status == "KILLED"
+
+
+@pytest.mark.slow
+def test_a_stage_started_before_its_upstream_refuses_in_one_line_before_any_work(tmp_path):
+    """Issue 46, finding 9: rl started with no curated data or SFT model failed after opening an MLflow run
+    (left FAILED), with the stage's own error deep in its work. Now the missing input is one line and exit 1,
+    and nothing is written: no MLflow store, no output."""
+    raw = tiny_raw(tmp_path)
+    raw["tracking"] = {"enabled": True, "uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "experiment": "t"}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(raw))
+    proc = _stage("rl", tmp_path / "params.yaml")
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 1 and "Traceback" not in err
+    assert err.strip().splitlines() == [f"posttrain rl: {raw['paths']['curated_dir']}/train.parquet does not exist: "
+                                        "run the stages upstream of rl first (`dvc repro rl` or `posttrain repro`)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]  # no mlflow.db, no output
