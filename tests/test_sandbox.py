@@ -94,6 +94,10 @@ def test_a_syntax_error_and_an_exception_are_errors_with_their_last_line(sb):
     assert (r.status, r.exit_code) == ("error", 1) and r.detail.startswith("SyntaxError")
     r = run(sb, "exception", "raise ValueError('boom')")
     assert (r.status, r.detail) == ("error", "ValueError: boom") and "Traceback" in r.stderr
+    # the last stderr line is the program's own text: its control characters (an escape that clears the line a
+    # person reads in the audit, a bell, a bidi override) never reach the detail (issue 49, finding 2)
+    r = run(sb, "control characters", "import sys\nsys.stderr.write('\\x1b[2Kok\\x07\\u202e done\\n')\nsys.exit(3)")
+    assert (r.status, r.detail) == ("error", "[2Kok done")
 
 
 # ---- network ----

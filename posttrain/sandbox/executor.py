@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -199,9 +200,13 @@ def _status_lines(raw: bytes) -> dict[str, int]:
     return merged
 
 
+# the program's own text in a one-line detail an audit shows: C0/C1 controls, line separators, bidi controls out
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else ""
+    return _CONTROL.sub("", lines[-1])[:300] if lines else ""
 
 
 def _classify(returncode: int, status: dict[str, int], out: _Capped, err: _Capped, why: str, wall: float,

@@ -108,7 +108,7 @@ def _run_tests(prompt: str, completion: str, tests: str, cfg_json: str) -> Verdi
 
 
 _STAGES = ("parse", "run", "tests")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")  # as the sandbox's detail
 
 
 def _read_verdict(text: str, total: int) -> Verdict:
