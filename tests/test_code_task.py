@@ -217,10 +217,6 @@ FORGERIES = {
         " import sys\n return [c for c in sys._getframe(1).f_code.co_consts if type(c) is int][-1]",
     "the nonce scanned in /proc/self/mem": " return 0\n" + MEMSCAN,
     "the comparison helper shadowed by a name": " return 0\ndef _eq(*a):\n return True",
-    "the parent's memory read through /proc": (
-        " return 0\nimport os\nfor pid in (os.getppid(), 1):\n for f in ('mem', 'environ', 'fd/0', 'fd/1'):\n"
-        "  try:\n   open(f'/proc/{pid}/{f}', 'rb').read(64)\n  except OSError:\n   pass\n  else:\n"
-        "   raise SystemExit(f'read /proc/{pid}/{f}')"),
     "the nonce found through gc": " return 0\nimport gc, os\nfor o in gc.get_objects():\n if getattr(o, '__name__', "
                                   "'') == '_verdict':\n  o(stage='tests', passed=4, total=4, why=None)\n  os._exit(0)",
 }
@@ -250,6 +246,29 @@ def test_a_builtin_the_tests_use_is_the_harness_own_not_the_solution_one():
     prompt, tests = "def sq(x):\n", "def check(candidate):\n    assert abs(candidate(2.0) - 4.0) < 1e-6\ncheck(sq)\n"
     assert codeexec.run_tests(prompt, "    return 0.0\ndef abs(x):\n    return 0\n", tests, FAST).passed == 0
     assert codeexec.run_tests(prompt, "    return x * x\ndef abs(x):\n    return 0\n", tests, FAST).all_passed
+
+
+def test_a_module_the_solution_writes_never_runs_in_the_harness():
+    """Review: /scratch (writable by the solution) was first on the harness's import path, so a wrong function
+    that wrote random.py calling ``__main__._verdict`` passed any test that imports random (HumanEval 32, 38, 50,
+    53 do; watched: 1 of 1). The harness takes its own folder off the path before the solution runs."""
+    prompt = "def sq(x):\n"
+    tests = "def check(candidate):\n    import random\n    assert candidate(2) == 4\ncheck(sq)\n"
+    plant = ("    return 0\nopen('random.py', 'w').write('import sys\\nm = sys.modules[\"__main__\"]\\n"
+             "m._verdict(\"tests\", m._total, None)\\nm.os._exit(0)\\n')\n")
+    assert codeexec.run_tests(prompt, plant, tests, FAST).passed == 0
+    assert codeexec.run_tests(prompt, "    return x * x\n", tests, FAST).all_passed
+
+
+def test_a_helper_the_prompt_defines_stays_the_prompts():
+    """Review: HumanEval's tests call helpers its prompt defines (``poly`` in 32, ``encode_cyclic`` in 38); a
+    completion redefining them passed with a wrong entry point (watched: 1 of 1). The prompt, when it is a program,
+    runs in the harness; only its stubs (a docstring, ``pass`` or ``...`` for a body) take the solution's."""
+    prompt = 'def helper(x):\n    return x + 1\n\n\ndef sq(x):\n    """x squared"""\n'
+    tests = "def check(candidate):\n    assert helper(candidate(3)) == 10\ncheck(sq)\n"
+    forged = "    return 0\n\n\ndef helper(x):\n    return 10\n"
+    assert codeexec.run_tests(prompt, forged, tests, FAST).passed == 0
+    assert codeexec.run_tests(prompt, "    return x * x\n\n\ndef helper(x):\n    return 10\n", tests, FAST).passed == 1
 
 
 @pytest.mark.parametrize("name", list(OVERFLOWS))

@@ -19,9 +19,11 @@ reads it strictly: ``passed`` an int in [0, total] over the host's own count of 
 else, or no line (killed, timed out, the harness killed by the solution), passes nothing (the minimum, never
 unscorable). What this closes (tests/test_code_task.py): patching what the harness uses (``json.dumps``,
 ``builtins``, its comparison helper, its list of tests), shadowing a name the tests use (a top-level ``_eq`` or
-``abs``: the tests keep the harness's and the builtins), calling its verdict function through ``__main__``, a late
+``abs``, or a helper the prompt defines: the harness runs a prompt that is a program itself, HumanEval's, and takes
+from the solution only the prompt's stubs and new names, never a builtin), a module left in ``/scratch`` for a
+test's import (the harness's folder is off its path), calling its verdict function through ``__main__``, a late
 verdict from ``atexit``, an ``__eq__`` that always says yes, reading the expected value from the test's bytecode,
-scanning memory for the nonce (its own, or its parent's through ``/proc``), extra "tests" or a float ``passed``.
+scanning memory for the nonce, extra "tests" or a float ``passed``.
 What it costs: a second interpreter start per completion, and tests see the solution's results by value (a test
 that checks an argument mutated in place, or calls a method of a returned object, fails: HumanEval and the
 synthetic task have none).
@@ -99,6 +101,7 @@ def _run_tests(prompt: str, completion: str, tests: str, cfg_json: str) -> Verdi
     nonce = secrets.token_hex(16)
     r = sandbox(cfg).run(HARNESS, stdin=nonce + "\n", files={"solution.py": code.program(prompt, completion),
                                                             "tests.json": json.dumps(stmts), "runner.py": RUNNER,
+                                                            "prompt.py": prompt,
                                                             "codec.py": CODEC})
     lines = [line for line in r.stdout.splitlines() if line.startswith(nonce + " ")]
     if len(lines) != 1:

@@ -1,5 +1,6 @@
 """The sandbox's main program: the gold tests against the solution's process (posttrain.tasks.codeexec)."""
 # ruff: noqa: E702, F821 (encode/decode come from codec.py, exec'd; kept terse: it runs per completion)
+import ast
 import builtins
 import ctypes
 import json
@@ -7,12 +8,19 @@ import os
 import subprocess
 import sys
 
+# the script's folder (/scratch, which the solution can write) off the import path: a `random.py` it leaves there
+# would run inside this process when a test imports random
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+sys.path_importer_cache.clear()
 if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: no reading this process's memory or fds
     os._exit(126)
 _nonce = sys.stdin.readline().strip()
 _out = os.fdopen(os.dup(1), "w")
 _tests = [(compile(src, "tests.py", "exec"), is_test) for src, is_test in json.load(open("tests.json"))]
 os.remove("tests.json")  # the solution's process cannot read the expected values
+_prompt = open("prompt.py").read()  # the task's own text (trusted): helpers the tests call are defined by it
+os.remove("prompt.py")
 _total = sum(t for _, t in _tests)
 def _verdict(stage, passed, why):
     _out.write("\n" + _nonce + " " + json.dumps({"stage": stage, "passed": passed, "total": _total, "why": why}) + "\n")
@@ -51,8 +59,19 @@ if not isinstance(_hello, dict) or "names" not in _hello or not isinstance(_hell
     _verdict(stage, 0, str(why)[:80] if why else "no answer")
     raise SystemExit(0)
 _g = {"__name__": "tests", "_eq": lambda got, want, _t=type: _t(got) is _t(want) and got == want}
-for _n, _v in _hello["names"].items():  # never over the harness's own names or a builtin the tests use
-    if isinstance(_n, str) and _n.isidentifier() and _n not in _g and not hasattr(builtins, _n):
+_stubs = set()  # the prompt's functions left for the solution to write: a body of docstrings, pass, ... and imports
+try:  # a prompt that is a program (HumanEval's: imports, helpers like poly, the entry point's stub) runs here
+    for _d in ast.parse(_prompt).body:
+        if isinstance(_d, ast.FunctionDef) and all(isinstance(b, ast.Pass | ast.Import | ast.ImportFrom) or isinstance(
+                b, ast.Expr) and isinstance(b.value, ast.Constant) for b in _d.body):
+            _stubs.add(_d.name)
+    exec(compile(_prompt, "prompt.py", "exec"), _g)
+except BaseException:  # a prompt that is not one (the synthetic task's `def f(a): # ...`): nothing of it here
+    _g = {"__name__": "tests", "_eq": _g["_eq"]}
+_trusted = set(_g) - _stubs
+for _n, _v in _hello["names"].items():  # never over the harness's, the prompt's helpers or a builtin the tests use
+    if isinstance(_n, str) and _n.isidentifier() and not _n.startswith("_") and _n not in _trusted \
+            and not hasattr(builtins, _n):
         _g[_n] = _proxy(_n) if _v == "callable" else decode(_v)
 _passed, _first = 0, None
 for _c, _is_test in _tests:
