@@ -102,7 +102,7 @@ def tracking_sync(params: Path = PARAMS) -> None:
     from posttrain import tracking
 
     p = _params(params)
-    root = params.resolve().parent
+    root = _repo_root(params)
     box = tracking.outbox_dir(p, root)
     sent, left, refused = tracking.sync(box, tracking.store_uri(p, root), root)
     typer.echo(f"sent {sent} run(s); {left} left in {box}" + (f"; {refused} refused by the store, kept with their "
@@ -118,7 +118,7 @@ def repro(params: Path = PARAMS, args: list[str] = typer.Argument(None, help="pa
     """`dvc repro` under one MLflow parent run: every stage run it starts is nested under it. One pipeline run
     per checkout (the flows' workspace lock). Ctrl-C or SIGTERM goes to dvc and the stage it runs (their own
     process group: the stage stops as it would alone, resumable), and the parent run ends KILLED; SIGKILLed, the
-    next invocation on this host ends it so. The repository is the one holding dvc.yaml above the working
+    next invocation on this host ends it so. The repository is the one holding dvc.yaml above the params file's
     directory; a params file other than its params.yaml (``-p profiles/code.yaml``) is what params.yaml reads
     for the run, the checkout's own text again after (``dvcrepo.use_params``, as a flow run does)."""
     import os
@@ -203,7 +203,7 @@ def lineage(target: str = typer.Argument(..., help="a DVC output path (or a file
     from posttrain.lineage.check import verify as verify_tree
 
     p = _params(params)
-    root = params.resolve().parent
+    root = _repo_root(params)
     if samples:
         from posttrain.lineage.ledger import ledger
 

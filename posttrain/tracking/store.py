@@ -212,8 +212,8 @@ def exp_parent(params: Params, root: Path, name: str, baseline: str) -> str | No
     try:
         client = mlflow_client(store_uri(params, root))
         exp_id = _experiment_id(client, params.tracking.experiment, root)
-        found = client.search_runs([exp_id], f"tags.`dvc.exp_name` = '{name}' and tags.`dvc.exp_baseline` = "
-                                   f"'{baseline}'", max_results=1)
+        found = [r for r in client.search_runs([exp_id], f"tags.`dvc.exp_baseline` = '{baseline}'")
+                 if r.data.tags.get("dvc.exp_name") == name]  # (the name compared here: any character may be in it)
         if found:
             return found[0].info.run_id
         run = client.create_run(exp_id, run_name=name, tags={PARENT_TAG: "true", "dvc.exp_name": name,

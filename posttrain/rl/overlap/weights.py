@@ -69,9 +69,14 @@ class WeightStore:
     def flush(self) -> None:
         """Wait until every published version is on disk; a failed write is raised once (not again by a later
         ``flush`` while the stage unwinds from it)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
+        pending = self._pending
+        if pending is None:
+            return
+        try:
             pending.result()
+        finally:  # done (written or failed: reported here, once); a wait interrupted (Ctrl-C) keeps it pending
+            if pending.done():
+                self._pending = None
 
     def acquire(self, need: int, model: torch.nn.Module, loaded: int | None, stopped: Callable[[], bool]
                 ) -> int | None:
