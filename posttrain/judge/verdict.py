@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from posttrain.config.judge import DEFAULT_TEMPLATE, FIELDS, template_fields
+from posttrain.text import printable
 
 __all__ = ["DEFAULT_TEMPLATE", "FIELDS", "VERDICTS", "Parsed", "Verdict", "parse_binary", "parse_score", "render",
            "template_fields"]
@@ -99,15 +100,11 @@ VERDICTS: dict[str, Verdict] = {
 def delimited(completion: str) -> str:
     """The completion between two marker lines tagged with the first 16 hex digits of its own SHA-256: a completion
     cannot write its closing marker (that would need a text containing its own hash) to end the data early and
-    speak to the judge after it. Control characters but newline and tab are dropped from what the judge sees."""
-    text = _CONTROL.sub("", completion)
+    speak to the judge after it. Control, format and separator characters but newline and tab are dropped from
+    what the judge sees (``posttrain.text.printable``)."""
+    text = printable(completion, keep="\n\t")
     tag = hashlib.sha256(completion.encode("utf-8", "surrogatepass")).hexdigest()[:16]
     return f"<<<RESPONSE {tag}>>>\n{text}\n<<<END RESPONSE {tag}>>>"
-
-
-# C0 but newline and tab, DEL, C1 (ESC's 8-bit twins, NEL), Unicode's line and paragraph separators and the bidi
-# embeddings, overrides and isolates: what could move or hide text in the prompt the judge (or a person) reads
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
 def render(template: str, *, prompt: str, completion: str, answer: str, rubric: str, verdict: str,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import selectors
 import signal
 import subprocess
@@ -28,6 +27,7 @@ from collections.abc import Mapping
 from posttrain.config.sandbox import SandboxCfg
 from posttrain.sandbox import bwrap, seccomp
 from posttrain.sandbox.result import Result, Status
+from posttrain.text import printable
 
 READ = 65536
 
@@ -200,13 +200,11 @@ def _status_lines(raw: bytes) -> dict[str, int]:
     return merged
 
 
-# the program's own text in a one-line detail an audit shows: C0/C1 controls, line separators, bidi controls out
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return _CONTROL.sub("", lines[-1])[:300] if lines else ""
+    return printable(lines[-1])[:300] if lines else ""  # the program's own text: no escapes in an audit
 
 
 def _classify(returncode: int, status: dict[str, int], out: _Capped, err: _Capped, why: str, wall: float,

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from pathlib import Path
 
 from posttrain.config.sandbox import SandboxCfg, from_env
 from posttrain.tasks import code
+from posttrain.text import printable
 
 # the sandbox's programs (posttrain/tasks/sandboxed/), read once as text
 _HERE = Path(__file__).with_name("sandboxed")
@@ -111,7 +111,6 @@ def _run_tests(prompt: str, completion: str, tests: str, cfg_json: str) -> Verdi
 
 
 _STAGES = ("parse", "run", "tests")
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")  # as the sandbox's detail
 
 
 def _read_verdict(text: str, total: int) -> Verdict:
@@ -125,7 +124,7 @@ def _read_verdict(text: str, total: int) -> Verdict:
     if stage not in _STAGES or type(passed) is not int or not 0 <= passed <= total or v.get("total") != total \
             or not (why is None or isinstance(why, str)):
         return Verdict(0, total, "malformed verdict")
-    why = _CONTROL.sub("", why)[:80] if why else None
+    why = printable(why)[:80] if why else None
     return Verdict(passed, total, None if passed == total else f"{stage}: {why}" if why else stage)
 
 
