@@ -386,6 +386,7 @@ def test_a_file_source_reads_its_folder_from_the_environment_and_its_pin_refuses
     ("rl", "num_generations", "did you mean 'samples_per_prompt'?"),  # TRL's name
     ("sft", "bach_size", "did you mean 'batch_size'?"),
     ("curate", "sorces", "did you mean 'sources'?"),
+    ("task", "min_digitz", "did you mean 'min_digits'?"),  # inside a discriminated union (task.kind: arith)
     ("rl", "zzz", None),  # nothing close: no guess
 ])
 def test_an_unknown_key_suggests_the_nearest_known_one(section, key, hint):

@@ -132,15 +132,29 @@ def _fields_at(loc: tuple[Any, ...]) -> list[str]:
     lists; [] where the path passes through a union or a free-form mapping."""
     node: Any = Params
     for part in loc[:-1]:
-        if isinstance(part, int) or part in _UNION_TAGS:
+        if isinstance(part, int):
+            continue
+        if part in _UNION_TAGS:  # a discriminated union's branch: the member whose `kind` is this tag
+            node = next((a for a in _members(node) if getattr(a.model_fields.get("kind"), "default", None) == part),
+                        node)
             continue
         fields = getattr(node, "model_fields", None)
         if not fields or part not in fields:
             return []
         node = fields[part].annotation
-        args = [a for a in typing.get_args(node) if hasattr(a, "model_fields")]
-        node = args[0] if len(args) == 1 else node  # Optional[Section] and list[Section]
+        members = _members(node)
+        node = members[0] if len(members) == 1 else members if members else node  # Optional/list of a section
     return list(getattr(node, "model_fields", {}) or [])
+
+
+def _members(node: Any) -> list[Any]:
+    """The sections inside an annotation (``X | None``, ``list[X]``, ``Annotated[A | B, ...]``), depth first."""
+    if isinstance(node, list):
+        return node
+    out = []
+    for a in typing.get_args(node):
+        out += [a] if hasattr(a, "model_fields") else _members(a)
+    return out
 
 
 def _suggest(loc: tuple[Any, ...]) -> str:
