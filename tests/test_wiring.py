@@ -65,7 +65,6 @@ def test_stage_names_match_modules_and_params():
         assert name in params, f"params.yaml has no section {name!r}"
 
 
-@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_deps_list_every_imported_library_module():
     for name, stage in DVC.items():
         deps = [d for d in stage["deps"] if not d.startswith("${")]
