@@ -266,6 +266,11 @@ def _render_lineage(tree: Any, verified: bool) -> Any:
             lines.append("  inputs: " + ", ".join(f"{k}={'unpinned' if v is None else v}" for k, v in n.pins.items()))
         if n.refs:
             lines.append("  params naming outputs: " + ", ".join(f"{k}={v}" for k, v in n.refs.items()))
+        if n.ran_as:
+            j = n.ran_as
+            lines.append(f"  slurm job {j.get('slurm.job_id')} on {j.get('slurm.nodes')} (restarts "
+                         f"{j.get('slurm.restarts', '0')}; slurm {j.get('slurm.version') or '?'}, cuda "
+                         f"{j.get('cuda', '?')})")
         return "\n".join(lines)
 
     seen: set[str] = set()

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from posttrain import seeds
+from posttrain import seeds, slurm
 from posttrain.config import EXIT_CONFIG_ERROR, ConfigError, Params, load_params
 from posttrain.config.sandbox import ENV as SANDBOX_ENV
 from posttrain.errors import StageError
@@ -94,6 +94,9 @@ def torchrun_argv(name: str, params: Params, argv: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={d.nproc_per_node}"]
     if d.nnodes == 1:
         cmd += ["--standalone"]
+    elif slurm.inside():  # one task per node of the job: the first node is the rendezvous, the job id its id
+        cmd += [f"--nnodes={d.nnodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint={os.environ[slurm.RDZV]}",
+                f"--rdzv_id=posttrain-{name}-{os.environ.get('SLURM_JOB_ID', '')}"]
     else:
         cmd += [f"--nnodes={d.nnodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint={d.rdzv_endpoint}",
                 f"--rdzv_id=posttrain-{name}"]
@@ -142,11 +145,12 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
     MLflow run included: its ConfigError is the stage's only output. ``needs``: the inputs an upstream stage
     writes; one missing is one line (exit 1) before any work, no MLflow run and no output touched.
 
-    ``distributed``: the stage can run on several processes. When ``runtime.distributed`` asks for more than
-    one and this process is not a torchrun worker, it becomes torch's launcher running the same command
-    under torchrun (so ``dvc.yaml`` and the Prefect workers run one command whatever the world size); inside
-    a worker it joins the process group, and only rank 0 logs at INFO, shows progress and records the MLflow
-    run (the other ranks write nothing)."""
+    ``distributed``: the stage can run on several processes. With ``runtime.distributed.launcher: slurm`` the
+    command submits itself as a Slurm job and follows it (``posttrain.slurm``). When ``runtime.distributed``
+    asks for more than one process and this one is not a torchrun worker, it becomes torch's launcher running
+    the same command under torchrun (so ``dvc.yaml`` and the Prefect workers run one command whatever the world
+    size and the cluster); inside a worker it joins the process group, and only rank 0 logs at INFO, shows
+    progress and records the MLflow run (the other ranks write nothing)."""
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog=f"python -m stages.{name.split('@')[0]}")
     ap.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
@@ -162,6 +166,13 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
               f"(`dvc repro {name}` or `posttrain repro`)", file=sys.stderr)
         sys.exit(1)
     rank = 0
+    if distributed and params.runtime.distributed.launcher == "slurm" and not slurm.inside():
+        signal.signal(signal.SIGTERM, _terminated)  # the command stopped: its job is cancelled
+        try:
+            sys.exit(slurm.run_job(name, params, argv))
+        except StageError as e:
+            print(f"posttrain {name}: {e}", file=sys.stderr)
+            sys.exit(1)
     if distributed:  # (imports torch: stages that cannot run distributed, like curate, do not pay for it)
         from posttrain import distributed as dist
 

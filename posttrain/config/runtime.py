@@ -2,11 +2,53 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from posttrain.config.base import MAX_THREADS, Refusal, Section
+
+# sbatch's --time forms: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (``man sbatch``)
+_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+
+
+class Slurm(Section):
+    """``runtime.distributed.launcher: slurm``: the job the stage submits (``posttrain.slurm``). One task per
+    node; each starts torchrun with ``nproc_per_node`` workers, meeting at the first node of the allocation."""
+
+    partition: str | None = Field(None, min_length=1, description="sbatch --partition (null: the cluster's default)")
+    account: str | None = Field(None, min_length=1, description="sbatch --account (null: the user's default)")
+    time: str | None = Field(None, description="sbatch --time, e.g. 04:00:00 or 2-00:00:00; a job that reaches it is "
+                             "resubmitted and resumes from its last checkpoint (null: the partition's limit)")
+    gpus_per_node: int = Field(0, ge=0, le=1024, description="sbatch --gpus-per-node (0: CPU nodes); usually "
+                               "nproc_per_node")
+    cpus_per_task: int | None = Field(None, ge=1, le=MAX_THREADS, description="sbatch --cpus-per-task (null: "
+                                      "the partition's default)")
+    mem: str | None = Field(None, pattern=r"^\d+[KMGT]?$", description="sbatch --mem per node, e.g. 200G")
+    extra: list[str] = Field(default_factory=list, description="more sbatch options, each one `--name=value` "
+                             "(--qos, --constraint, --exclusive)")
+    port: int = Field(29500, ge=1024, le=65535, description="torchrun's rendezvous port on the job's first node")
+    resubmits: int = Field(3, ge=0, le=1000, description="times a job that timed out, was pre-empted or lost a "
+                           "node is submitted again (it resumes from its checkpoint); a cancelled job is not")
+    poll_s: float = Field(5.0, gt=0, le=600, description="seconds between looks at the job's state and log")
+    log_dir: str = Field(".slurm", min_length=1, description="the job scripts and logs (on the shared file system; "
+                         "relative to the working directory, as paths.* are); not tracked by DVC")
+
+    @field_validator("time")
+    @classmethod
+    def _time(cls, v: str | None) -> str | None:
+        if v is not None and not _SLURM_TIME.match(v):
+            raise ValueError(f"{v!r} is not a Slurm time limit (minutes, HH:MM:SS or D-HH:MM:SS)")
+        return v
+
+    @field_validator("extra")
+    @classmethod
+    def _extra(cls, v: list[str]) -> list[str]:
+        for opt in v:
+            if not opt.startswith("--") or any(c.isspace() for c in opt.split("=", 1)[0]):
+                raise ValueError(f"{opt!r}: each extra sbatch option is one `--name=value` (or `--flag`)")
+        return v
 
 
 class Distributed(Section):
@@ -25,7 +67,13 @@ class Distributed(Section):
                                               "fsdp2: fully_shard per decoder layer (parameters, gradients, "
                                               "optimizer state sharded)")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto = nccl on CUDA, else gloo")
-    rdzv_endpoint: str | None = Field(None, min_length=1, description="host:port of node 0, needed when nnodes > 1")
+    rdzv_endpoint: str | None = Field(None, min_length=1, description="host:port of node 0, needed when nnodes > 1 "
+                                      "and launcher is local (under Slurm: the job's first node)")
+    launcher: Literal["local", "slurm"] = Field("local", description="local: torchrun on this machine (every "
+                                                "machine runs the stage when nnodes > 1); slurm: the stage submits "
+                                                "itself as a Slurm job (runtime.distributed.slurm), follows its "
+                                                "log and exits with its status (docs/clusters.md)")
+    slurm: Slurm = Field(default_factory=Slurm)
     timeout_s: float = Field(600, gt=0, le=7 * 86400,
                              description="a collective waiting longer fails the stage (a dead rank "
                              "cannot hang the others past this)")
@@ -36,7 +84,7 @@ class Distributed(Section):
 
     @model_validator(mode="after")
     def _nodes(self) -> Distributed:
-        if self.nnodes > 1 and not self.rdzv_endpoint:
+        if self.nnodes > 1 and not self.rdzv_endpoint and self.launcher == "local":
             raise Refusal("rdzv_endpoint", "nnodes > 1 needs rdzv_endpoint (host:port of node 0)")
         return self
 

@@ -5,7 +5,8 @@ model ``models:/<name>/<version>`` / ``models:/<name>@<alias>``, resolved to the
 version carries) and walks the DAG backwards through ``dvc.lock``: each node is a stage run with its out's
 md5, a digest of its params, its key metrics (``metrics/<stage>.json``; for a stage that samples, the
 generating backend and its version, e.g. ``vllm 0.33.0``), the MLflow run that logged it
-(joined on the ``dvc.out.<path>`` md5 tag, which also gives the commit) and, for ``curate``, the
+(joined on the ``dvc.out.<path>`` md5 tag, which also gives the commit and, for a stage that ran as a Slurm job,
+the job's id, nodes, restarts and the Slurm and CUDA versions) and, for ``curate``, the
 decontamination verdict. Deps that no stage produces are the sources (code, raw files). A param whose value is
 another stage's output (``reward.rewards[i].kwargs.path`` naming a trained reward model, ``distill.teacher``)
 links that stage as a parent too, listed under ``refs``: dvc.yaml's deps are static, so a model a kwarg names is
@@ -57,6 +58,8 @@ class Node:
     parents: list[Node] = field(default_factory=list)
     pins: dict[str, Any] = field(default_factory=dict)  # external inputs named in params: hub ids and revisions
     refs: dict[str, str] = field(default_factory=dict)  # params naming another stage's output: key -> path
+    ran_as: dict[str, str] = field(default_factory=dict)  # the run's slurm.* tags (job id, nodes, restarts,
+    # version) and its CUDA version: where the stage ran, when it ran as a Slurm job
 
     def to_dict(self, _seen: frozenset[str] = frozenset()) -> dict[str, Any]:
         """The tree as JSON; a stage already on the path from the root is ``{"stage": s, "above": true}`` (params
@@ -67,7 +70,7 @@ class Node:
         return {"stage": self.stage, "outs": [o.__dict__ for o in self.outs], "params_digest": self.params_digest,
                 "metrics": self.metrics, "mlflow_run_id": self.run_id, "commit": self.commit,
                 "decontamination": self.verdict, "origin": self.origin, "sources": self.sources, "pins": self.pins,
-                "refs": self.refs,
+                "refs": self.refs, "ran_as": self.ran_as,
                 "parents": [p.to_dict(seen) for p in self.parents]}
 
 
@@ -297,6 +300,9 @@ def trace(root: Path, target: str, metrics_dir: str = "metrics", tracking_uri: s
         run = runs.find(stage, outs)
         if run is not None:
             n.run_id, n.commit = run.info.run_id, run.data.tags.get("git.commit")
+            n.ran_as = {k: v for k, v in sorted(run.data.tags.items()) if k.startswith("slurm.")}
+            if n.ran_as and "version.cuda" in run.data.tags:
+                n.ran_as["cuda"] = run.data.tags["version.cuda"]
         seen[stage] = n
         parents: dict[str, None] = {}
         for d in e.get("deps", []):

@@ -7,7 +7,8 @@ JSON at step 0; one whose key is also a per-step metric's, such as rl's ``gen_s`
 per-step curve has no end-of-stage spike at step 0), artifacts (its report folders and metrics file), dataset
 inputs (each Parquet dep, with DVC's md5 as the digest) and tags: git commit and dirty flag, DVC stage name, the
 md5 of every dep and out *as DVC computes them* (``dvc.dep.<path>``, ``dvc.out.<path>``; ``posttrain lineage``
-joins ``dvc.lock`` to runs through these), hostname, device and package versions; the model outputs to register and
+joins ``dvc.lock`` to runs through these), hostname, device, package and CUDA versions, the Slurm job a stage ran
+as (``slurm.*``: id, nodes, restarts, version); the model outputs to register and
 the evaluation that may move a ``champion`` alias.
 """
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain import slurm
 from posttrain.config import Params, stage_metrics
 
 log = logging.getLogger("tracking")
@@ -157,6 +159,7 @@ def build_record(stage: str, params: Params, root: Path, start_ms: int, status: 
                 "git.dirty": str(dirty(root, params.paths.metrics_dir)),
                 "hostname": socket.gethostname(), "platform": platform.platform(),
                 "device": "cuda" if torch is not None and torch.cuda.is_available() else "cpu", **_versions(),
+                "version.cuda": (torch.version.cuda or "none") if torch is not None else "none", **slurm.tags(),
                 **{f"dvc.dep.{p}": h for p, h in deps.items()}, **{f"dvc.out.{p}": h for p, h in outs.items()}}
     metrics_file = root / stage_metrics(params.paths.metrics_dir, stage)
     paths = params.paths.model_dump()
