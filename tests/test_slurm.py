@@ -246,3 +246,69 @@ def test_lineage_shows_the_job_a_stage_ran_as():
     con = Console(width=200, record=True)
     con.print(_render_lineage(n, verified=False))
     assert "slurm job 4 on gpu[01-02] (restarts 1; slurm 22.05.8, cuda 12.4)" in con.export_text()
+
+
+class FakeSlurm:
+    """A test double for Slurm's commands (``slurm._slurm``, ``slurm.job``): each submitted job walks through the
+    states given for it. The real cluster test above covers requeue and cancel; timeouts and lost nodes cannot be
+    caused on demand there."""
+
+    def __init__(self, *lives: list[str]) -> None:
+        self.lives, self.submitted, self.looks = list(lives), [], {}
+
+    def command(self, *cmd: str) -> str:
+        assert cmd[0] == "sbatch"
+        self.submitted.append(str(100 + len(self.submitted)))
+        return self.submitted[-1] + "\n"
+
+    def job(self, job_id: str):
+        life = self.lives[int(job_id) - 100]
+        k = self.looks[job_id] = self.looks.get(job_id, -1) + 1
+        return slurm.Job(job_id, life[min(k, len(life) - 1)], 0, 0, "n1", "None")
+
+
+def _follow(tmp_path, monkeypatch, fake: FakeSlurm, resubmits: int = 3) -> int:
+    p = _slurm_params(tmp_path, poll_s=0.001, resubmits=resubmits)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(slurm, "_slurm", fake.command)
+    monkeypatch.setattr(slurm, "job", fake.job)
+    return slurm.run_job("rl", p, ["--params", "params.yaml"])
+
+
+def test_a_timed_out_or_preempted_job_is_submitted_again_until_it_completes(tmp_path, monkeypatch, capsys):
+    fake = FakeSlurm(["PENDING", "RUNNING", "TIMEOUT"], ["RUNNING", "PREEMPTED"], ["RUNNING", "COMPLETED"])
+    assert _follow(tmp_path, monkeypatch, fake) == 0
+    assert fake.submitted == ["100", "101", "102"]
+    err = capsys.readouterr().err
+    assert "slurm job 100 ended TIMEOUT; submitting it again (1 of 3)" in err
+    assert "slurm job 101 ended PREEMPTED; submitting it again (2 of 3)" in err
+
+
+def test_resubmits_are_bounded_and_a_failed_job_fails_the_command(tmp_path, monkeypatch, capsys):
+    fake = FakeSlurm(["NODE_FAIL"], ["NODE_FAIL"])
+    assert _follow(tmp_path, monkeypatch, fake, resubmits=1) == 1
+    assert fake.submitted == ["100", "101"]
+    assert "slurm job 101 ended NODE_FAIL (exit code 0); its log is above" in capsys.readouterr().err
+
+
+def test_a_rerun_follows_the_job_an_earlier_killed_command_left_running(tmp_path, monkeypatch, capsys):
+    fake = FakeSlurm(["RUNNING", "RUNNING", "COMPLETED"])
+    (tmp_path / ".slurm").mkdir()
+    (tmp_path / ".slurm" / "rl.job").write_text("100")
+    assert _follow(tmp_path, monkeypatch, fake) == 0
+    assert fake.submitted == []  # no second job writing the same outputs
+    assert "following slurm job 100 (RUNNING), submitted by an earlier run" in capsys.readouterr().err
+
+
+def test_ctrl_c_on_the_command_cancels_its_job(tmp_path, monkeypatch, capsys):
+    fake = FakeSlurm(["RUNNING"])
+    cancelled = []
+
+    def interrupted(s: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(slurm.time, "sleep", interrupted)
+    monkeypatch.setattr(slurm.subprocess, "run", lambda cmd, **kw: cancelled.append(cmd))
+    assert _follow(tmp_path, monkeypatch, fake) == 130
+    assert cancelled == [["scancel", "100"]]
+    assert "interrupted: cancelled slurm job 100; re-run the same command to resume" in capsys.readouterr().err
