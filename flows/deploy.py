@@ -6,7 +6,9 @@
 - ``posttrain-stage/gpu``: one stage (a parameter), on the gpu work pool; the pipeline's gpu stages run here.
 
 All three run the code of this checkout in place (``flow.from_source(<repo dir>, ...)``): workers on this
-machine (or on a shared filesystem) need nothing else. Pools are created (type ``process``) if missing.
+machine (or on a shared filesystem) need nothing else. Pools are created if missing: ``process`` ones, and the gpu
+pool of ``prefect.gpu_pool_type`` (``kubernetes`` or ``docker``: a pod or container per flow run that asks for
+GPUs, ``flows.pools``).
 
 A gpu worker on another machine (``prefect.dvc_remote`` set) runs in its own checkout: make the cpu
 deployments on the pipeline's machine (``--pools cpu``) and the gpu one on the gpu machine, from its checkout
@@ -27,17 +29,24 @@ from pathlib import Path
 from posttrain.config import EXIT_CONFIG_ERROR, ConfigError, load_params
 
 
-def ensure_pool(name: str) -> None:
-    """Create a ``process`` work pool called ``name`` unless it exists."""
+def ensure_pool(name: str, kind: str = "process", template: dict | None = None) -> None:
+    """Create a work pool called ``name`` of type ``kind`` unless it exists; a ``template`` (``flows.pools``)
+    is the pool's base job template, set again on an existing pool (a changed ``prefect.gpus`` or image)."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectAlreadyExists
 
     with get_client(sync_client=True) as client:
         try:
-            client.create_work_pool(WorkPoolCreate(name=name, type="process"))
+            client.create_work_pool(WorkPoolCreate(name=name, type=kind, base_job_template=template or {}))
         except ObjectAlreadyExists:
-            pass
+            pool = client.read_work_pool(name)
+            if pool.type != kind:
+                raise ConfigError(f"prefect.gpu_pool_type: {kind}, but work pool {name!r} on the server is of type "
+                                  f"{pool.type}: delete it (prefect work-pool delete {name}) or name another "
+                                  "(prefect.gpu_pool)") from None
+            if template:
+                client.update_work_pool(name, WorkPoolUpdate(base_job_template=template))
 
 
 def deploy(repo: str | Path = ".", cron: str = "0 3 * * *", pools: tuple[str, ...] = ("cpu", "gpu")
@@ -45,9 +54,11 @@ def deploy(repo: str | Path = ".", cron: str = "0 3 * * *", pools: tuple[str, ..
     """Create or update the deployments of ``pools`` (``cpu``: the two pipeline ones; ``gpu``: the stage
     one), running the code of ``repo``; returns their ids by name (``posttrain-pipeline/default``: id)."""
     from flows.pipeline import pipeline, stage_flow
+    from flows.pools import base_job_template
 
     root = Path(repo).resolve()
-    cfg = load_params(root / "params.yaml").prefect
+    params = load_params(root / "params.yaml")
+    cfg = params.prefect
     src = str(root)
     quiet = {"print_next_steps": False, "ignore_warnings": True}
     ids = {}
@@ -59,7 +70,7 @@ def deploy(repo: str | Path = ".", cron: str = "0 3 * * *", pools: tuple[str, ..
             name="nightly-evaluate", work_pool_name=cfg.cpu_pool, cron=cron,
             parameters={"target": "report", "route": True, "repo": src}, **quiet)
     if "gpu" in pools:
-        ensure_pool(cfg.gpu_pool)
+        ensure_pool(cfg.gpu_pool, cfg.gpu_pool_type, base_job_template(params))
         ids["posttrain-stage/gpu"] = stage_flow.from_source(src, "flows/pipeline.py:stage_flow").deploy(
             name="gpu", work_pool_name=cfg.gpu_pool, parameters={"repo": src}, **quiet)
     return {name: str(i) for name, i in ids.items()}

@@ -303,9 +303,32 @@ def test_two_machines_share_only_the_server_and_a_dvc_remote_and_a_killed_worker
         procs.stop_all()
 
 
+def _gpu_pool_on_the_server(repo: Path, env: dict) -> dict:
+    """``prefect.gpu_pool_type: kubernetes``: ``flows.deploy --pools gpu`` creates the pool with the GPU template
+    (the server accepts it: its placeholders are declared); asking for a docker pool of the same name then is
+    one line, exit 2. Returns the pool as the server holds it."""
+    raw = yaml.safe_load((repo / "params.yaml").read_text())
+    raw["prefect"].update({"gpu_pool_type": "kubernetes", "gpus": 2, "image": "posttrain-worker:1",
+                           "dvc_remote": "storage"})
+    (repo / "params.yaml").write_text(yaml.safe_dump(raw))
+    dep = subprocess.run([sys.executable, "-m", "flows.deploy", "--repo", str(repo), "--pools", "gpu"], cwd=repo,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert dep.returncode == 0, dep.stderr[-3000:]
+    raw["prefect"]["gpu_pool_type"] = "docker"
+    (repo / "params.yaml").write_text(yaml.safe_dump(raw))
+    again = subprocess.run([sys.executable, "-m", "flows.deploy", "--repo", str(repo), "--pools", "gpu"], cwd=repo,
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "is of type kubernetes" in again.stderr, again.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-c", "import json; from prefect.client.orchestration import get_client\n"
+                        "with get_client(sync_client=True) as c: print(c.read_work_pool('gpu').model_dump_json())"],
+                       cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
 def test_the_nightly_deployment_gets_scheduled_runs_from_the_servers_scheduler(tmp_path):
     """``flows.deploy``'s cron deployment on a real ``prefect server``: the scheduler service creates its runs.
+    Then the gpu pool as a kubernetes pool with the GPU template (``_gpu_pool_on_the_server``).
     With SQLAlchemy 2.1.9 (unpinned before) the scheduler failed every loop ("Can't evaluate bulk DML
     statement") and the nightly deployment never ran (watched: no scheduled run in 90 s)."""
     repo = _repo(tmp_path)
@@ -322,9 +345,15 @@ def test_the_nightly_deployment_gets_scheduled_runs_from_the_servers_scheduler(t
         assert dep.returncode == 0, dep.stderr[-3000:]
         scheduled = _wait(lambda: [r for r in _runs(env) if r["state"] == "SCHEDULED"], 90, "scheduled runs",
                           every=3)
+        pool = _gpu_pool_on_the_server(repo, env)
     finally:
         procs.stop_all()
     assert {r["params"].get("target") for r in scheduled} == {"report"}  # the nightly-evaluate deployment's
+    assert pool["type"] == "kubernetes"
+    container = pool["base_job_template"]["job_configuration"]["job_manifest"]["spec"]["template"]["spec"][
+        "containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpus }}"
+    assert pool["base_job_template"]["variables"]["properties"]["gpus"]["default"] == 2
     assert "Can't evaluate bulk DML" not in (tmp_path / "server.log").read_text()
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from posttrain.config import names
-from posttrain.config.base import Section
+from posttrain.config.base import Refusal, Section
 
 
 class PrefectCfg(Section):
@@ -35,6 +35,29 @@ class PrefectCfg(Section):
                                     description="a pipeline run waits this long for another run "
                                     "in the same checkout to finish (one run per workspace: overrides rewrite "
                                     "params.yaml), then refuses naming it; 0 = refuse at once")
+
+    gpu_pool_type: Literal["process", "kubernetes", "docker"] = Field(
+        "process", description="the gpu work pool's type (`posttrain deploy` creates it): process: a worker in a "
+        "checkout on the GPU machine; kubernetes: a Job per flow run whose pod asks for `gpus` nvidia.com/gpu; "
+        "docker: a container per flow run with a GPU device request (docs/clusters.md#prefect-work-pools-that-ask-"
+        "for-gpus)")
+    gpus: int | None = Field(None, ge=0, le=1024, description="GPUs a gpu flow run's pod or container asks for "
+                             "(kubernetes and docker pools); null: runtime.distributed.nproc_per_node")
+    image: str | None = Field(None, min_length=1, description="the worker image of kubernetes and docker gpu pools "
+                              "(Containerfile: the checkout and its environment)")
+    dvc_secret: str | None = Field(None, min_length=1, description="kubernetes pool: a Secret whose keys become the "
+                                   "pod's environment (the DVC remote's credentials, e.g. AWS_ACCESS_KEY_ID)")
+
+    @model_validator(mode="after")
+    def _container_pool(self) -> PrefectCfg:
+        if self.gpu_pool_type != "process":
+            if self.image is None:
+                raise Refusal("image", f"gpu_pool_type {self.gpu_pool_type} runs the stages in a container: name "
+                              "its image (built from the Containerfile)")
+            if self.dvc_remote is None:
+                raise Refusal("dvc_remote", f"gpu_pool_type {self.gpu_pool_type}: the container has its own "
+                              "checkout, so the stages' inputs and outputs go through a DVC remote; name one")
+        return self
 
     @field_validator("resources")
     @classmethod

@@ -1,0 +1,79 @@
+"""``prefect.gpu_pool_type``: the gpu pool's base job template for Kubernetes and Docker (``flows/pools.py``),
+checked as Prefect's server checks it (``WorkPoolCreate``) and rendered for one flow run by the workers' own job
+configuration classes (prefect-kubernetes, prefect-docker). No Kubernetes cluster or Docker daemon runs here: what
+is checked is the job the worker would submit."""
+
+import asyncio
+import uuid
+
+import pytest
+from conftest import tiny_raw
+from prefect.client.schemas.objects import FlowRun
+from prefect.server.schemas.actions import WorkPoolCreate
+
+from flows.pools import GPU, base_job_template
+from posttrain.config import ConfigError, parse_params
+
+
+def _params(kind: str, **prefect):
+    raw = tiny_raw(None)
+    raw["prefect"].update({"gpu_pool_type": kind, "image": "posttrain-worker@sha256:" + "ab" * 32,
+                           "dvc_remote": "storage", **prefect})
+    raw["runtime"]["distributed"] = {"nproc_per_node": 4}
+    return parse_params(raw)
+
+
+class NoServer:
+    """A test double for the Prefect client the render is given: the templates hold no block or variable
+    references, so the render must never call it (an ephemeral server would start otherwise)."""
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"the render called the Prefect API: {name}")
+
+
+def _render(config_cls, template: dict, values: dict) -> object:
+    config = asyncio.run(config_cls.from_template_and_values(template, values, client=NoServer()))
+    config.prepare_for_flow_run(FlowRun(id=uuid.uuid4(), name="rl", flow_id=uuid.uuid4()))
+    return config
+
+
+def test_the_kubernetes_pool_asks_for_the_stages_gpus_with_the_image_and_the_dvc_secret():
+    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
+
+    template = base_job_template(_params("kubernetes", dvc_secret="dvc-s3"))
+    WorkPoolCreate(name="gpu", type="kubernetes", base_job_template=template)  # the server's own check
+    job = _render(KubernetesWorkerJobConfiguration, template, {}).job_manifest
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["resources"]["limits"][GPU] == 4  # runtime.distributed.nproc_per_node: one GPU per rank
+    assert c["image"] == "posttrain-worker@sha256:" + "ab" * 32
+    assert c["envFrom"] == [{"secretRef": {"name": "dvc-s3"}}]
+    assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    over = _render(KubernetesWorkerJobConfiguration, template, {"gpus": 8}).job_manifest  # a run's job variable
+    assert over["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"][GPU] == 8
+
+
+def test_the_docker_pool_sends_a_gpu_device_request_prefects_template_lacks():
+    from prefect_docker.worker import DockerWorker, DockerWorkerJobConfiguration
+
+    plain = DockerWorker.get_default_base_job_template()
+    assert plain["variables"]["properties"]["container_create_kwargs"].get("default") is None  # no GPU field
+    template = base_job_template(_params("docker", gpus=2))
+    WorkPoolCreate(name="gpu", type="docker", base_job_template=template)
+    config = _render(DockerWorkerJobConfiguration, template, {})
+    assert config.image == "posttrain-worker@sha256:" + "ab" * 32
+    assert config.container_create_kwargs == {
+        "device_requests": [{"Driver": "nvidia", "Count": 2, "Capabilities": [["gpu"]]}]}  # docker run --gpus 2
+
+
+def test_a_process_pool_keeps_prefects_template():
+    assert base_job_template(parse_params(tiny_raw(None))) is None
+
+
+@pytest.mark.parametrize(("edit", "key"), [({"image": None}, "prefect.image"),
+                                           ({"dvc_remote": None}, "prefect.dvc_remote")])
+def test_a_container_pool_without_an_image_or_a_dvc_remote_is_refused_naming_the_key(edit, key):
+    raw = tiny_raw(None)
+    raw["prefect"].update({"gpu_pool_type": "kubernetes", "image": "w:1", "dvc_remote": "storage", **edit})
+    with pytest.raises(ConfigError, match=key):
+        parse_params(raw)
