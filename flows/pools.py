@@ -13,6 +13,9 @@ edits those templates, and nothing else:
 - docker: ``container_create_kwargs`` defaults to a device request for ``gpus`` NVIDIA GPUs (docker-py's
   ``device_requests``: what ``docker run --gpus N`` sends), the image to ``prefect.image``.
 
+Both set ``POSTTRAIN_IMAGE`` to the image in the environment, so each stage's MLflow run (and ``posttrain
+lineage``) records the image it ran in.
+
 The server checks a template's placeholders against its variables (``posttrain deploy`` creates or updates the
 pool through it); ``tests/test_pools.py`` renders both for a sample flow run with the workers' own classes.
 """
@@ -23,6 +26,7 @@ import copy
 from typing import Any
 
 from posttrain.config import Params
+from posttrain.tracking.records import IMAGE_ENV
 
 GPU = "nvidia.com/gpu"  # the NVIDIA device plugin's resource name
 
@@ -55,6 +59,7 @@ def kubernetes(template: dict[str, Any], params: Params) -> dict[str, Any]:
     variables["gpus"] = {"title": "GPUs", "type": "integer", "minimum": 0, "default": gpus(params),
                          "description": f"{GPU} the pod asks for (posttrain: prefect.gpus)"}
     variables["image"]["default"] = cfg.image
+    variables["env"]["default"] = {IMAGE_ENV: cfg.image}  # the stages' MLflow runs record the image
     pod = t["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     container["resources"]["limits"][GPU] = "{{ gpus }}"
@@ -72,6 +77,7 @@ def docker(template: dict[str, Any], params: Params) -> dict[str, Any]:
     cfg, t = params.prefect, copy.deepcopy(template)
     variables = t["variables"]["properties"]
     variables["image"]["default"] = cfg.image
+    variables["env"]["default"] = {IMAGE_ENV: cfg.image}
     variables["container_create_kwargs"]["default"] = {
         "device_requests": [{"Driver": "nvidia", "Count": gpus(params), "Capabilities": [["gpu"]]}]}
     return t

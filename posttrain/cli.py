@@ -266,11 +266,15 @@ def _render_lineage(tree: Any, verified: bool) -> Any:
             lines.append("  inputs: " + ", ".join(f"{k}={'unpinned' if v is None else v}" for k, v in n.pins.items()))
         if n.refs:
             lines.append("  params naming outputs: " + ", ".join(f"{k}={v}" for k, v in n.refs.items()))
-        if n.ran_as:
-            j = n.ran_as
-            lines.append(f"  slurm job {j.get('slurm.job_id')} on {j.get('slurm.nodes')} (restarts "
+        j = n.ran_as
+        if "slurm.job_id" in j:
+            lines.append(f"  slurm job {j['slurm.job_id']} on {j.get('slurm.nodes')} (restarts "
                          f"{j.get('slurm.restarts', '0')}; slurm {j.get('slurm.version') or '?'}, cuda "
                          f"{j.get('cuda', '?')})")
+        if "container.image" in j or "container.engine" in j:
+            lines.append(f"  image {j.get('container.image', '?')}"
+                         + (f" (id {j['container.imageid'][:19]})" if "container.imageid" in j else "")
+                         + (f" on {j['container.engine']}" if "container.engine" in j else ""))
         return "\n".join(lines)
 
     seen: set[str] = set()

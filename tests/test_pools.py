@@ -48,6 +48,7 @@ def test_the_kubernetes_pool_asks_for_the_stages_gpus_with_the_image_and_the_dvc
     assert c["resources"]["limits"][GPU] == 4  # runtime.distributed.nproc_per_node: one GPU per rank
     assert c["image"] == "posttrain-worker@sha256:" + "ab" * 32
     assert c["envFrom"] == [{"secretRef": {"name": "dvc-s3"}}]
+    assert {"name": "POSTTRAIN_IMAGE", "value": "posttrain-worker@sha256:" + "ab" * 32} in c["env"]
     assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     over = _render(KubernetesWorkerJobConfiguration, template, {"gpus": 8}).job_manifest  # a run's job variable
     assert over["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"][GPU] == 8
@@ -62,6 +63,7 @@ def test_the_docker_pool_sends_a_gpu_device_request_prefects_template_lacks():
     WorkPoolCreate(name="gpu", type="docker", base_job_template=template)
     config = _render(DockerWorkerJobConfiguration, template, {})
     assert config.image == "posttrain-worker@sha256:" + "ab" * 32
+    assert config.env["POSTTRAIN_IMAGE"] == config.image  # the stages' MLflow runs record it
     assert config.container_create_kwargs == {
         "device_requests": [{"Driver": "nvidia", "Count": 2, "Capabilities": [["gpu"]]}]}  # docker run --gpus 2
 
@@ -77,3 +79,19 @@ def test_a_container_pool_without_an_image_or_a_dvc_remote_is_refused_naming_the
     raw["prefect"].update({"gpu_pool_type": "kubernetes", "image": "w:1", "dvc_remote": "storage", **edit})
     with pytest.raises(ConfigError, match=key):
         parse_params(raw)
+
+
+def test_a_stage_records_the_image_it_ran_in(tmp_path, monkeypatch):
+    """``POSTTRAIN_IMAGE`` (the pools set it) and podman's ``/run/.containerenv`` become ``container.*`` tags."""
+    from posttrain.tracking import records
+
+    monkeypatch.setattr(records, "CONTAINERENV", tmp_path / ".containerenv")
+    monkeypatch.delenv("POSTTRAIN_IMAGE", raising=False)
+    assert records._container() == {}  # not in a container
+    (tmp_path / ".containerenv").write_text('engine="podman-4.3.1"\nname="x"\nimage=""\nimageid=""\nrootless=0\n')
+    assert records._container() == {"container.engine": "podman-4.3.1"}  # unprivileged: the engine only
+    monkeypatch.setenv("POSTTRAIN_IMAGE", "localhost/posttrain-worker@sha256:" + "cd" * 32)
+    (tmp_path / ".containerenv").write_text('engine="podman-4.3.1"\nimage="localhost/posttrain-worker:dev"\n'
+                                            'imageid="' + "ef" * 32 + '"\n')
+    assert records._container() == {"container.image": "localhost/posttrain-worker@sha256:" + "cd" * 32,
+                                    "container.engine": "podman-4.3.1", "container.imageid": "ef" * 32}

@@ -6,7 +6,8 @@ version carries) and walks the DAG backwards through ``dvc.lock``: each node is 
 md5, a digest of its params, its key metrics (``metrics/<stage>.json``; for a stage that samples, the
 generating backend and its version, e.g. ``vllm 0.33.0``), the MLflow run that logged it
 (joined on the ``dvc.out.<path>`` md5 tag, which also gives the commit and, for a stage that ran as a Slurm job,
-the job's id, nodes, restarts and the Slurm and CUDA versions) and, for ``curate``, the
+the job's id, nodes, restarts and the Slurm and CUDA versions; for one run in an image, the image) and, for
+``curate``, the
 decontamination verdict. Deps that no stage produces are the sources (code, raw files). A param whose value is
 another stage's output (``reward.rewards[i].kwargs.path`` naming a trained reward model, ``distill.teacher``)
 links that stage as a parent too, listed under ``refs``: dvc.yaml's deps are static, so a model a kwarg names is
@@ -59,7 +60,7 @@ class Node:
     pins: dict[str, Any] = field(default_factory=dict)  # external inputs named in params: hub ids and revisions
     refs: dict[str, str] = field(default_factory=dict)  # params naming another stage's output: key -> path
     ran_as: dict[str, str] = field(default_factory=dict)  # the run's slurm.* tags (job id, nodes, restarts,
-    # version) and its CUDA version: where the stage ran, when it ran as a Slurm job
+    # version), container.* tags (the image) and its CUDA version: where the stage ran, when a job or an image
 
     def to_dict(self, _seen: frozenset[str] = frozenset()) -> dict[str, Any]:
         """The tree as JSON; a stage already on the path from the root is ``{"stage": s, "above": true}`` (params
@@ -300,7 +301,7 @@ def trace(root: Path, target: str, metrics_dir: str = "metrics", tracking_uri: s
         run = runs.find(stage, outs)
         if run is not None:
             n.run_id, n.commit = run.info.run_id, run.data.tags.get("git.commit")
-            n.ran_as = {k: v for k, v in sorted(run.data.tags.items()) if k.startswith("slurm.")}
+            n.ran_as = {k: v for k, v in sorted(run.data.tags.items()) if k.startswith(("slurm.", "container."))}
             if n.ran_as and "version.cuda" in run.data.tags:
                 n.ran_as["cuda"] = run.data.tags["version.cuda"]
         seen[stage] = n

@@ -8,7 +8,8 @@ per-step curve has no end-of-stage spike at step 0), artifacts (its report folde
 inputs (each Parquet dep, with DVC's md5 as the digest) and tags: git commit and dirty flag, DVC stage name, the
 md5 of every dep and out *as DVC computes them* (``dvc.dep.<path>``, ``dvc.out.<path>``; ``posttrain lineage``
 joins ``dvc.lock`` to runs through these), hostname, device, package and CUDA versions, the Slurm job a stage ran
-as (``slurm.*``: id, nodes, restarts, version); the model outputs to register and
+as (``slurm.*``: id, nodes, restarts, version) and the image it ran in (``container.*``); the model outputs to
+register and
 the evaluation that may move a ``champion`` alias.
 """
 
@@ -76,6 +77,23 @@ def dirty(root: Path, metrics_dir: str) -> bool:
     files its stages rewrite as they run: every stage after the first saw them and said dirty)."""
     return bool(_git(root, "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)dvc.lock",
                      f":(exclude){metrics_dir.rstrip('/')}"))
+
+
+IMAGE_ENV = "POSTTRAIN_IMAGE"  # the image a stage runs in, name@digest: the gpu pools' templates set it
+CONTAINERENV = Path("/run/.containerenv")  # podman's description of the container, inside it
+
+
+def _container() -> dict[str, str]:
+    """The image the stage ran in: ``POSTTRAIN_IMAGE`` (set by the kubernetes and docker gpu pools, or by hand:
+    ``podman run -e POSTTRAIN_IMAGE=...``), and what podman writes in ``/run/.containerenv`` (the engine always;
+    the image and its id when it is run privileged). Empty outside a container."""
+    out = {"container.image": os.environ[IMAGE_ENV]} if os.environ.get(IMAGE_ENV) else {}
+    if CONTAINERENV.is_file():
+        for line in CONTAINERENV.read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key in ("engine", "image", "imageid") and value.strip('"'):
+                out.setdefault(f"container.{key}", value.strip('"'))
+    return out
 
 
 def _versions() -> dict[str, str]:
@@ -160,6 +178,7 @@ def build_record(stage: str, params: Params, root: Path, start_ms: int, status: 
                 "hostname": socket.gethostname(), "platform": platform.platform(),
                 "device": "cuda" if torch is not None and torch.cuda.is_available() else "cpu", **_versions(),
                 "version.cuda": (torch.version.cuda or "none") if torch is not None else "none", **slurm.tags(),
+                **_container(),
                 **{f"dvc.dep.{p}": h for p, h in deps.items()}, **{f"dvc.out.{p}": h for p, h in outs.items()}}
     metrics_file = root / stage_metrics(params.paths.metrics_dir, stage)
     paths = params.paths.model_dump()
