@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export DVC_NO_ANALYTICS ?= 1
 
-.PHONY: setup setup-gpu setup-vllm pipeline test test-suites test-fast test-extended test-realmodel test-vllm lint docs bubblewrap
+.PHONY: setup setup-gpu setup-vllm pipeline test test-suites test-multiproc test-real-multiproc test-fast test-extended test-realmodel test-vllm lint docs bubblewrap
 
 setup: $(VENV)/.installed bubblewrap
 
@@ -95,15 +95,25 @@ test-realmodel: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
 
-# The slow suite (DAGs, dvc repro, process kills, real servers; the extended ones left out), after the fast one.
+# The slow tests of several processes at once: torchrun ranks (gloo) and a real Slurm cluster on this host.
+MULTIPROC := tests/test_distributed.py tests/test_slurm.py
+test-multiproc: setup
+	$(PY) -m pytest $(PYTEST_OPTS) -m "slow and not extended" -q --durations=10 $(MULTIPROC)
+
+# The slow suite (DAGs, dvc repro, process kills, real servers; the extended ones and test-multiproc's left
+# out), after the fast one.
 test-suites: setup
 	$(PY) -m pytest $(PYTEST_OPTS) -m "not slow and not vllm and not realmodel" -q
-	$(PY) -m pytest $(PYTEST_OPTS) -m "slow and not extended and not vllm and not realmodel" -q --durations=15
+	$(PY) -m pytest $(PYTEST_OPTS) -m "slow and not extended and not vllm and not realmodel" -q --durations=15 \
+		$(addprefix --ignore=,$(MULTIPROC))
 
-# Three streams at once: the fast then slow suites, the real-model tier, the vLLM environment then its tier. Each
-# test runs mostly on one core (imports, subprocesses, servers), so on 2 cores the three take about half the time
-# they take one after another; --output-sync=line keeps each line whole (and nothing is held back if a run is
-# killed); pytest's cache is off in all three (they would write one .pytest_cache at once). Any failure fails
-# `make test`.
+# Three streams at once: the fast then slow suites | the real-model tier then test-multiproc | the vLLM
+# environment then its tier. Each test runs mostly on one core (imports, subprocesses, servers), so on 2 cores
+# the three take about half the time they take one after another; --output-sync=line keeps each line whole (and
+# nothing is held back if a run is killed); pytest's cache is off in all three (they would write one
+# .pytest_cache at once). Any failure fails `make test`.
 test: lint docs
-	$(MAKE) -j3 --output-sync=line PYTEST_OPTS="-p no:cacheprovider" test-suites test-realmodel test-vllm
+	$(MAKE) -j3 --output-sync=line PYTEST_OPTS="-p no:cacheprovider" test-suites test-real-multiproc test-vllm
+
+test-real-multiproc: test-realmodel
+	$(MAKE) test-multiproc
