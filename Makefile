@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 export DVC_NO_ANALYTICS ?= 1
 
-.PHONY: setup setup-gpu setup-vllm pipeline test test-suites test-multiproc test-real-multiproc test-fast test-extended test-realmodel test-vllm lint docs bubblewrap
+.PHONY: setup setup-gpu setup-vllm pipeline image image-base test test-suites test-multiproc test-real-multiproc test-fast test-extended test-realmodel test-vllm lint docs bubblewrap
 
 setup: $(VENV)/.installed bubblewrap
 
@@ -67,6 +67,23 @@ test-vllm: setup-vllm
 
 pipeline: setup
 	$(VENV)/bin/posttrain repro   # dvc repro under one MLflow parent run
+
+# The worker image (Containerfile; docs/clusters.md#the-worker-image), tagged with the commit. PODMAN: podman or
+# docker (and its global options); BASE: a Debian-like base with, or able to apt-get, python3 and venv;
+# PODMAN_BUILD_OPTS: e.g. --network host and a mounted pip configuration. `make image-base` builds a base with
+# debootstrap where no registry can be reached (root, debootstrap and the Debian mirror needed).
+PODMAN ?= podman
+IMAGE ?= localhost/posttrain-worker
+BASE ?= docker.io/library/debian:bookworm-slim
+VARIANT ?= cpu
+image:
+	$(PODMAN) build $(PODMAN_BUILD_OPTS) --build-arg BASE=$(BASE) --build-arg VARIANT=$(VARIANT) \
+		-t $(IMAGE):$$(git rev-parse --short HEAD)$(if $(filter vllm,$(VARIANT)),-vllm) -f Containerfile .
+
+image-base:
+	rm -rf .image-base && debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,git,make \
+		bookworm .image-base http://deb.debian.org/debian
+	tar -C .image-base -c . | $(PODMAN) import - localhost/posttrain-base:bookworm && rm -rf .image-base
 
 # ruff, and the import contracts of pyproject.toml ([tool.importlinter]: one-way layers, torch-free config, no cycles)
 lint: setup
