@@ -150,6 +150,21 @@ def _job_id(root: Path) -> str:
     return f.read_text().strip()
 
 
+def _release(job: str, env: dict) -> None:
+    """Slurm holds a requeued job back for a while (its BeginTime, ~2 minutes): once it is pending again, let it
+    start now."""
+    deadline = time.time() + 120
+    while True:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
+        state = dict(kv.split("=", 1) for kv in out.split() if "=" in kv).get("JobState")
+        if state == "RUNNING" and "Restarts=1" in out:
+            return
+        if state == "PENDING":
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, capture_output=True)
+        assert time.time() < deadline, out
+        time.sleep(0.3)
+
+
 def _wait_for(ckpt: Path, past: int, proc: subprocess.Popen) -> None:
     deadline = time.time() + 240
     while not any(int(p.name.split("_")[1]) > past for p in ckpt.glob("step_*")):
@@ -196,8 +211,7 @@ def test_rl_as_a_slurm_job_at_2_ranks_requeued_then_cancelled_then_rerun_ends_as
     ckpt = broken / "checkpoints" / "rl"
     _wait_for(ckpt, 0, p)
     subprocess.run(["scontrol", "requeue", job], env=cluster, check=True)
-    time.sleep(2)  # Slurm holds a requeued job back (BeginTime) for a while: release it now
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster, check=True)
+    _release(job, cluster)
     restart = max(int(q.name.split("_")[1]) for q in ckpt.glob("step_*"))
     _wait_for(ckpt, restart, p)  # the restarted job got further
     subprocess.run(["scancel", job], env=cluster, check=True)
