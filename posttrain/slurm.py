@@ -7,8 +7,9 @@ job's status; inside the job ``srun`` starts the same command once per node, whi
 Slurm's environment). A job that timed out, was pre-empted or lost a node is submitted again, up to
 ``slurm.resubmits`` times, and resumes from the stage's checkpoint; one that Slurm itself requeues (``--requeue``)
 is followed through its restarts. A cancelled job ends the command with one line (re-run to resume); Ctrl-C or
-SIGTERM on the command cancels its job, so no orphan keeps writing the stage's outputs. A command killed
-outright leaves the job running: the next run of the stage follows that job instead of submitting another.
+SIGTERM on the command cancels its job and waits for it to end. A command killed outright leaves the job
+running: the next run of the stage follows that job if it was submitted with the same script (params, options,
+command), and cancels it first otherwise.
 
 Why sbatch and not ``submitit``: a stage is already a command with its own resume, so there is nothing to pickle;
 submitit's value (running a Python callable, its own checkpoint protocol) would sit beside ours, and a generated
@@ -18,6 +19,7 @@ no daemon of ours, no scheduler of ours.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
 import subprocess
@@ -34,7 +36,7 @@ INSIDE = "POSTTRAIN_SLURM_JOB"  # set in the batch script: the stage runs as the
 RDZV = "POSTTRAIN_RDZV"  # host:port of the job's first node, set in the batch script
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
           "SUSPENDED", "STAGE_OUT", "SIGNALING", "RESV_DEL_HOLD", "STOPPED"}
-AGAIN = {"TIMEOUT", "PREEMPTED", "NODE_FAIL", "BOOT_FAIL", "DEADLINE"}  # not the job's fault: submit it again
+AGAIN = {"TIMEOUT", "PREEMPTED", "NODE_FAIL", "BOOT_FAIL"}  # not the job's fault: submit it again
 
 
 def inside() -> bool:
@@ -42,25 +44,36 @@ def inside() -> bool:
     return os.environ.get(INSIDE) == "1"
 
 
-def batch_script(name: str, params: Params, argv: list[str], cwd: Path, log: Path) -> str:
+def batch_script(name: str, params: Params, argv: list[str]) -> str:
     """The sbatch script of stage ``name``: options from ``runtime.distributed.slurm``, one task per node, each
     running ``python -m stages.<name> <argv>`` with this interpreter (the checkout and its environment sit on
-    the cluster's shared file system). ``log``: the job's output, appended across requeues."""
+    the cluster's shared file system). Where it runs and logs is on sbatch's command line (``submit_args``)."""
     d = params.runtime.distributed
     s = d.slurm
     opts = [f"--job-name=posttrain-{name.replace('@', '-')}", f"--nodes={d.nnodes}", "--ntasks-per-node=1",
-            f"--output={log}", "--open-mode=append", "--requeue", f"--chdir={cwd}"]
+            "--open-mode=append", "--requeue", "--export=ALL"]
     opts += [f"--{k}={v}" for k, v in (("partition", s.partition), ("account", s.account), ("time", s.time),
                                        ("cpus-per-task", s.cpus_per_task), ("mem", s.mem)) if v is not None]
     opts += [f"--gpus-per-node={s.gpus_per_node}"] if s.gpus_per_node else []
     stage = " ".join(shlex.quote(a) for a in [sys.executable, "-m", f"stages.{name.split('@')[0]}", *argv])
     return "\n".join([
-        "#!/bin/bash", f"# posttrain stage {name}: written by posttrain.slurm; `sbatch` this file to run it by hand",
+        "#!/bin/bash", f"# posttrain stage {name}: written by posttrain.slurm, submitted with "
+        "`sbatch --parsable --chdir=<checkout> --output=<log> <this file>`",
         *[f"#SBATCH {o}" for o in [*opts, *s.extra]],
         f"export {INSIDE}=1",
-        f'export {RDZV}="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1):{s.port}"',
+        # the port from the job id: two jobs sharing a node do not meet at one port
+        f'export {RDZV}="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1):'
+        f'$(( {s.port} + SLURM_JOB_ID % 1000 ))"',
+        # srun of Slurm 22.05-23.02 does not inherit --cpus-per-task: each node's torchrun would get one CPU
+        '[ -n "${SLURM_CPUS_PER_TASK:-}" ] && export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"',
         'echo "posttrain: slurm job $SLURM_JOB_ID on $SLURM_JOB_NODELIST (restart ${SLURM_RESTART_COUNT:-0})"',
         f"exec srun --kill-on-bad-exit=1 {stage}", ""])
+
+
+def submit_args(script: Path, cwd: Path, log: Path) -> list[str]:
+    """sbatch's command line for ``script``: the working directory and the log (``%j``: the job id) as whole
+    arguments, so a path with spaces stays one."""
+    return ["sbatch", "--parsable", f"--chdir={cwd}", f"--output={log}", str(script)]
 
 
 @dataclass(frozen=True)
@@ -84,18 +97,24 @@ def _slurm(*cmd: str) -> str:
     except subprocess.TimeoutExpired:
         raise StageError(f"{' '.join(cmd[:2])}: no answer from slurmctld in 120 s") from None
     if r.returncode != 0:
-        raise StageError(f"{' '.join(cmd[:2])}: {(r.stderr or r.stdout).strip().splitlines()[-1:] or ['failed']}")
+        lines = (r.stderr or r.stdout).strip().splitlines()
+        raise StageError(f"{' '.join(cmd[:2])}: {lines[-1] if lines else 'failed'}")
     return r.stdout
 
 
 def job(job_id: str) -> Job | None:
-    """The job's state from slurmctld (None once it has forgotten the job: ``MinJobAge`` after its end)."""
-    try:
-        out = _slurm("scontrol", "show", "job", "-o", job_id)
-    except StageError as e:
-        if "Invalid job id" in str(e):
-            return None
-        raise
+    """The job's state from slurmctld (None once it has forgotten the job: ``MinJobAge`` after its end). A
+    slurmctld that does not answer is asked again (3 times, 5 s apart) before the stage fails."""
+    for attempt in range(3):
+        try:
+            out = _slurm("scontrol", "show", "job", "-o", job_id)
+            break
+        except StageError as e:
+            if "Invalid job id" in str(e):
+                return None
+            if attempt == 2:
+                raise
+            time.sleep(5)
     f = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
     return Job(job_id, f.get("JobState", "UNKNOWN"), int(f.get("ExitCode", "0:0").split(":")[0] or 0),
                int(f.get("Restarts", "0")), f.get("NodeList", ""), f.get("Reason", ""))
@@ -137,6 +156,15 @@ class _Tail:
             self.to.flush()
 
 
+def _cancel(job_id: str, poll_s: float) -> None:
+    """scancel, then wait (at most 2 minutes) until the job's processes are gone: a re-run right after does not
+    find it still COMPLETING and writing."""
+    subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
+    deadline = time.monotonic() + 120
+    while (j := job(job_id)) is not None and j.state in ACTIVE and time.monotonic() < deadline:
+        time.sleep(min(poll_s, 2.0))
+
+
 def run_job(name: str, params: Params, argv: list[str]) -> int:
     """Submit stage ``name`` (or follow its job already running), stream its log, resubmit a job that timed
     out, was pre-empted or lost a node; return the exit status for the stage command. The job runs in this
@@ -146,23 +174,37 @@ def run_job(name: str, params: Params, argv: list[str]) -> int:
     logs = (root / s.log_dir).resolve()
     logs.mkdir(parents=True, exist_ok=True)
     tag = name.replace("@", "-")
-    pointer = logs / f"{tag}.job"  # the job last submitted for this stage
+    pointer = logs / f"{tag}.job"  # "<job id> <sha256 of its script>": the job last submitted for this stage
+    text = batch_script(name, params, argv)
+    digest = hashlib.sha256(text.encode()).hexdigest()
     say = lambda msg: print(f"posttrain {name}: {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    job_id, tries = None, 0
-    if pointer.is_file() and (old := job(pointer.read_text().strip())) is not None and old.state in ACTIVE:
-        job_id = old.id
-        say(f"following slurm job {job_id} ({old.state}), submitted by an earlier run of this command")
+    job_id, tries, seen = None, 0, ""
     try:
+        if pointer.is_file() and (old := job((pointer.read_text().split() or [""])[0])) is not None \
+                and old.state in ACTIVE:
+            if pointer.read_text().split()[1:] == [digest]:  # the same command, params and options: follow it
+                job_id = old.id
+                say(f"following slurm job {job_id} ({old.state}), submitted by an earlier run of this command")
+            else:  # submitted with other params: its outputs would not be this run's
+                say(f"cancelling slurm job {old.id} ({old.state}): submitted with other params or options")
+                _cancel(old.id, s.poll_s)
         while True:
             if job_id is None:
                 script = logs / f"{tag}.sbatch"
-                script.write_text(batch_script(name, params, argv, root, logs / f"{tag}-%j.log"))
-                job_id = _slurm("sbatch", "--parsable", str(script)).strip().split(";")[0]
-                pointer.write_text(job_id)
+                script.write_text(text)
+                out = _slurm(*submit_args(script, root, logs / f"{tag}-%j.log")).strip()
+                job_id = out.split(";")[0]
+                if ";" in out:
+                    raise StageError(f"sbatch submitted job {out} to another cluster; posttrain follows jobs of "
+                                     "the local cluster only (drop --clusters)")
+                pointer.write_text(f"{job_id} {digest}")
                 say(f"submitted slurm job {job_id} ({params.runtime.distributed.nnodes} node(s)); log "
                     f"{logs / f'{tag}-{job_id}.log'}")
             tail, j = _Tail(logs / f"{tag}-{job_id}.log", sys.stderr), None
             while (j := job(job_id)) is not None and j.state in ACTIVE:
+                if j.state != "RUNNING" and f"{j.state} {j.reason}" != seen:  # waiting: say why, once a change
+                    seen = f"{j.state} {j.reason}"
+                    say(f"slurm job {job_id} {j.state.lower()} ({j.reason})")
                 tail()
                 time.sleep(s.poll_s)
             tail()
@@ -184,6 +226,6 @@ def run_job(name: str, params: Params, argv: list[str]) -> int:
             return j.exit_code or 1
     except KeyboardInterrupt as e:  # the command stopped (Ctrl-C, SIGTERM: runner._terminated): its job stops too
         if job_id is not None:
-            subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
+            _cancel(job_id, s.poll_s)
         say(f"interrupted{f': cancelled slurm job {job_id}' if job_id else ''}; re-run the same command to resume")
         return 143 if str(e) == "SIGTERM" else 130

@@ -4,6 +4,7 @@ installed by ``.ci/run`` as bubblewrap is): the rl stage at 2 ranks (gloo) submi
 re-run, ending at the weights of an uninterrupted job. Debian's build runs one ``slurmd`` per host, so the cluster
 has one node: what two nodes add (torchrun's c10d rendezvous across machines) is not run here."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -32,14 +33,18 @@ def _slurm_params(tmp_path: Path, **slurm_cfg) -> object:
 
 def test_the_batch_script_asks_for_the_params_job_and_runs_the_same_stage_command_once_per_node(tmp_path):
     p = _slurm_params(tmp_path, partition="gpu", account="lab", time="04:00:00", gpus_per_node=8, mem="200G",
-                      extra=["--qos=high", "--exclusive"])
-    text = slurm.batch_script("rl", p, ["--params", "my params.yaml"], Path("/shared/repo"), Path("/logs/rl-%j.log"))
+                      cpus_per_task=64, extra=["--qos=high", "--exclusive"])
+    text = slurm.batch_script("rl", p, ["--params", "my params.yaml"])
     opts = [line.removeprefix("#SBATCH ") for line in text.splitlines() if line.startswith("#SBATCH ")]
-    assert opts == ["--job-name=posttrain-rl", "--nodes=2", "--ntasks-per-node=1", "--output=/logs/rl-%j.log",
-                    "--open-mode=append", "--requeue", "--chdir=/shared/repo", "--partition=gpu", "--account=lab",
-                    "--time=04:00:00", "--mem=200G", "--gpus-per-node=8", "--qos=high", "--exclusive"]
+    assert opts == ["--job-name=posttrain-rl", "--nodes=2", "--ntasks-per-node=1", "--open-mode=append", "--requeue",
+                    "--export=ALL", "--partition=gpu", "--account=lab", "--time=04:00:00", "--cpus-per-task=64",
+                    "--mem=200G", "--gpus-per-node=8", "--qos=high", "--exclusive"]
     assert f"exec srun --kill-on-bad-exit=1 {sys.executable} -m stages.rl --params 'my params.yaml'" in text
-    assert f"export {slurm.INSIDE}=1" in text and ':29500"' in text  # the first node's port: the rendezvous
+    assert f"export {slurm.INSIDE}=1" in text and ":$(( 29500 + SLURM_JOB_ID % 1000 ))" in text  # the rendezvous
+    assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"' in text  # srun 22.05-23.02 drops it otherwise
+    where = slurm.submit_args(Path("/s/x.sbatch"), Path("/shared/my repo"), Path("/shared/my repo/.slurm/rl-%j.log"))
+    assert where == ["sbatch", "--parsable", "--chdir=/shared/my repo", "--output=/shared/my repo/.slurm/rl-%j.log",
+                     "/s/x.sbatch"]  # whole arguments: a space in a path is no problem
 
 
 def test_inside_a_job_torchrun_meets_at_the_first_node_under_the_job_id(tmp_path, monkeypatch):
@@ -55,6 +60,8 @@ def test_inside_a_job_torchrun_meets_at_the_first_node_under_the_job_id(tmp_path
 @pytest.mark.parametrize(("key", "value", "says"), [
     ("time", "4 hours", "runtime.distributed.slurm.time: Value error, '4 hours' is not a Slurm time limit"),
     ("extra", ["--qos high"], "slurm.extra: Value error, '--qos high': each extra sbatch option is one"),
+    ("extra", ["--nodes=4"], "'--nodes=4': posttrain sets --nodes itself"),
+    ("extra", ["--export=NONE"], "'--export=NONE': posttrain sets --export itself"),
     ("mem", "lots", "runtime.distributed.slurm.mem"),
     ("partiton", "gpu", "did you mean 'partition'"),
 ])
@@ -147,7 +154,7 @@ def _job_id(root: Path) -> str:
     while not (f := root / ".slurm" / "rl.job").is_file():
         assert time.time() < deadline
         time.sleep(0.2)
-    return f.read_text().strip()
+    return f.read_text().split()[0]
 
 
 def _release(job: str, env: dict) -> None:
@@ -271,7 +278,7 @@ class FakeSlurm:
         self.lives, self.submitted, self.looks = list(lives), [], {}
 
     def command(self, *cmd: str) -> str:
-        assert cmd[0] == "sbatch"
+        assert cmd[0] == "sbatch" and cmd[1] == "--parsable"
         self.submitted.append(str(100 + len(self.submitted)))
         return self.submitted[-1] + "\n"
 
@@ -307,22 +314,38 @@ def test_resubmits_are_bounded_and_a_failed_job_fails_the_command(tmp_path, monk
 
 def test_a_rerun_follows_the_job_an_earlier_killed_command_left_running(tmp_path, monkeypatch, capsys):
     fake = FakeSlurm(["RUNNING", "RUNNING", "COMPLETED"])
+    p = _slurm_params(tmp_path, poll_s=0.001)
     (tmp_path / ".slurm").mkdir()
-    (tmp_path / ".slurm" / "rl.job").write_text("100")
+    digest = hashlib.sha256(slurm.batch_script("rl", p, ["--params", "params.yaml"]).encode()).hexdigest()
+    (tmp_path / ".slurm" / "rl.job").write_text(f"100 {digest}")
     assert _follow(tmp_path, monkeypatch, fake) == 0
     assert fake.submitted == []  # no second job writing the same outputs
     assert "following slurm job 100 (RUNNING), submitted by an earlier run" in capsys.readouterr().err
 
 
-def test_ctrl_c_on_the_command_cancels_its_job(tmp_path, monkeypatch, capsys):
-    fake = FakeSlurm(["RUNNING"])
+def test_a_rerun_with_other_params_cancels_the_old_job_and_submits_its_own(tmp_path, monkeypatch, capsys):
+    fake = FakeSlurm(["RUNNING", "RUNNING", "CANCELLED"], ["COMPLETED"])
+    (tmp_path / ".slurm").mkdir()
+    (tmp_path / ".slurm" / "rl.job").write_text("100 " + "0" * 64)  # its script differed
     cancelled = []
+    monkeypatch.setattr(slurm.subprocess, "run", lambda cmd, **kw: cancelled.append(cmd))
+    fake.submitted.append("100")  # job 100 exists already
+    assert _follow(tmp_path, monkeypatch, fake) == 0
+    assert cancelled == [["scancel", "100"]] and fake.submitted == ["100", "101"]
+    assert "cancelling slurm job 100 (RUNNING): submitted with other params or options" in capsys.readouterr().err
 
-    def interrupted(s: float) -> None:
-        raise KeyboardInterrupt
 
-    monkeypatch.setattr(slurm.time, "sleep", interrupted)
+def test_ctrl_c_on_the_command_cancels_its_job_and_waits_for_it_to_end(tmp_path, monkeypatch, capsys):
+    fake = FakeSlurm(["RUNNING", "COMPLETING", "CANCELLED"])
+    cancelled, naps = [], []
+
+    def nap(s: float) -> None:  # Ctrl-C during the first wait, then the cancel's own waits
+        naps.append(s)
+        if len(naps) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(slurm.time, "sleep", nap)
     monkeypatch.setattr(slurm.subprocess, "run", lambda cmd, **kw: cancelled.append(cmd))
     assert _follow(tmp_path, monkeypatch, fake) == 130
-    assert cancelled == [["scancel", "100"]]
+    assert cancelled == [["scancel", "100"]] and fake.looks["100"] == 2  # asked until it left COMPLETING
     assert "interrupted: cancelled slurm job 100; re-run the same command to resume" in capsys.readouterr().err

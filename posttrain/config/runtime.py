@@ -9,6 +9,11 @@ from pydantic import Field, field_validator, model_validator
 
 from posttrain.config.base import MAX_THREADS, Refusal, Section
 
+# sbatch options the launcher sets itself: another value would break the rendezvous, the log it follows or the
+# environment the job needs
+_OWNED = {"--nodes", "--ntasks-per-node", "--ntasks", "--output", "--error", "--open-mode", "--chdir", "--array",
+          "--export", "--clusters", "--hold", "--job-name", "--parsable", "--wait"}
+
 # sbatch's --time forms: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS (``man sbatch``)
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 
@@ -31,7 +36,8 @@ class Slurm(Section):
     port: int = Field(29500, ge=1024, le=65535, description="torchrun's rendezvous port on the job's first node")
     resubmits: int = Field(3, ge=0, le=1000, description="times a job that timed out, was pre-empted or lost a "
                            "node is submitted again (it resumes from its checkpoint); a cancelled job is not")
-    poll_s: float = Field(5.0, gt=0, le=600, description="seconds between looks at the job's state and log")
+    poll_s: float = Field(5.0, gt=0, le=60, description="seconds between looks at the job's state and log (at most "
+                          "60: slurmctld forgets an ended job after MinJobAge, 300 s by default)")
     log_dir: str = Field(".slurm", min_length=1, description="the job scripts and logs (on the shared file system; "
                          "relative to the working directory, as paths.* are); not tracked by DVC")
 
@@ -46,8 +52,12 @@ class Slurm(Section):
     @classmethod
     def _extra(cls, v: list[str]) -> list[str]:
         for opt in v:
-            if not opt.startswith("--") or any(c.isspace() for c in opt.split("=", 1)[0]):
-                raise ValueError(f"{opt!r}: each extra sbatch option is one `--name=value` (or `--flag`)")
+            if not opt.startswith("--") or any(c.isspace() for c in opt):
+                raise ValueError(f"{opt!r}: each extra sbatch option is one `--name=value` (or `--flag`), "
+                                 "without spaces")
+            if opt.split("=", 1)[0] in _OWNED:
+                raise ValueError(f"{opt!r}: posttrain sets {opt.split('=', 1)[0]} itself (nodes from nnodes, "
+                                 "the log, the working directory, the environment); drop it")
         return v
 
 
