@@ -68,7 +68,8 @@ test-vllm: setup-vllm
 pipeline: setup
 	$(VENV)/bin/posttrain repro   # dvc repro under one MLflow parent run
 
-# The worker image (Containerfile; docs/clusters.md#the-worker-image), tagged with the commit. PODMAN: podman or
+# The worker image (Containerfile; docs/clusters.md#the-worker-image), tagged with the full commit hash (what
+# prefect.image's {commit} becomes). PODMAN: podman or
 # docker (and its global options); BASE: a Debian-like base with, or able to apt-get, python3 and venv;
 # PODMAN_BUILD_OPTS: e.g. --network host and a mounted pip configuration. `make image-base` builds a base with
 # debootstrap where no registry can be reached (root, debootstrap and the Debian mirror needed).
@@ -78,7 +79,7 @@ BASE ?= docker.io/library/debian:bookworm-slim
 VARIANT ?= cpu
 image:
 	$(PODMAN) build $(PODMAN_BUILD_OPTS) --build-arg BASE=$(BASE) --build-arg VARIANT=$(VARIANT) \
-		-t $(IMAGE):$$(git rev-parse --short HEAD)$(if $(filter vllm,$(VARIANT)),-vllm) -f Containerfile .
+		-t $(IMAGE):$$(git rev-parse HEAD)$(if $(filter vllm,$(VARIANT)),-vllm) -f Containerfile .
 
 image-base:
 	rm -rf .image-base && debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,git,make \

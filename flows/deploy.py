@@ -23,9 +23,11 @@ deployments on the pipeline's machine (``--pools cpu``) and the gpu one on the g
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
+from posttrain import dvcrepo
 from posttrain.config import EXIT_CONFIG_ERROR, ConfigError, load_params
 
 
@@ -42,9 +44,9 @@ def ensure_pool(name: str, kind: str = "process", template: dict | None = None) 
         except ObjectAlreadyExists:
             pool = client.read_work_pool(name)
             if pool.type != kind:
-                raise ConfigError(f"prefect.gpu_pool_type: {kind}, but work pool {name!r} on the server is of type "
-                                  f"{pool.type}: delete it (prefect work-pool delete {name}) or name another "
-                                  "(prefect.gpu_pool)") from None
+                raise ConfigError(f"work pool {name!r} is of type {pool.type} on the server, not {kind} "
+                                  f"(prefect.gpu_pool_type for the gpu pool; cpu pools are process pools): delete "
+                                  f"it (prefect work-pool delete {name}) or name another pool") from None
             if template:
                 client.update_work_pool(name, WorkPoolUpdate(base_job_template=template))
 
@@ -54,7 +56,7 @@ def deploy(repo: str | Path = ".", cron: str = "0 3 * * *", pools: tuple[str, ..
     """Create or update the deployments of ``pools`` (``cpu``: the two pipeline ones; ``gpu``: the stage
     one), running the code of ``repo``; returns their ids by name (``posttrain-pipeline/default``: id)."""
     from flows.pipeline import pipeline, stage_flow
-    from flows.pools import base_job_template
+    from flows.pools import base_job_template, image
 
     root = Path(repo).resolve()
     params = load_params(root / "params.yaml")
@@ -70,9 +72,16 @@ def deploy(repo: str | Path = ".", cron: str = "0 3 * * *", pools: tuple[str, ..
             name="nightly-evaluate", work_pool_name=cfg.cpu_pool, cron=cron,
             parameters={"target": "report", "route": True, "repo": src}, **quiet)
     if "gpu" in pools:
-        ensure_pool(cfg.gpu_pool, cfg.gpu_pool_type, base_job_template(params))
-        ids["posttrain-stage/gpu"] = stage_flow.from_source(src, "flows/pipeline.py:stage_flow").deploy(
-            name="gpu", work_pool_name=cfg.gpu_pool, parameters={"repo": src}, **quiet)
+        commit = dvcrepo.git_head(root)
+        ensure_pool(cfg.gpu_pool, cfg.gpu_pool_type, base_job_template(params, commit))
+        if cfg.gpu_pool_type == "process":  # a worker in a checkout: this one, or its own (prefect.dvc_remote)
+            ids["posttrain-stage/gpu"] = stage_flow.from_source(src, "flows/pipeline.py:stage_flow").deploy(
+                name="gpu", work_pool_name=cfg.gpu_pool, parameters={"repo": src}, **quiet)
+        else:  # a container per flow run: the code is the image's checkout, its working directory
+            with contextlib.chdir(root):  # the entrypoint, flows/pipeline.py, relative to the checkout
+                ids["posttrain-stage/gpu"] = stage_flow.deploy(
+                    name="gpu", work_pool_name=cfg.gpu_pool, image=image(params, commit), build=False, push=False,
+                    **quiet)
     return {name: str(i) for name, i in ids.items()}
 
 

@@ -44,6 +44,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 
+from flows import pools
 from posttrain import dvcrepo, tracking
 from posttrain.config import ConfigError, Params, load_params, stage_metrics
 from posttrain.config.overrides import parse_overrides, render_overrides
@@ -118,10 +119,12 @@ def stage_task(stage: str, repo: str) -> str:
 
 @task(cache_policy=None, persist_result=False)
 def remote_stage_task(stages: list[str], repo: str, commit: str, mlflow_parent: str | None,
-                      params_text: str | None = None, remote: str | None = None) -> dict[str, str]:
+                      params_text: str | None = None, remote: str | None = None,
+                      job_variables: dict[str, Any] | None = None) -> dict[str, str]:
     """Consecutive gpu stages as one flow run of the gpu stage deployment, with the pipeline's params.yaml
     (``params_text``); waits for it, fails if it failed. ``remote``: the worker is in its own checkout, so the
-    handoffs go both ways and the outputs are pulled here."""
+    handoffs go both ways and the outputs are pulled here. ``job_variables``: the run's (``flows.pools``: the
+    commit's image on a kubernetes or docker pool)."""
     from prefect.deployments import run_deployment
 
     root = Path(repo)
@@ -131,7 +134,7 @@ def remote_stage_task(stages: list[str], repo: str, commit: str, mlflow_parent: 
     else:
         parameters["repo"] = repo  # workers share this checkout
     fr = run_deployment(STAGE_DEPLOYMENT, parameters=parameters, flow_run_name="+".join(stages), timeout=None,
-                        as_subflow=True, poll_interval=1)
+                        as_subflow=True, poll_interval=1, job_variables=job_variables or None)
     if fr.state is None or not fr.state.is_completed():
         raise StageError(f"stages {stages}: flow run {fr.id} ended {fr.state.name if fr.state else 'unknown'}")
     if remote:
@@ -235,7 +238,8 @@ def _pipeline(root: Path, params: Params, target: str | None, exp_name: str | No
             if kind == "gpu":  # consecutive gpu stages: one flow run on the gpu pool (one worker pick-up)
                 name = "+".join(group)
                 statuses |= remote_stage_task.with_options(name=name, task_run_name=name, **retry)(
-                    group, str(root), commit, parent, params_text, cfg.dvc_remote if route else None)
+                    group, str(root), commit, parent, params_text, cfg.dvc_remote if route else None,
+                    pools.job_variables(params, commit))
             else:
                 (s,) = group
                 statuses[s] = stage_task.with_options(name=s, task_run_name=s, **retry)(s, str(root))

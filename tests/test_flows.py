@@ -308,7 +308,7 @@ def _gpu_pool_on_the_server(repo: Path, env: dict) -> dict:
     (the server accepts it: its placeholders are declared); asking for a docker pool of the same name then is
     one line, exit 2. Returns the pool as the server holds it."""
     raw = yaml.safe_load((repo / "params.yaml").read_text())
-    raw["prefect"].update({"gpu_pool_type": "kubernetes", "gpus": 2, "image": "posttrain-worker:1",
+    raw["prefect"].update({"gpu_pool_type": "kubernetes", "gpus": 2, "image": "posttrain-worker:{commit}",
                            "dvc_remote": "storage"})
     (repo / "params.yaml").write_text(yaml.safe_dump(raw))
     dep = subprocess.run([sys.executable, "-m", "flows.deploy", "--repo", str(repo), "--pools", "gpu"], cwd=repo,
@@ -320,9 +320,16 @@ def _gpu_pool_on_the_server(repo: Path, env: dict) -> dict:
                            env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "is of type kubernetes" in again.stderr, again.stderr[-3000:]
     r = subprocess.run([sys.executable, "-c", "import json; from prefect.client.orchestration import get_client\n"
-                        "with get_client(sync_client=True) as c: print(c.read_work_pool('gpu').model_dump_json())"],
+                        "with get_client(sync_client=True) as c:\n"
+                        "    print(c.read_work_pool('gpu').model_dump_json())\n"
+                        "    print(c.read_deployment_by_name('posttrain-stage/gpu').model_dump_json())"],
                        cwd=repo, env=env, capture_output=True, text=True, timeout=120)
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    pool, dep = (json.loads(line) for line in r.stdout.strip().splitlines()[-2:])
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    # a pod runs the image's checkout: the entrypoint relative to its working directory, no path of this machine
+    assert dep["entrypoint"] == "flows/pipeline.py:stage_flow" and not dep["pull_steps"]
+    assert "repo" not in dep["parameters"] and dep["job_variables"]["image"] == f"posttrain-worker:{head}"
+    return pool
 
 
 @pytest.mark.slow

@@ -95,3 +95,16 @@ def test_a_stage_records_the_image_it_ran_in(tmp_path, monkeypatch):
                                             'imageid="' + "ef" * 32 + '"\n')
     assert records._container() == {"container.image": "localhost/posttrain-worker@sha256:" + "cd" * 32,
                                     "container.engine": "podman-4.3.1", "container.imageid": "ef" * 32}
+
+
+def test_each_gpu_flow_run_asks_for_the_image_of_the_pipelines_commit():
+    """``prefect.image`` with ``{commit}``: the template's default is the deploying checkout's image, and each
+    flow run's job variables the pipeline's (a stage flow runs only at the pipeline's commit)."""
+    from flows.pools import job_variables
+
+    p = _params("kubernetes", image="registry.example/posttrain-worker:{commit}")
+    t = base_job_template(p, "c0ffee")
+    assert t["variables"]["properties"]["image"]["default"] == "registry.example/posttrain-worker:c0ffee"
+    assert job_variables(p, "abc123") == {"image": "registry.example/posttrain-worker:abc123",
+                                          "env": {"POSTTRAIN_IMAGE": "registry.example/posttrain-worker:abc123"}}
+    assert job_variables(parse_params(tiny_raw(None)), "abc123") == {}  # a process pool: nothing to ask
