@@ -21,6 +21,7 @@ from conftest import REPO, tiny_raw
 
 from posttrain import runner, slurm
 from posttrain.config import ConfigError, parse_params
+from posttrain.errors import StageError
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
 
@@ -285,10 +286,13 @@ class FakeSlurm:
     def job(self, job_id: str):
         life = self.lives[int(job_id) - 100]
         k = self.looks[job_id] = self.looks.get(job_id, -1) + 1
-        return slurm.Job(job_id, life[min(k, len(life) - 1)], 0, 0, "n1", "None")
+        state = life[min(k, len(life) - 1)]
+        return slurm.Job(job_id, state, 3 if state == "FAILED" else 0, 0, "n1", "NonZeroExitCode" if state ==
+                         "FAILED" else "None")
 
 
 def _follow(tmp_path, monkeypatch, fake: FakeSlurm, resubmits: int = 3) -> int:
+    tmp_path.mkdir(exist_ok=True)
     p = _slurm_params(tmp_path, poll_s=0.001, resubmits=resubmits)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(slurm, "_slurm", fake.command)
@@ -310,6 +314,19 @@ def test_resubmits_are_bounded_and_a_failed_job_fails_the_command(tmp_path, monk
     assert _follow(tmp_path, monkeypatch, fake, resubmits=1) == 1
     assert fake.submitted == ["100", "101"]
     assert "slurm job 101 ended NODE_FAIL (exit code 0); its log is above" in capsys.readouterr().err
+
+
+def test_a_failed_job_fails_the_command_with_its_exit_code_and_a_forgotten_job_is_one_line(tmp_path, monkeypatch,
+                                                                                           capsys):
+    assert _follow(tmp_path, monkeypatch, FakeSlurm(["PENDING", "RUNNING", "FAILED"])) == 3
+    err = capsys.readouterr().err
+    assert "slurm job 100 ended FAILED (exit code 3, NonZeroExitCode); its log is above" in err
+    assert "slurm job 100 pending (None)" in err  # a waiting job is said, once
+
+    fake = FakeSlurm(["RUNNING"])
+    monkeypatch.setattr(fake, "job", lambda job_id: None)  # slurmctld forgot it (MinJobAge)
+    with pytest.raises(StageError, match="slurmctld no longer knows it"):
+        _follow(tmp_path / "b", monkeypatch, fake)
 
 
 def test_a_rerun_follows_the_job_an_earlier_killed_command_left_running(tmp_path, monkeypatch, capsys):
