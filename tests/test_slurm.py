@@ -259,14 +259,14 @@ def test_lineage_shows_the_job_a_stage_ran_as():
     """``posttrain lineage``'s tree: a stage whose MLflow run carries ``slurm.*`` tags gets a line naming the job."""
     from rich.console import Console
 
-    from posttrain.cli import _render_lineage
     from posttrain.lineage import Node, Out
+    from posttrain.lineage.render import tree_view
 
     n = Node("rl", [Out("models/rl", "9b2c" * 8)], "3f9c00000000", {}, run_id="5e1a" * 8, commit="75b1cd9e41aa",
              ran_as={"slurm.job_id": "4", "slurm.nodes": "gpu[01-02]", "slurm.restarts": "1",
                      "slurm.version": "22.05.8", "cuda": "12.4"})
     con = Console(width=200, record=True)
-    con.print(_render_lineage(n, verified=False))
+    con.print(tree_view(n, verified=False))
     assert "slurm job 4 on gpu[01-02] (restarts 1; slurm 22.05.8, cuda 12.4)" in con.export_text()
 
 
