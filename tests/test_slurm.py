@@ -22,6 +22,7 @@ from conftest import REPO, tiny_raw
 from posttrain import runner, slurm
 from posttrain.config import ConfigError, parse_params
 from posttrain.errors import StageError
+from posttrain.judge.server import free_port
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
 
@@ -92,12 +93,6 @@ def test_without_slurm_commands_the_stage_says_so_in_one_line_before_any_work(tm
 
 # --- a real cluster ---------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """munged + slurmctld + one slurmd on this host, in a temporary folder, on free ports; yields the environment
@@ -119,8 +114,8 @@ def cluster(tmp_path_factory):
     host = socket.gethostname()
     conf = d / "slurm.conf"
     conf.write_text("\n".join([
-        "ClusterName=posttrain-test", f"SlurmctldHost={host}(127.0.0.1)", f"SlurmctldPort={_free_port()}",
-        f"SlurmdPort={_free_port()}", "AuthType=auth/munge", f"AuthInfo=socket={sock}", "CredType=cred/munge",
+        "ClusterName=posttrain-test", f"SlurmctldHost={host}(127.0.0.1)", f"SlurmctldPort={free_port()}",
+        f"SlurmdPort={free_port()}", "AuthType=auth/munge", f"AuthInfo=socket={sock}", "CredType=cred/munge",
         "SlurmUser=root", "SlurmdUser=root", f"StateSaveLocation={d / 'state'}", f"SlurmdSpoolDir={d / 'spool'}",
         f"SlurmctldPidFile={d / 'slurmctld.pid'}", f"SlurmdPidFile={d / 'slurmd.pid'}",
         f"SlurmctldLogFile={d / 'log' / 'slurmctld.log'}", f"SlurmdLogFile={d / 'log' / 'slurmd.log'}",
