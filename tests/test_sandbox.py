@@ -275,9 +275,15 @@ def test_output_past_the_cap_is_killed_and_truncated():
 
 
 @pytest.mark.slow
-def test_an_infinite_loop_hits_the_cpu_limit(sb):
+def test_an_infinite_loop_hits_the_cpu_limit():
+    """The wall clock is 30× the CPU limit: CI once ran this beside two other test streams on 2 cores, and the
+    loop got under 2 CPU-seconds in 5 wall-seconds (the wall-clock limit fired first)."""
+    try:
+        sb = Sandbox(SandboxCfg(cpu_s=1, wall_s=30))
+    except SandboxUnavailable as e:
+        pytest.skip(str(e))
     r = run(sb, "cpu loop", "while True:\n    pass")
-    assert (r.status, r.detail) == ("timeout", "CPU-time limit (SIGXCPU)") and r.wall_s < FAST.wall_s
+    assert (r.status, r.detail) == ("timeout", "CPU-time limit (SIGXCPU)") and r.wall_s < 30
 
 
 @pytest.mark.slow

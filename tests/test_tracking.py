@@ -644,3 +644,28 @@ def test_the_stages_of_a_dvc_experiment_nest_under_a_run_named_after_it(tmp_path
     assert parent.data.params == {"rl.lr": "1e-05"} and parent.data.tags["dvc.exp_baseline"] == base
     assert sorted(r.info.run_name for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id) == [
         "evaluate@rl", "rl"]
+
+
+@pytest.mark.slow
+def test_processes_opening_a_new_sqlite_store_at_once_all_get_it(tmp_path):
+    """Found by CI: `posttrain repro` and a second process opened a fresh mlflow.db at the same moment; both ran
+    MLflow's schema migration, one failed (alembic), and the pipeline ran without its parent run. Four processes
+    start together on a new store; each must read it (failed 1 in 3 with two processes before the lock)."""
+    import subprocess
+    import sys
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    go = tmp_path / "go"
+    code = ("import os, sys, time\n"
+            "from posttrain.tracking import store\n"
+            "import mlflow\n"  # imported before the start line, so the processes race on the store only
+            f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+            f"c = store.mlflow_client({uri!r})\n"
+            "print(c.get_experiment_by_name('Default').experiment_id, c.search_registered_models())\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(4)]
+    time.sleep(8)  # every process waits at the start line
+    go.write_text("")
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [(p.returncode, o.strip()) for p, (o, _) in zip(procs, outs, strict=True)] == [(0, "0 []")] * 4, \
+        [e[-600:] for _, e in outs]

@@ -30,7 +30,19 @@ def mlflow_client(uri: str) -> Any:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     from mlflow import MlflowClient
 
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    if not uri.startswith("sqlite:///"):
+        return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    # MLflow migrates a new sqlite file's schema when a client opens it: two processes doing it at once (a stage
+    # and the UI, two flow runs) fail one in alembic, so the opening is serialized
+    import fcntl
+
+    db = Path(uri.removeprefix("sqlite:///"))
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        client = MlflowClient(tracking_uri=uri, registry_uri=uri)  # opens (and migrates) the tracking store
+        client.search_registered_models(max_results=1)  # and the registry's
+    return client
 
 
 # MLflow 3's UI opens an experiment without this tag in its GenAI view ("No data", "Evaluation runs"); with it,
