@@ -130,3 +130,17 @@ def test_the_stage_command_exits_2_on_a_wrong_hash(tiny, tmp_path):
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert lines[-1].startswith("posttrain: model.sha256: tinymodel-0.1-py3-none-any.whl") and len(lines) == 1, lines
     assert not Path(raw["paths"]["base_model"]).exists() and not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("lora", [None, {"r": 4, "alpha": 8, "target_modules": "all-linear"}])
+def test_a_policy_built_on_meta_has_the_dtypes_of_the_one_rank_0_reads(tiny, lora):
+    """Found by the memory plan's review: under FSDP2, ranks > 0 build the policy on the meta device and
+    receive rank 0's weights. With LoRA on a bf16 base they built the base in fp32 while rank 0 read it in
+    bf16: the broadcast into shards of another dtype. Watched fail (float32 != bfloat16)."""
+    tiny["model"]["dtype"] = "bfloat16"
+    tiny["model"]["lora"] = lora
+    p = parse_params(tiny)
+    model_stage.run(p, *model_stage.paths(p))
+    read = modeling.load_policy(p.paths.base_model, p.model, torch.device("cpu"))
+    meta = modeling.load_policy(p.paths.base_model, p.model, torch.device("cpu"), meta=True)
+    assert [(n, t.dtype) for n, t in meta.named_parameters()] == [(n, t.dtype) for n, t in read.named_parameters()]

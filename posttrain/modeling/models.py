@@ -143,11 +143,17 @@ def load_policy(name: str, cfg: ModelCfg, device: torch.device, meta: bool = Fal
     meta device from the folder's config, no weight read; ``Dist.wrap`` shards it and rank 0 broadcasts the
     weights."""
     if meta:
-        model = empty_model(name, cfg.attn_implementation)
+        model = empty_model(name, cfg.attn_implementation, dtype=policy_dtype(cfg))
     else:
         model = load_model(name, cfg.dtype, device, trainable=cfg.lora is None,
                            attn_implementation=cfg.attn_implementation)
     return make_trainable(model, cfg.lora, cfg.gradient_checkpointing)
+
+
+def policy_dtype(cfg: ModelCfg) -> str:
+    """The dtype a policy's weights are stored in: fp32 masters for full fine-tuning, ``cfg.dtype`` for the
+    frozen base under LoRA (its adapters are fp32 either way)."""
+    return "float32" if cfg.lora is None else cfg.dtype
 
 
 def empty_model(name: str, attn_implementation: str = "sdpa", revision: str | None = None,
