@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 
@@ -52,6 +53,12 @@ def _params(path: Path, root: Path | None = None) -> Params:
         print(f"posttrain: {path}: {bad}", file=sys.stderr)
         raise typer.Exit(EXIT_CONFIG_ERROR)
     return p
+
+
+def _die(message: str) -> NoReturn:
+    """One line on stderr and exit 2 (a wrong argument, before any work)."""
+    print(f"posttrain: {message}", file=sys.stderr)
+    raise typer.Exit(EXIT_CONFIG_ERROR)
 
 
 @app.command()
@@ -108,6 +115,39 @@ def tracking_sync(params: Path = PARAMS) -> None:
                                                                f"reason in {box / 'refused'}" if refused else ""))
     if left or refused:
         raise typer.Exit(1)
+
+
+@app.command()
+def plan(params: Path = PARAMS,
+         model: str = typer.Option(None, help="a config.json or a model folder (default: paths.base_model, else "
+                                              "model.base); benchmarks/model_configs/ has Qwen2.5-7B's and 1.5B's"),
+         world: int = typer.Option(8, min=1, max=4096, help="ranks (one per GPU), FSDP2"),
+         gpu_gib: float = typer.Option(80.0, min=1.0, help="memory of one GPU, GiB"),
+         seq_len: int = typer.Option(None, min=8, help="tokens per sequence (default: 512 + rl.sampling."
+                                                       "max_new_tokens)"),
+         stages: str = typer.Option("sft,rl,distill", help="which trainers, comma-separated"),
+         json_out: Path = typer.Option(None, "--json", help="also write the rows here")) -> None:
+    """Per-rank peak memory of the sft, rl and distill updates at WORLD ranks of GPU_GIB, measured by running one
+    update step of this code under torch's fake process group and fake tensors (FSDPMemTracker): no GPU, no
+    weights. Says "fits" or what to change (docs/distributed.md, Memory plan)."""
+    import json
+
+    from posttrain import plan as memplan
+
+    p = _params(params)
+    chosen = tuple(s.strip() for s in stages.split(",") if s.strip())
+    if not chosen or set(chosen) - set(memplan.STAGES):
+        _die(f"--stages: {stages!r}: choose from {', '.join(memplan.STAGES)}")
+    source = model or (p.paths.base_model if Path(p.paths.base_model, "config.json").is_file() else p.model.base)
+    try:
+        config = memplan.load_config(source)
+    except (OSError, ValueError, KeyError) as e:
+        _die(f"--model: {source}: no model config there ({str(e).splitlines()[0]})")
+    rows = memplan.plan(config, p, world, gpu_gib, seq_len or 512 + p.rl.sampling.max_new_tokens, chosen)
+    typer.echo(memplan.table(rows, f"{source} on {world} x {gpu_gib:g} GiB, model.dtype {p.model.dtype}, "
+                                   f"lora {'on' if p.model.lora else 'off'}"))
+    if json_out:
+        json_out.write_text(json.dumps(rows, indent=1) + "\n")
 
 
 @app.command()

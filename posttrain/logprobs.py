@@ -44,6 +44,12 @@ def decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
     return base.get_decoder(), base.get_output_embeddings()
 
 
+def scored_positions(mask: torch.Tensor) -> torch.Tensor:
+    """The flat index [N] in [B * (T-1)] of each scored position of ``mask`` [B, T-1]. (The memory plan,
+    ``posttrain.plan``, runs on fake tensors that have no values: it swaps this for every position.)"""
+    return mask.flatten().nonzero().squeeze(1)
+
+
 def hidden_at_targets(model: torch.nn.Module, t: dict[str, torch.Tensor]
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decoder hidden states at the positions whose next token is scored.
@@ -58,7 +64,7 @@ def hidden_at_targets(model: torch.nn.Module, t: dict[str, torch.Tensor]
     else:
         out = decoder(input_ids=t["ids"], attention_mask=t["attn"], use_cache=False)
     h = out.last_hidden_state[:, :-1]  # [rows, width-1, H]: position t predicts token t+1
-    where = t["mask"].flatten().nonzero().squeeze(1)  # [N] in [B * (T-1)]
+    where = scored_positions(t["mask"])  # [N] in [B * (T-1)]
     src = t["gather"].flatten()[where] if "gather" in t else where
     return h.reshape(-1, h.shape[-1])[src], t["ids"][:, 1:].flatten()[src], where
 

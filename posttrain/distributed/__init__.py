@@ -65,6 +65,7 @@ class Dist:
     local_rank: int = 0
     strategy: str = "ddp"
     comm_device: str = "cpu"  # where reduced tensors live: NCCL reduces only CUDA tensors (cuda:<local rank>)
+    mesh: Any = None  # FSDP2's device mesh (None: torch's default, every rank); made once by the memory plan
     _copies: dict[int, torch.nn.Module] = field(default_factory=dict, repr=False)  # FSDP2: full-weight copies
     gathered_bytes: int = 0  # received by ``gather_tensor`` (all-gathers of numeric data), over the job
     sent_bytes: int = 0  # sent to rank 0 by ``stream_to_main``
@@ -183,7 +184,8 @@ class Dist:
             dev = next(model.parameters()).device
             return DistributedDataParallel(Forward(model), device_ids=[dev.index] if dev.type == "cuda" else None)
         from_rank0 = bool(self.max(float(any(p.is_meta for p in model.parameters()))))  # Dist.loads_on_meta
-        wrapped, copy_ = placement.fsdp2(model, self.main, torch.device(self.comm_device), from_rank0)
+        wrapped, copy_ = placement.fsdp2(model, self.main, torch.device(self.comm_device), from_rank0,
+                                         self.mesh)
         self._copies[id(wrapped)] = copy_
         return wrapped
 

@@ -40,11 +40,12 @@ def forward(wrapped: torch.nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any
     return fn(wrapped, *args, **kwargs)
 
 
-def fsdp2(model: torch.nn.Module, main: bool, device: torch.device, from_rank0: bool
+def fsdp2(model: torch.nn.Module, main: bool, device: torch.device, from_rank0: bool, mesh: Any = None
           ) -> tuple[torch.nn.Module, torch.nn.Module]:
     """``model`` sharded (``fully_shard`` per decoder layer and at the root of its ``Forward``) and a frozen
     full-weight copy of it for ``refresh``. ``from_rank0`` (some rank built the model on the meta device): every
-    rank's shards and buffers get rank 0's values, the meta ranks' model and copy allocated on ``device``."""
+    rank's shards and buffers get rank 0's values, the meta ranks' model and copy allocated on ``device``.
+    ``mesh``: the ranks to shard over (None: all of them, torch's default mesh)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
@@ -52,8 +53,8 @@ def fsdp2(model: torch.nn.Module, main: bool, device: torch.device, from_rank0: 
     copy_ = copy.deepcopy(model).requires_grad_(False)
     full = model.state_dict() if main and from_rank0 else {}  # rank 0's weights, for the meta ranks
     for layer in _decoder_layers(model):
-        fully_shard(layer)
-    wrapped = fully_shard(Forward(model))
+        fully_shard(layer, mesh=mesh)
+    wrapped = fully_shard(Forward(model), mesh=mesh)
     if from_rank0:
         if on_meta:
             wrapped.to_empty(device=device)

@@ -21,6 +21,7 @@ from posttrain.modeling.models import (
     load_policy,
     make_trainable,
     num_params,
+    policy_dtype,
     resolve_device,
     save_checkpoint,
     trainable_params,
@@ -41,7 +42,7 @@ from posttrain.modeling.prompts import (
 
 __all__ = ["BOS", "CHAT_TEMPLATE", "EOS", "PAD", "UNK", "adapter_off", "apply_prompt", "autocast",
            "build_char_tokenizer", "build_tiny_model", "checkpoint_digest", "empty_model", "is_lora", "keep_layers",
-           "load_base", "load_model", "load_policy",
+           "load_base", "load_model", "load_policy", "policy_dtype",
            "load_tokenizer", "make_trainable", "num_params", "plain_chat_template", "resolve_device",
            "save_checkpoint", "stop_ids", "trainable_params", "wrap_chat_template"]
 

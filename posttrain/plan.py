@@ -1,0 +1,220 @@
+"""The memory plan (``posttrain plan``): per-rank peak memory of the sft, rl and distill updates under FSDP2 at a
+target world size and GPU memory, **measured by running** one update step of this project's own code path
+(``Dist.wrap``, ``training.accumulate``, ``logprobs.token_logp_entropy``, the frozen KL reference or teacher the
+stage loads) under torch.distributed's fake process group and fake tensors, with torch's ``FSDPMemTracker``
+(``torch.distributed._tools.fsdp2_mem_tracker``). No weights are read and no GPU is needed: a model is its
+``config.json`` (a local folder's, or a file such as ``benchmarks/model_configs/qwen2.5-7b.json``).
+
+What it counts, per rank: sharded parameters, gradients and optimizer state, the unsharded parameters and
+all-gather buffers FSDP2 holds during a layer's forward/backward, activations and temporaries at the step's
+peak (the tracker's categories), and, resident beside them, the full-weight copies our code keeps (the FSDP2
+generation copy, the KL reference, the teacher): bytes of the tensors the code allocated, not a formula. The
+vLLM engine's share (``rollout.vllm.gpu_memory_utilization`` of the card) is added to the generation phase.
+What it does not model: the CUDA caching allocator's fragmentation and NCCL's buffers (budget ~5-10% more),
+CUDA kernels' workspaces, and which SDPA kernel a GPU picks (the plan runs CPU's flash-attention kernel, which
+like a GPU's never materialises the [T, T] scores). Fake tensors have no values, so the memory-lean log-prob
+path scores every position (``logprobs.scored_positions``): the most its LM head can cost.
+
+torch's ``FakeStore`` (``torch.testing._internal.distributed.fake_pg``) is the store the fake backend takes;
+torchtitan's memory estimator uses the same pieces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from posttrain import distributed, logprobs, modeling, training
+from posttrain.distributed import Dist, forward
+
+GiB = 2**30
+STAGES = ("sft", "rl", "distill")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One stage's update as the plan runs it: ``seqs`` sequences of ``seq_len`` tokens per micro-batch."""
+
+    stage: str
+    seqs: int
+    seq_len: int
+    frozen: str | None  # "reference" (rl's KL anchor) or "teacher" (distill), a full model per rank
+    engine_frac: float  # of the card, held by a colocated vLLM engine while it generates (0: hf backend)
+    entropy: str  # "grad" when the loss has an entropy term
+
+
+def shapes(params: Any, seq_len: int) -> list[Shape]:
+    """The three trainers' micro-batches under ``params`` (a token budget caps the sequences per micro-batch)."""
+    def seqs(cfg: Any) -> int:
+        budget = getattr(cfg, "max_tokens_per_micro_batch", None)
+        return max(1, min(cfg.micro_batch_size, budget // seq_len)) if budget else cfg.micro_batch_size
+
+    rl, engine = params.rl, params.rollout.vllm.gpu_memory_utilization if params.rollout.backend == "vllm" else 0.0
+    kl = (rl.kl_coef > 0 or rl.kl_reward_coef > 0) and params.model.lora is None  # LoRA: the adapter off is the ref
+    return [Shape("sft", seqs(params.sft), seq_len, None, 0.0, "off"),
+            Shape("rl", seqs(rl), seq_len, "reference" if kl else None, engine,
+                  "grad" if rl.entropy_coef > 0 else "off"),
+            Shape("distill", seqs(params.distill), seq_len, "teacher", engine, "off")]
+
+
+class _PlanDist(Dist):
+    """``Dist`` on the fake process group: its reductions of Python numbers return this rank's value (what the
+    fake backend's all-reduce returns) without the ``.item()`` a fake tensor cannot give."""
+
+    def sum(self, *xs: float) -> list[float]:
+        return [float(x) for x in xs]
+
+    def max(self, x: float) -> float:
+        return float(x)
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> float:
+        torch.nn.utils.clip_grad_norm_(modeling.trainable_params(model), max_norm)
+        return 0.0
+
+
+@contextlib.contextmanager
+def fake_job(world: int) -> Iterator[Dist]:
+    """A fake process group of ``world`` ranks (this process is rank 0), its device mesh, fake tensors, and
+    ``distributed.current()`` set to it; all undone after."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    tdist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    before, positions = distributed._CURRENT, logprobs.scored_positions
+    try:
+        d = _PlanDist(0, world, 0, "fsdp2", "cpu", init_device_mesh("cpu", (world,)))  # the mesh: outside fake mode
+        distributed._CURRENT = d
+        logprobs.scored_positions = lambda mask: torch.arange(mask.numel())  # no values: every position
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            yield d
+    finally:
+        distributed._CURRENT, logprobs.scored_positions = before, positions
+        tdist.destroy_process_group()
+
+
+def resident_bytes(*modules: torch.nn.Module) -> int:
+    """Bytes of the distinct storages of ``modules``' parameters and buffers (tied ones once)."""
+    seen: dict[int, int] = {}
+    for m in modules:
+        for t in (*m.parameters(), *m.buffers()):
+            seen[id(t.untyped_storage())] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def measure(config: Any, params: Any, shape: Shape, d: Dist) -> dict[str, float]:
+    """Run two update steps of ``shape`` (the second one holds the optimizer's state) on a model built from
+    ``config`` inside ``fake_job``; the tracker's categories at the step's peak and the resident copies, GiB."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from transformers import AutoModelForCausalLM
+
+    m = params.model
+    with torch.device("meta"):  # built as FSDP2's ranks > 0 build it, then allocated (as fake tensors)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, modeling.policy_dtype(m)))
+        model = modeling.make_trainable(model, m.lora, m.gradient_checkpointing)
+        frozen = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, m.dtype)) if shape.frozen else None
+    for module in (model, frozen):
+        if module is not None:
+            _allocate(module)
+    wrapped = d.wrap(model.train())
+    opt = training.adamw(wrapped, 1e-6, 0.0, training.ONLINE_BETAS)
+    items = list(range(shape.seqs * d.world))  # one micro-batch per rank: the tracker follows one forward a step
+
+    def loss_of(chunk: list[int], real: bool) -> torch.Tensor:
+        ids = torch.randint(0, config.vocab_size, (len(chunk), shape.seq_len))
+        batch = {"ids": ids, "attn": torch.ones_like(ids), "mask": torch.ones_like(ids[:, 1:], dtype=torch.bool)}
+        with modeling.autocast(m.dtype, torch.device("cpu")):
+            lp, ent = forward(wrapped, logprobs.token_logp_entropy, batch, entropy=shape.entropy)
+        return -(lp.sum() + ent.sum()) / ids.numel()
+
+    tracker = FSDPMemTracker(wrapped, opt)
+    with tracker:
+        for step in range(2):
+            training.accumulate(wrapped, opt, items, shape.seqs, loss_of, 1.0)
+            if step == 0:
+                tracker.reset_mod_stats()
+    (peak,) = tracker.get_tracker_snapshot("peak").values()
+    out = {str(getattr(k, "value", k)): v / GiB for k, v in peak.items()}
+    out["Full copy"] = resident_bytes(*d._copies.values()) / GiB
+    out["Frozen model"] = resident_bytes(frozen) / GiB if frozen is not None else 0.0
+    out["Update peak"] = out.pop("Total") + out["Full copy"] + out["Frozen model"]
+    d._copies.clear()
+    return out
+
+
+def plan(config: Any, params: Any, world: int, gpu_gib: float, seq_len: int, stages: tuple[str, ...] = STAGES
+         ) -> list[dict[str, Any]]:
+    """One row per stage: the measured categories (GiB per rank), the update's peak, the generation phase's
+    (what stays resident while the engine or the hf copy generates, plus the engine's share) and a verdict."""
+    rows = []
+    for shape in shapes(params, seq_len):
+        if shape.stage not in stages:
+            continue
+        with fake_job(world) as d:
+            got = measure(config, params, shape, d)
+        engine = shape.engine_frac * gpu_gib
+        gen = got["Sharded Param"] + got["OptState"] + got["Full copy"] + got["Frozen model"] + engine
+        peak = max(got["Update peak"], gen)
+        rows.append({"stage": shape.stage, "world": world, "seqs": shape.seqs, "seq_len": seq_len,
+                     **{k: round(v, 6) for k, v in got.items()}, "Engine": round(engine, 6),
+                     "Generation peak": round(gen, 6), "Peak": round(peak, 6),
+                     "verdict": "fits" if peak <= gpu_gib else advice(got, peak, gpu_gib)})
+    return rows
+
+
+def advice(got: dict[str, float], peak: float, gpu_gib: float) -> str:
+    """What to change, from the largest share of the peak."""
+    over = f"needs {peak:.1f} GiB of {gpu_gib:g}"
+    if got["Activation"] + got.get("Temp", 0.0) >= max(got["Full copy"], got["Frozen model"], got["OptState"]):
+        return f"{over}: set model.gradient_checkpointing, or fewer tokens per micro-batch"
+    if got["Full copy"] + got["Frozen model"] >= got["OptState"]:
+        return f"{over}: the full copies per rank dominate (LoRA: model.lora)"
+    return f"{over}: more ranks, or LoRA (model.lora)"
+
+
+COLUMNS = ("Sharded Param", "Unsharded Param", "All Gather", "OptState", "Activation", "Temp", "Full copy",
+           "Frozen model", "Update peak", "Engine", "Generation peak")
+
+
+def table(rows: list[dict[str, Any]], title: str) -> str:
+    """A markdown table of ``plan`` rows (GiB per rank)."""
+    head = ["stage", "seqs x len", *COLUMNS, "verdict"]
+    lines = [f"**{title}** (GiB per rank)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["stage"], f"{r['seqs']} x {r['seq_len']}", *(f"{r.get(c, 0.0):.2f}" for c in COLUMNS),
+                 r["verdict"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _allocate(module: torch.nn.Module) -> None:
+    """Each meta parameter and buffer of ``module`` replaced by an uninitialised (fake) CPU tensor, tied ones
+    kept tied. (``to_empty`` would swap tensors in place, which fake mode refuses for a tensor it has seen.)"""
+    new: dict[int, torch.Tensor] = {}
+    for m in module.modules():
+        for slot in (m._parameters, m._buffers):
+            for name, t in slot.items():
+                if t is not None:
+                    if id(t) not in new:
+                        e = torch.empty_like(t, device="cpu")
+                        new[id(t)] = torch.nn.Parameter(e, t.requires_grad) if isinstance(t, torch.nn.Parameter) else e
+                    slot[name] = new[id(t)]
+
+
+def load_config(source: str | Path) -> Any:
+    """A model's config: a ``config.json`` file or a model folder holding one."""
+    from transformers import AutoConfig
+
+    p = Path(source)
+    if p.is_file():
+        import json
+
+        raw = json.loads(p.read_text())
+        return AutoConfig.for_model(raw.pop("model_type"), **raw)
+    return AutoConfig.from_pretrained(str(p))

@@ -1,0 +1,53 @@
+"""The memory plan (``posttrain plan``): one update step of our own code under the fake process group and fake
+tensors, measured by torch's FSDPMemTracker."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, tiny_raw
+
+from posttrain import plan
+from posttrain.config import parse_params
+
+QWEN7B = REPO / "benchmarks" / "model_configs" / "qwen2.5-7b.json"
+
+
+@pytest.mark.slow  # over 2 s: out of the fast suite
+def test_the_plan_of_a_small_llama_at_2_ranks_shards_what_fsdp2_shards():
+    raw = tiny_raw(None)
+    raw["rl"]["kl_coef"], raw["distill"]["grpo_steps"] = 0.1, 0  # a KL reference: a full frozen model per rank
+    p = parse_params(raw)
+    config = plan.load_config(REPO / "benchmarks" / "model_configs" / "qwen2.5-1.5b.json")
+    config.num_hidden_layers, config.vocab_size = 2, 1024  # the 1.5B's layer shapes, two of them
+    n = 2 * (1536 * (1536 + 256 * 2 + 1536) + 3 * 1536 * 8960 + 2 * 1536 + 1536 + 256 * 2) + 1024 * 1536 + 1536
+    # per layer: q (1536 x 1536 + bias 1536), k and v (256 x 1536 + bias 256 each), o (1536 x 1536), the MLP's
+    # three 1536 x 8960, two norms; tied embedding 1024 x 1536; the final norm 1536
+    rows = {r["stage"]: r for r in plan.plan(config, p, 2, 80.0, 64)}
+    gib = 2**30
+    assert abs(rows["sft"]["Sharded Param"] - 4 * n / 2 / gib) < 1e-5  # fp32 masters, half on this rank
+    assert abs(rows["sft"]["OptState"] - 2 * 4 * n / 2 / gib) < 1e-5  # Adam's two moments of the shard
+    assert rows["rl"]["Frozen model"] > 0 and rows["sft"]["Frozen model"] == 0
+    assert all(r["verdict"] == "fits" for r in rows.values())
+    tight = plan.plan(config, p, 2, 0.01, 64, ("sft",))[0]
+    assert tight["verdict"].startswith("needs ")
+
+
+@pytest.mark.slow  # over 2 s: out of the fast suite
+def test_the_cli_prints_the_table_and_refuses_a_wrong_stage_in_one_line(tmp_path):
+    out, config = tmp_path / "plan.json", tmp_path / "config.json"
+    config.write_text(json.dumps({**json.loads(QWEN7B.read_text()), "num_hidden_layers": 1}))  # 7B's layer, once
+    n = 3584 * (3584 + 512 * 2 + 3584) + 3584 + 512 * 2 + 3 * 3584 * 18944 + 2 * 3584 + 2 * 152064 * 3584 + 3584
+    cmd = [sys.executable, "-m", "posttrain.cli", "plan", "-p", str(REPO / "params.yaml"), "--model",
+           str(config), "--world", "8", "--seq-len", "16", "--stages", "sft", "--json", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert row["stage"] == "sft" and abs(row["Sharded Param"] - n * 4 / 8 / 2**30) < 1e-5
+    assert "| sft | " in r.stdout
+    bad = subprocess.run(cmd[:-4] + ["--stages", "sfx"], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["posttrain: --stages: 'sfx': choose from "
+                                                                        "sft, rl, distill"]
