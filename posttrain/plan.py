@@ -100,18 +100,37 @@ def fake_job(world: int) -> Iterator[Dist]:
 
 
 def resident_bytes(*modules: torch.nn.Module) -> int:
-    """Bytes of the distinct storages of ``modules``' parameters and buffers (tied ones once)."""
+    """Bytes of the distinct allocated storages of ``modules``' parameters and buffers (tied ones once; a
+    skeleton's meta tensors hold none)."""
     seen: dict[int, int] = {}
     for m in modules:
         for t in (*m.parameters(), *m.buffers()):
-            seen[id(t.untyped_storage())] = t.untyped_storage().nbytes()
+            if not t.is_meta:
+                seen[id(t.untyped_storage())] = t.untyped_storage().nbytes()
     return sum(seen.values())
+
+
+# the trackers' categories, in the table's columns (FSDPMemTracker's and MemTracker's names)
+CATEGORIES = {"Params": ("Sharded Param", "Parameter", "Buffer"),
+              "Gathered": ("Unsharded Param", "All Gather", "Reduce Scatter"),
+              "Grads": ("Sharded Grad", "Unsharded Grad", "Gradient"),
+              "OptState": ("OptState", "Optstate"), "Activation": ("Activation",), "Temp": ("Temp", "Other")}
+
+
+class _NoHook:
+    """A hook handle with nothing to remove: MemTracker's stand-in for a frozen parameter's gradient hooks."""
+
+    def remove(self) -> None:
+        pass
 
 
 def measure(config: Any, params: Any, shape: Shape, d: Dist) -> dict[str, float]:
     """Run two update steps of ``shape`` (the second one holds the optimizer's state) on a model built from
-    ``config`` inside ``fake_job``; the tracker's categories at the step's peak and the resident copies, GiB."""
+    ``config`` inside ``fake_job``, as the stage runs it (rl and distill first make the generation copy, sft
+    never); the tracker's categories at the step's peak and the resident copies, GiB per rank. Under DDP (LoRA:
+    the config refuses FSDP2 with it) every rank runs the one-process step, so ``d`` is a world of one."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import AutoModelForCausalLM
 
     m = params.model
@@ -122,7 +141,9 @@ def measure(config: Any, params: Any, shape: Shape, d: Dist) -> dict[str, float]
     for module in (model, frozen):
         if module is not None:
             _allocate(module)
-    wrapped = d.wrap(model.train())
+    wrapped = d.wrap(model.train(), m.dtype)
+    if shape.stage != "sft":
+        d.plain(wrapped)  # the hf backend generates with it; the vllm backend's weights are copied from it
     opt = training.adamw(wrapped, 1e-6, 0.0, training.ONLINE_BETAS)
     items = list(range(shape.seqs * d.world))  # one micro-batch per rank: the tracker follows one forward a step
 
@@ -133,17 +154,25 @@ def measure(config: Any, params: Any, shape: Shape, d: Dist) -> dict[str, float]
             lp, ent = forward(wrapped, logprobs.token_logp_entropy, batch, entropy=shape.entropy)
         return -(lp.sum() + ent.sum()) / ids.numel()
 
-    tracker = FSDPMemTracker(wrapped, opt)
+    if d.active:
+        tracker = FSDPMemTracker(wrapped, opt)
+    else:
+        tracker = MemTracker()
+        tracker.track_external(wrapped, opt)
+        for p in wrapped.parameters():  # MemTracker hooks every parameter's grad, which a frozen one refuses
+            if not p.requires_grad:
+                tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
     with tracker:
         for step in range(2):
             training.accumulate(wrapped, opt, items, shape.seqs, loss_of, 1.0)
             if step == 0:
                 tracker.reset_mod_stats()
     (peak,) = tracker.get_tracker_snapshot("peak").values()
-    out = {str(getattr(k, "value", k)): v / GiB for k, v in peak.items()}
+    got = {str(getattr(k, "value", k)): v for k, v in peak.items()}
+    out = {col: sum(got.get(k, 0) for k in keys) / GiB for col, keys in CATEGORIES.items()}
     out["Full copy"] = resident_bytes(*d._copies.values()) / GiB
     out["Frozen model"] = resident_bytes(frozen) / GiB if frozen is not None else 0.0
-    out["Update peak"] = out.pop("Total") + out["Full copy"] + out["Frozen model"]
+    out["Update peak"] = got["Total"] / GiB + out["Full copy"] + out["Frozen model"]
     d._copies.clear()
     return out
 
@@ -156,12 +185,14 @@ def plan(config: Any, params: Any, world: int, gpu_gib: float, seq_len: int, sta
     for shape in shapes(params, seq_len):
         if shape.stage not in stages:
             continue
-        with fake_job(world) as d:
+        ddp = params.model.lora is not None  # the config refuses FSDP2 with LoRA
+        with fake_job(1 if ddp else world) as d:
             got = measure(config, params, shape, d)
         engine = shape.engine_frac * gpu_gib
-        gen = got["Sharded Param"] + got["OptState"] + got["Full copy"] + got["Frozen model"] + engine
+        gen = got["Params"] + got["OptState"] + got["Full copy"] + got["Frozen model"] + engine
         peak = max(got["Update peak"], gen)
-        rows.append({"stage": shape.stage, "world": world, "seqs": shape.seqs, "seq_len": seq_len,
+        rows.append({"stage": shape.stage, "world": world, "strategy": "ddp" if ddp else "fsdp2",
+                     "seqs": shape.seqs, "seq_len": seq_len,
                      **{k: round(v, 6) for k, v in got.items()}, "Engine": round(engine, 6),
                      "Generation peak": round(gen, 6), "Peak": round(peak, 6),
                      "verdict": "fits" if peak <= gpu_gib else advice(got, peak, gpu_gib)})
@@ -178,16 +209,15 @@ def advice(got: dict[str, float], peak: float, gpu_gib: float) -> str:
     return f"{over}: more ranks, or LoRA (model.lora)"
 
 
-COLUMNS = ("Sharded Param", "Unsharded Param", "All Gather", "OptState", "Activation", "Temp", "Full copy",
-           "Frozen model", "Update peak", "Engine", "Generation peak")
+COLUMNS = (*CATEGORIES, "Full copy", "Frozen model", "Update peak", "Engine", "Generation peak")
 
 
 def table(rows: list[dict[str, Any]], title: str) -> str:
     """A markdown table of ``plan`` rows (GiB per rank)."""
-    head = ["stage", "seqs x len", *COLUMNS, "verdict"]
+    head = ["stage", "strategy", "seqs x len", *COLUMNS, "verdict"]
     lines = [f"**{title}** (GiB per rank)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["stage"], f"{r['seqs']} x {r['seq_len']}", *(f"{r.get(c, 0.0):.2f}" for c in COLUMNS),
+        cells = [r["stage"], r["strategy"], f"{r['seqs']} x {r['seq_len']}", *(f"{r.get(c, 0.0):.2f}" for c in COLUMNS),
                  r["verdict"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

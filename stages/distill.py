@@ -132,7 +132,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     student = _student(params, tok, teacher, device, d.loads_on_meta)
     log.info("teacher %d params, student %d params", modeling.num_params(teacher), modeling.num_params(student))
     student_params = modeling.num_params(student)
-    student = d.wrap(student)  # the training handle (the model itself in one process)
+    student = d.wrap(student, params.model.dtype)  # the training handle (the model itself in one process)
 
     # 0. the student's cold start: the teacher's own SFT recipe
     demos = read_problems(inputs["demos"])

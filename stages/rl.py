@@ -98,7 +98,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
         ref = model if modeling.is_lora(model) else d.load_on_rank0(  # ranks > 0 read no weights
             lambda: modeling.load_model(str(inputs["policy"]), params.model.dtype, device),
             lambda: modeling.empty_model(str(inputs["policy"]), dtype=params.model.dtype), device)
-    model = d.wrap(model)  # the training handle (the model itself in one process)
+    model = d.wrap(model, params.model.dtype)  # the training handle (the model itself in one process)
     opt = training.adamw(model, cfg.lr, cfg.weight_decay, training.ONLINE_BETAS)
 
     def make_backend() -> Any:

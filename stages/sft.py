@@ -56,7 +56,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
         raise ValueError(f"{inputs['demos']}: no demonstrations")
     model, tok = modeling.load_base(str(inputs["base"]), params.model, meta=d.loads_on_meta)  # FSDP2: rank 0 reads
     model = modeling.make_trainable(model, params.model.lora, params.model.gradient_checkpointing)
-    model = d.wrap((model if d.loads_on_meta else model.to(device)).train())  # meta: wrap materialises it
+    model = d.wrap((model if d.loads_on_meta else model.to(device)).train(), params.model.dtype)  # meta: wrap fills it
 
     tools = [params.tools] if params.sft.tool_demos else []  # how tool demos are written (none: key as before)
     fp = checkpoint.fingerprint(params.sft, params.model, params.seed, checkpoint.file_digest(inputs["demos"]), *tools)

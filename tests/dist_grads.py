@@ -43,28 +43,37 @@ def grad_bytes(wrapped: torch.nn.Module) -> dict[str, int]:
     return {"sharded_grad": sharded, "unsharded_grad": unsharded}
 
 
-def main(folder: str, out: str) -> None:
+def main(folder: str, out: str, dtype: str = "float32") -> None:
     d = distributed.init("gloo", "fsdp2", 120)
     torch.manual_seed(0)
     model = modeling.load_model(folder, "float32", torch.device("cpu"), trainable=True)
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
-    wrapped = d.wrap(model)
+    wrapped = d.wrap(model, dtype)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
     vocab = model.config.vocab_size
     seqs = [torch.randint(0, vocab, (24,), generator=torch.Generator().manual_seed(i)) for i in range(6 * d.world)]
     seen: list[dict[str, int]] = []
+    gathered: list[str] = []  # the dtype a layer's weight is all-gathered in, seen inside the forward
+
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda m, _: gathered.append(str(m.up_proj.weight.dtype)))
+
+    def loss(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(input_ids=x).logits.float().pow(2).mean()
 
     def loss_of_batch(chunk: list[torch.Tensor], real: bool) -> torch.Tensor:
         seen.append(grad_bytes(wrapped))  # before this micro-batch's forward: what the earlier ones left
         ids = torch.stack(chunk)
-        return placement.forward(wrapped, lambda m, x: m(input_ids=x).logits.float().pow(2).mean(), ids) / 3
+        return placement.forward(wrapped, loss, ids) / 3
 
     training.accumulate(wrapped, opt, seqs, 2, loss_of_batch, 1e9)
     copy_ = d._copies.get(id(wrapped))
-    res = {"world": d.world, "whole_param_bytes": whole,
+    allocated = sum(p.numel() * p.element_size() for p in copy_.parameters() if not p.is_meta) if copy_ else 0
+    plain = d.plain(wrapped)
+    res = {"gathered_dtype": sorted(set(gathered)), "copy_bytes_before_plain": allocated,
+           "copy_dtype": sorted({str(p.dtype) for p in plain.parameters()}),"world": d.world, "whole_param_bytes": whole,
            "local_param_bytes": sum(_bytes(p) for p in wrapped.parameters()),
            "after_first_backward": seen[1], "after_second_backward": seen[2],
-           "full_copy_bytes": sum(p.numel() * p.element_size() for p in copy_.parameters()) if copy_ else 0}
+           "full_copy_bytes": sum(p.numel() * p.element_size() for p in plain.parameters())}
     with open(f"{out}.{d.rank}", "w") as f:
         json.dump(res, f)
     distributed.shutdown()

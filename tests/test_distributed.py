@@ -368,19 +368,24 @@ def test_frozen_models_and_a_pretrained_student_are_read_by_rank_0_only_and_arri
 
 
 @pytest.mark.slow
-def test_fsdp2_keeps_gradients_sharded_between_micro_batches(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fsdp2_keeps_gradients_sharded_between_micro_batches(tmp_path, dtype):
     """Issue 50, finding 1: ``Dist.grad_sync`` turned FSDP2's gradient sync off for every micro-batch but the last,
     so after the first micro-batch's backward each rank held the *whole* unsharded fp32 gradient (measured before
     the fix: 354,560 bytes per rank, the whole model, and no sharded grad), +28.4 GiB per rank at 7B. Now each
     micro-batch reduce-scatters: every rank holds its shard's gradient only (177,280 bytes = half) and nothing
-    unsharded. ``tests/dist_grads.py`` at world size 2 (gloo), one accumulate step of 3 micro-batches."""
+    unsharded. ``tests/dist_grads.py`` at world size 2 (gloo), one accumulate step of 3 micro-batches.
+    Finding 2: the full-weight copy (``Dist.plain``) was a deepcopy made at ``wrap``, in fp32, through every SFT
+    step (watched fail: 354,560 bytes before any ``plain`` call); it is allocated at the first ``plain`` now, in
+    ``model.dtype``. Finding 3: with ``model.dtype`` bf16 FSDP2 all-gathers in bf16 (MixedPrecisionPolicy; it
+    gathered fp32), the gradients still reduce into fp32 shards."""
     tok = modeling.build_char_tokenizer()
     model = modeling.build_tiny_model(TinyModel(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128),
                                       tok, 0)
     folder, out = tmp_path / "m", tmp_path / "out"
     modeling.save_checkpoint(model, tok, folder, "float32")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "tests" / "dist_grads.py"), str(folder), str(out)]
+           str(REPO / "tests" / "dist_grads.py"), str(folder), str(out), dtype]
     r = subprocess.run(cmd, cwd=REPO, env={**ENV, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"},
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -390,3 +395,5 @@ def test_fsdp2_keeps_gradients_sharded_between_micro_batches(tmp_path):
         assert m["local_param_bytes"] * 2 == m["whole_param_bytes"]
         for when in ("after_first_backward", "after_second_backward"):
             assert m[when] == {"sharded_grad": m["local_param_bytes"], "unsharded_grad": 0}, (when, m)
+        assert m["copy_bytes_before_plain"] == 0 and m["gathered_dtype"] == m["copy_dtype"] == [f"torch.{dtype}"]
+        assert m["full_copy_bytes"] == m["whole_param_bytes"] // (1 if dtype == "float32" else 2)

@@ -28,12 +28,17 @@ def test_the_plan_of_a_small_llama_at_2_ranks_shards_what_fsdp2_shards():
     # three 1536 x 8960, two norms; tied embedding 1024 x 1536; the final norm 1536
     rows = {r["stage"]: r for r in plan.plan(config, p, 2, 80.0, 64)}
     gib = 2**30
-    assert abs(rows["sft"]["Sharded Param"] - 4 * n / 2 / gib) < 1e-5  # fp32 masters, half on this rank
+    assert abs(rows["sft"]["Params"] - 4 * n / 2 / gib) < 1e-5  # fp32 masters, half on this rank
     assert abs(rows["sft"]["OptState"] - 2 * 4 * n / 2 / gib) < 1e-5  # Adam's two moments of the shard
     assert rows["rl"]["Frozen model"] > 0 and rows["sft"]["Frozen model"] == 0
     assert all(r["verdict"] == "fits" for r in rows.values())
+    assert rows["sft"]["Full copy"] == 0 < rows["rl"]["Full copy"]  # sft never makes the generation copy
     tight = plan.plan(config, p, 2, 0.01, 64, ("sft",))[0]
     assert tight["verdict"].startswith("needs ")
+    raw["model"]["lora"] = {"r": 8, "alpha": 16, "target_modules": "all-linear"}  # DDP: the whole base per rank
+    (lora,) = plan.plan(config, parse_params(raw), 2, 80.0, 64, ("sft",))
+    assert lora["strategy"] == "ddp" and abs(lora["Params"] - 4 * n / gib) < 0.01 * 4 * n / gib
+    assert lora["OptState"] < 0.05 * rows["sft"]["OptState"]
 
 
 @pytest.mark.slow  # over 2 s: out of the fast suite
@@ -46,7 +51,7 @@ def test_the_cli_prints_the_table_and_refuses_a_wrong_stage_in_one_line(tmp_path
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]
     (row,) = json.loads(out.read_text())
-    assert row["stage"] == "sft" and abs(row["Sharded Param"] - n * 4 / 8 / 2**30) < 1e-5
+    assert row["stage"] == "sft" and abs(row["Params"] - n * 4 / 8 / 2**30) < 1e-5
     assert "| sft | " in r.stdout
     bad = subprocess.run(cmd[:-4] + ["--stages", "sfx"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == ["posttrain: --stages: 'sfx': choose from "

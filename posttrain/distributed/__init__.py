@@ -24,8 +24,9 @@ What every loop does with a ``Dist`` (``current()``; a single-process one when n
   Under DDP gradients synchronise on the last micro-batch only; FSDP2 reduce-scatters each (``grad_sync``).
 - **Scoring and generation never touch the wrapped model**: they use ``plain(model)``, the unwrapped module
   (DDP) or a full-weight copy refreshed from the shards one parameter at a time (FSDP2; a collective, called by
-  every rank at the same point). Under FSDP2 each rank thus holds one full copy for generation, as a colocated
-  vLLM engine would.
+  every rank at the same point). Under FSDP2 the copy is in ``model.dtype`` and allocated the first time
+  ``plain`` is called: SFT makes it only to save; rl and distill hold it for generation, as a colocated vLLM
+  engine would. With ``model.dtype`` below fp32, FSDP2 all-gathers in it (``MixedPrecisionPolicy``).
 - **Rank 0 alone reads weights.** Under FSDP2 ranks other than 0 build the policy (and a loaded distill student)
   on the meta device (``loads_on_meta``); ``wrap`` shards it and broadcasts rank 0's weights into the shards.
   Frozen models (the rl KL reference, the distill teacher) go through ``load_on_rank0`` under both strategies:
@@ -173,9 +174,10 @@ class Dist:
         result the sum, i.e. the one-process gradient of the whole batch."""
         return float(self.world)
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, dtype: str = "float32") -> torch.nn.Module:
         """The training handle of ``model`` under this job's strategy (the model itself when alone): call it
-        through ``forward``, build the optimizer on its parameters after this."""
+        through ``forward``, build the optimizer on its parameters after this. ``dtype`` (``model.dtype``):
+        FSDP2 all-gathers parameters in it (gradients reduced in fp32), and ``plain``'s copy is kept in it."""
         if not self.active:
             return model
         if self.strategy == "ddp":
@@ -185,7 +187,7 @@ class Dist:
             return DistributedDataParallel(Forward(model), device_ids=[dev.index] if dev.type == "cuda" else None)
         from_rank0 = bool(self.max(float(any(p.is_meta for p in model.parameters()))))  # Dist.loads_on_meta
         wrapped, copy_ = placement.fsdp2(model, self.main, torch.device(self.comm_device), from_rank0,
-                                         self.mesh)
+                                         self.mesh, dtype)
         self._copies[id(wrapped)] = copy_
         return wrapped
 
@@ -208,13 +210,14 @@ class Dist:
 
     def plain(self, wrapped: torch.nn.Module) -> torch.nn.Module:
         """The model with the current full weights, run without collectives (generation, scoring, saving).
-        DDP: the wrapped model itself. FSDP2: this rank's full copy, refreshed from the shards here parameter
-        by parameter (an all-gather each, into the copy; a collective: every rank calls it at the same point)."""
+        DDP: the wrapped model itself. FSDP2: this rank's full copy in ``model.dtype`` (allocated at the first
+        call), refreshed from the shards here parameter by parameter (an all-gather each, into the copy; a
+        collective: every rank calls it at the same point)."""
         if not self.active:
             return wrapped
         if self.strategy == "ddp":
             return wrapped.module.model
-        return placement.refresh(self._copies[id(wrapped)], wrapped)
+        return placement.refresh(self._copies[id(wrapped)], wrapped, self.comm_device)
 
     @contextlib.contextmanager
     def grad_sync(self, model: torch.nn.Module, sync: bool) -> Iterator[None]:

@@ -1,5 +1,6 @@
 """Where a model's weights live across ranks: the training handle (``Forward``, FSDP2 shards), the full-weight copy
-refreshed from the shards, and meta-built models materialised with rank 0's weights.
+refreshed from the shards (in ``model.dtype``, allocated when first asked for), and meta-built models
+materialised with rank 0's weights.
 
 Rank 0 alone reads a model from disk when the others build it on the meta device (``Dist.loads_on_meta`` for the
 policy, ``Dist.load_on_rank0`` for the frozen KL reference and teacher): they allocate it empty here
@@ -40,41 +41,64 @@ def forward(wrapped: torch.nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any
     return fn(wrapped, *args, **kwargs)
 
 
-def fsdp2(model: torch.nn.Module, main: bool, device: torch.device, from_rank0: bool, mesh: Any = None
-          ) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """``model`` sharded (``fully_shard`` per decoder layer and at the root of its ``Forward``) and a frozen
-    full-weight copy of it for ``refresh``. ``from_rank0`` (some rank built the model on the meta device): every
-    rank's shards and buffers get rank 0's values, the meta ranks' model and copy allocated on ``device``.
-    ``mesh``: the ranks to shard over (None: all of them, torch's default mesh)."""
+def fsdp2(model: torch.nn.Module, main: bool, device: torch.device, from_rank0: bool, mesh: Any = None,
+          dtype: str = "float32") -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``model`` sharded (``fully_shard`` per decoder layer and at the root of its ``Forward``) and a skeleton of
+    its full-weight copy (on the meta device: no memory until ``refresh`` first fills it). ``from_rank0`` (some
+    rank built the model on the meta device): every rank's shards and buffers get rank 0's values, the meta
+    ranks' model allocated on ``device``. ``mesh``: the ranks to shard over (None: all of them, torch's default
+    mesh). ``dtype`` (``model.dtype``) below float32: FSDP2's ``MixedPrecisionPolicy`` all-gathers parameters in
+    it and reduces gradients in fp32 (the masters stay fp32), and the copy is kept in it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    low = getattr(torch, dtype)
+    mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low != torch.float32 else None
+    kw = {"mesh": mesh, **({"mp_policy": mp} if mp else {})}
     on_meta = any(p.is_meta for p in model.parameters())
-    copy_ = copy.deepcopy(model).requires_grad_(False)
+    copy_ = skeleton(model, low)
     full = model.state_dict() if main and from_rank0 else {}  # rank 0's weights, for the meta ranks
     for layer in _decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    wrapped = fully_shard(Forward(model), mesh=mesh)
+        fully_shard(layer, **kw)
+    wrapped = fully_shard(Forward(model), **kw)
     if from_rank0:
         if on_meta:
             wrapped.to_empty(device=device)
-            to_empty_tied(copy_, device)  # parameters filled by refresh(), one by one
         set_model_state_dict(wrapped, {PREFIX + k: v for k, v in full.items()},
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        for module in (wrapped, copy_):  # non-persistent buffers (rotary tables): in no state dict, small
-            for _, b in module.named_buffers():
-                tdist.broadcast(b, 0)
+        for _, b in wrapped.named_buffers():  # non-persistent buffers (rotary tables): in no state dict, small
+            tdist.broadcast(b, 0)
     del full
     return wrapped, copy_
 
 
-def refresh(full: torch.nn.Module, wrapped: torch.nn.Module) -> torch.nn.Module:
-    """``full`` (the copy ``fsdp2`` made) with the current weights of ``wrapped``, all-gathered parameter by
-    parameter into it (a collective: every rank calls it at the same point)."""
+def skeleton(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of ``model``'s modules whose parameters and buffers are on the meta device (floating parameters in
+    ``dtype``), tied ones tied: no bytes until :func:`refresh` allocates it (``copy.deepcopy`` would hold a whole
+    second model from the start, through training steps that never generate: every SFT step)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        if id(p) not in memo:
+            memo[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta", dtype=dtype if p.is_floating_point()
+                                                              else p.dtype), requires_grad=False)
+    for b in model.buffers():
+        memo.setdefault(id(b), torch.empty_like(b, device="meta"))
+    return copy.deepcopy(model, memo)
+
+
+def refresh(full: torch.nn.Module, wrapped: torch.nn.Module, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """``full`` (the skeleton ``fsdp2`` made; allocated on ``device`` the first time) with the current weights of
+    ``wrapped``, all-gathered parameter by parameter into it and cast to its dtype (a collective: every rank
+    calls it at the same point), and its buffers."""
+    if any(p.is_meta for p in full.parameters()):
+        to_empty_tied(full, device)
     into = dict(full.named_parameters())
     with torch.no_grad():  # one parameter at a time: never a whole full state dict beside the copy
         for name, p in wrapped.named_parameters():
             into[name.removeprefix(PREFIX)].copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
+        bufs = dict(full.named_buffers())
+        for name, b in wrapped.named_buffers():  # FSDP2 leaves buffers whole on every rank
+            bufs[name.removeprefix(PREFIX)].copy_(b)
     return full
 
 
