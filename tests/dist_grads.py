@@ -70,7 +70,8 @@ def main(folder: str, out: str, dtype: str = "float32") -> None:
     allocated = sum(p.numel() * p.element_size() for p in copy_.parameters() if not p.is_meta) if copy_ else 0
     plain = d.plain(wrapped)
     res = {"gathered_dtype": sorted(set(gathered)), "copy_bytes_before_plain": allocated,
-           "copy_dtype": sorted({str(p.dtype) for p in plain.parameters()}),"world": d.world, "whole_param_bytes": whole,
+           "copy_dtype": sorted({str(p.dtype) for p in plain.parameters()}), "world": d.world,
+           "whole_param_bytes": whole,
            "local_param_bytes": sum(_bytes(p) for p in wrapped.parameters()),
            "after_first_backward": seen[1], "after_second_backward": seen[2],
            "full_copy_bytes": sum(p.numel() * p.element_size() for p in plain.parameters())}
