@@ -125,7 +125,7 @@ class _NoHook:
 
 
 def measure(config: Any, params: Any, shape: Shape, d: Dist) -> dict[str, float]:
-    """Run two update steps of ``shape`` (the second one holds the optimizer's state) on a model built from
+    """Run two update steps of ``shape`` (the second one, tracked, holds the optimizer's state) on a model built from
     ``config`` inside ``fake_job``, as the stage runs it (rl and distill first make the generation copy, sft
     never); the tracker's categories at the step's peak and the resident copies, GiB per rank. Under DDP (LoRA:
     the config refuses FSDP2 with it) every rank runs the one-process step, so ``d`` is a world of one."""
@@ -154,6 +154,7 @@ def measure(config: Any, params: Any, shape: Shape, d: Dist) -> dict[str, float]
             lp, ent = forward(wrapped, logprobs.token_logp_entropy, batch, entropy=shape.entropy)
         return -(lp.sum() + ent.sum()) / ids.numel()
 
+    training.accumulate(wrapped, opt, items, shape.seqs, loss_of, 1.0)  # FSDP2's lazy init, Adam's state made
     if d.active:
         tracker = FSDPMemTracker(wrapped, opt)
     else:
@@ -162,11 +163,8 @@ def measure(config: Any, params: Any, shape: Shape, d: Dist) -> dict[str, float]
         for p in wrapped.parameters():  # MemTracker hooks every parameter's grad, which a frozen one refuses
             if not p.requires_grad:
                 tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
-    with tracker:
-        for step in range(2):
-            training.accumulate(wrapped, opt, items, shape.seqs, loss_of, 1.0)
-            if step == 0:
-                tracker.reset_mod_stats()
+    with tracker:  # the step as every later one runs
+        training.accumulate(wrapped, opt, items, shape.seqs, loss_of, 1.0)
     (peak,) = tracker.get_tracker_snapshot("peak").values()
     got = {str(getattr(k, "value", k)): v for k, v in peak.items()}
     out = {col: sum(got.get(k, 0) for k in keys) / GiB for col, keys in CATEGORIES.items()}
