@@ -31,7 +31,7 @@ import torch
 import torch.distributed as tdist
 
 from posttrain import distributed, logprobs, modeling, training
-from posttrain.distributed import Dist, forward
+from posttrain.distributed import Dist, forward, placement
 
 GiB = 2**30
 STAGES = ("sft", "rl", "distill")
@@ -146,12 +146,13 @@ def measure(config: Any, params: Any, shape: Shape, d: Dist) -> dict[str, float]
         d.plain(wrapped)  # the hf backend generates with it; the vllm backend's weights are copied from it
     opt = training.adamw(wrapped, 1e-6, 0.0, training.ONLINE_BETAS)
     items = list(range(shape.seqs * d.world))  # one micro-batch per rank: the tracker follows one forward a step
+    runs = wrapped if d.active else placement.Forward(wrapped)  # DDP's module: one root per step, as FSDP2's
 
     def loss_of(chunk: list[int], real: bool) -> torch.Tensor:
         ids = torch.randint(0, config.vocab_size, (len(chunk), shape.seq_len))
         batch = {"ids": ids, "attn": torch.ones_like(ids), "mask": torch.ones_like(ids[:, 1:], dtype=torch.bool)}
         with modeling.autocast(m.dtype, torch.device("cpu")):
-            lp, ent = forward(wrapped, logprobs.token_logp_entropy, batch, entropy=shape.entropy)
+            lp, ent = forward(runs, logprobs.token_logp_entropy, batch, entropy=shape.entropy)
         return -(lp.sum() + ent.sum()) / ids.numel()
 
     training.accumulate(wrapped, opt, items, shape.seqs, loss_of, 1.0)  # FSDP2's lazy init, Adam's state made
