@@ -37,7 +37,7 @@ def _repo_root(params: Path) -> Path:
     return next((d for d in (here, *here.parents) if (d / "dvc.yaml").is_file()), here)
 
 
-def _params(path: Path, root: Path | None = None) -> Params:
+def _params(path: Path, root: Path | None = None, need_model: bool = True) -> Params:
     """The validated params, with every ``paths.*`` inside the repository (``root``; default the one holding
     the params file, :func:`_repo_root`) and ``model.base`` importable here (``config.model.unavailable``);
     else one line and exit 2."""
@@ -49,7 +49,7 @@ def _params(path: Path, root: Path | None = None) -> Params:
     from posttrain.config.model import unavailable
 
     root = root or _repo_root(path)
-    if bad := p.paths.outside(root) or unavailable(p.model.base, p.model.revision, root):
+    if bad := p.paths.outside(root) or (need_model and unavailable(p.model.base, p.model.revision, root)):
         print(f"posttrain: {path}: {bad}", file=sys.stderr)
         raise typer.Exit(EXIT_CONFIG_ERROR)
     return p
@@ -126,6 +126,8 @@ def plan(params: Path = PARAMS,
          seq_len: int = typer.Option(None, min=8, help="tokens per sequence (default: 512 + rl.sampling."
                                                        "max_new_tokens)"),
          stages: str = typer.Option("sft,rl,distill", help="which trainers, comma-separated"),
+         student: str = typer.Option(None, help="the distill student's config.json or folder (default: from "
+                                                "distill.student; a hub id needs the hub)"),
          json_out: Path = typer.Option(None, "--json", help="also write the rows here")) -> None:
     """Per-rank peak memory of the sft, rl and distill updates at WORLD ranks of GPU_GIB, measured by running one
     update step of this code under torch's fake process group and fake tensors (FSDPMemTracker): no GPU, no
@@ -134,7 +136,7 @@ def plan(params: Path = PARAMS,
 
     from posttrain import plan as memplan
 
-    p = _params(params)
+    p = _params(params, need_model=False)  # a config is all the plan reads
     chosen = tuple(s.strip() for s in stages.split(",") if s.strip())
     if not chosen or set(chosen) - set(memplan.STAGES):
         _die(f"--stages: {stages!r}: choose from {', '.join(memplan.STAGES)}")
@@ -143,7 +145,14 @@ def plan(params: Path = PARAMS,
         config = memplan.load_config(source)
     except (OSError, ValueError, KeyError) as e:
         _die(f"--model: {source}: no model config there ({str(e).splitlines()[0]})")
-    rows = memplan.plan(config, p, world, gpu_gib, seq_len or 512 + p.rl.sampling.max_new_tokens, chosen)
+    small = None
+    if "distill" in chosen:
+        try:
+            small = memplan.student_config(config, student or p.distill.student)
+        except (OSError, ValueError, KeyError) as e:
+            _die(f"distill.student: {student or p.distill.student}: no model config here ({str(e).splitlines()[0]}); "
+                 "pass --student CONFIG or --stages sft,rl")
+    rows = memplan.plan(config, p, world, gpu_gib, seq_len or 512 + p.rl.sampling.max_new_tokens, chosen, small)
     typer.echo(memplan.table(rows, f"{source} on {world} x {gpu_gib:g} GiB, model.dtype {p.model.dtype}, "
                                    f"lora {'on' if p.model.lora else 'off'}"))
     if json_out:

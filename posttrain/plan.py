@@ -140,23 +140,27 @@ class _NoHook:
         pass
 
 
-def measure(config: Any, params: Any, shape: Shape, d: Dist) -> dict[str, float]:
+def measure(config: Any, params: Any, shape: Shape, d: Dist, student: Any = None) -> dict[str, float]:
     """Run two update steps of ``shape`` (the second one, tracked, holds the optimizer's state) on a model built from
     ``config`` inside ``fake_job``, as the stage runs it (rl and distill first make the generation copy, sft
-    never); the tracker's categories at the step's peak and the resident copies, GiB per rank. Under DDP (LoRA:
-    the config refuses FSDP2 with it) every rank runs the one-process step, so ``d`` is a world of one."""
+    never; distill trains its student, ``distill.student``); the tracker's categories at the step's peak and the
+    resident copies, GiB per rank. Under DDP (``runtime.distributed.strategy``; LoRA, which the config refuses
+    under FSDP2) every rank runs the one-process step and holds the whole model, so ``d`` is a world of one."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import AutoModelForCausalLM
 
     m = params.model
     with torch.device("meta"):  # built as FSDP2's ranks > 0 build it, then allocated (as fake tensors)
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, modeling.policy_dtype(m)))
+        trained = (student or student_config(config, params.distill.student)) if shape.stage == "distill" else config
+        model = AutoModelForCausalLM.from_config(trained, dtype=getattr(torch, modeling.policy_dtype(m)),
+                                                 attn_implementation=m.attn_implementation)
         model = modeling.make_trainable(model, m.lora, m.gradient_checkpointing)
-        frozen = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, m.dtype)) if shape.frozen else None
+        frozen = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, m.dtype),
+                                                  attn_implementation=m.attn_implementation) if shape.frozen else None
     for module in (model, frozen):
         if module is not None:
-            _allocate(module)
+            placement.to_empty_tied(module, "cpu")  # (fake tensors: fake_job's mode)
     wrapped = d.wrap(model.train(), m.dtype)
     if shape.stage != "sft":
         d.plain(wrapped)  # the hf backend generates with it; the vllm backend's weights are copied from it
@@ -192,17 +196,18 @@ def measure(config: Any, params: Any, shape: Shape, d: Dist) -> dict[str, float]
     return out
 
 
-def plan(config: Any, params: Any, world: int, gpu_gib: float, seq_len: int, stages: tuple[str, ...] = STAGES
-         ) -> list[dict[str, Any]]:
+def plan(config: Any, params: Any, world: int, gpu_gib: float, seq_len: int, stages: tuple[str, ...] = STAGES,
+         student: Any = None) -> list[dict[str, Any]]:
     """One row per stage: the measured categories (GiB per rank), the update's peak, the generation phase's
-    (what stays resident while the engine or the hf copy generates, plus the engine's share) and a verdict."""
+    (what stays resident while the engine or the hf copy generates, plus the engine's share) and a verdict.
+    ``student``: the distill student's config (default: from ``distill.student``)."""
     rows = []
     for shape in shapes(params, seq_len):
         if shape.stage not in stages:
             continue
-        ddp = params.model.lora is not None  # the config refuses FSDP2 with LoRA
+        ddp = params.runtime.distributed.strategy == "ddp"  # (the config refuses FSDP2 with LoRA)
         with fake_job(1 if ddp else world) as d:
-            got = measure(config, params, shape, d)
+            got = measure(config, params, shape, d, student)
         engine = shape.engine_frac * gpu_gib
         gen = got["Params"] + got["OptState"] + got["Full copy"] + got["Frozen model"] + engine
         peak = max(got["Update peak"], gen)
@@ -238,18 +243,21 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
     return "\n".join(lines)
 
 
-def _allocate(module: torch.nn.Module) -> None:
-    """Each meta parameter and buffer of ``module`` replaced by an uninitialised (fake) CPU tensor, tied ones
-    kept tied. (``to_empty`` would swap tensors in place, which fake mode refuses for a tensor it has seen.)"""
-    new: dict[int, torch.Tensor] = {}
-    for m in module.modules():
-        for slot in (m._parameters, m._buffers):
-            for name, t in slot.items():
-                if t is not None:
-                    if id(t) not in new:
-                        e = torch.empty_like(t, device="cpu")
-                        new[id(t)] = torch.nn.Parameter(e, t.requires_grad) if isinstance(t, torch.nn.Parameter) else e
-                    slot[name] = new[id(t)]
+def student_config(teacher: Any, student: Any) -> Any:
+    """The distill student's config: the teacher's cut to ``layers`` (``{layers: k}``), the teacher's with a
+    ``tiny`` size's fields, or a student folder's own ``config.json``."""
+    import copy
+
+    if isinstance(student, str):
+        return load_config(student)
+    cfg = copy.deepcopy(teacher)
+    if hasattr(student, "layers"):
+        cfg.num_hidden_layers = student.layers
+    else:
+        cfg.hidden_size, cfg.num_hidden_layers = student.hidden_size, student.num_layers
+        cfg.num_attention_heads = cfg.num_key_value_heads = student.num_heads
+        cfg.intermediate_size, cfg.head_dim = student.intermediate_size, student.hidden_size // student.num_heads
+    return cfg
 
 
 def load_config(source: str | Path) -> Any:

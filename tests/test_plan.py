@@ -17,9 +17,11 @@ QWEN7B = REPO / "benchmarks" / "model_configs" / "qwen2.5-7b.json"
 
 
 @pytest.mark.slow  # over 2 s: out of the fast suite
-def test_the_plan_of_a_small_llama_at_2_ranks_shards_what_fsdp2_shards():
+def test_the_plan_of_a_small_qwen2_at_2_ranks_shards_what_fsdp2_shards():
     raw = tiny_raw(None)
     raw["rl"]["kl_coef"], raw["distill"]["grpo_steps"] = 0.1, 0  # a KL reference: a full frozen model per rank
+    raw["runtime"]["distributed"]["strategy"] = "fsdp2"
+    raw["distill"]["student"] = {"layers": 1}  # the teacher cut to one layer
     p = parse_params(raw)
     config = plan.load_config(REPO / "benchmarks" / "model_configs" / "qwen2.5-1.5b.json")
     config.num_hidden_layers, config.vocab_size = 2, 1024  # the 1.5B's layer shapes, two of them
@@ -33,9 +35,11 @@ def test_the_plan_of_a_small_llama_at_2_ranks_shards_what_fsdp2_shards():
     assert rows["rl"]["Frozen model"] > 0 and rows["sft"]["Frozen model"] == 0
     assert all(r["verdict"] == "fits" for r in rows.values())
     assert rows["sft"]["Full copy"] == 0 < rows["rl"]["Full copy"]  # sft never makes the generation copy
+    assert rows["distill"]["Params"] < 0.8 * rows["rl"]["Params"]  # one layer of two, the same embeddings
     tight = plan.plan(config, p, 2, 0.01, 64, ("sft",))[0]
     assert tight["verdict"].startswith("needs ")
     raw["model"]["lora"] = {"r": 8, "alpha": 16, "target_modules": "all-linear"}  # DDP: the whole base per rank
+    raw["runtime"]["distributed"]["strategy"] = "ddp"
     (lora,) = plan.plan(config, parse_params(raw), 2, 80.0, 64, ("sft",))
     assert lora["strategy"] == "ddp" and abs(lora["Params"] - 4 * n / gib) < 0.01 * 4 * n / gib
     assert lora["OptState"] < 0.05 * rows["sft"]["OptState"]
@@ -43,10 +47,11 @@ def test_the_plan_of_a_small_llama_at_2_ranks_shards_what_fsdp2_shards():
 
 @pytest.mark.slow  # over 2 s: out of the fast suite
 def test_the_cli_prints_the_table_and_refuses_a_wrong_stage_in_one_line(tmp_path):
-    out, config = tmp_path / "plan.json", tmp_path / "config.json"
+    out, config, params = tmp_path / "plan.json", tmp_path / "config.json", tmp_path / "params.yaml"
+    params.write_text((REPO / "params.yaml").read_text().replace("strategy: ddp", "strategy: fsdp2", 1))
     config.write_text(json.dumps({**json.loads(QWEN7B.read_text()), "num_hidden_layers": 1}))  # 7B's layer, once
     n = 3584 * (3584 + 512 * 2 + 3584) + 3584 + 512 * 2 + 3 * 3584 * 18944 + 2 * 3584 + 2 * 152064 * 3584 + 3584
-    cmd = [sys.executable, "-m", "posttrain.cli", "plan", "-p", str(REPO / "params.yaml"), "--model",
+    cmd = [sys.executable, "-m", "posttrain.cli", "plan", "-p", str(params), "--model",
            str(config), "--world", "8", "--seq-len", "16", "--stages", "sft", "--json", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -123,17 +123,20 @@ def broadcast_module(module: torch.nn.Module, comm_device: str) -> None:
 
 
 def to_empty_tied(module: torch.nn.Module, device: torch.device | str) -> None:
-    """``module.to_empty(device=...)`` keeping shared parameters shared (to_empty makes one new parameter per
-    owner: a tied LM head would come apart from its embedding)."""
-    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    """``module.to_empty(device=...)`` keeping shared parameters and buffers shared: each distinct tensor is
+    replaced by one uninitialised tensor on ``device`` (a Parameter by a Parameter with its ``requires_grad``),
+    set on every module that holds it. (``to_empty`` makes one new parameter per owner, so a tied LM head came
+    apart from its embedding, and it swaps tensors in place, which fake tensors refuse: the memory plan.)"""
+    new: dict[int, torch.Tensor] = {}
     for m in module.modules():
-        for name, p in m._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((m, name))
-    module.to_empty(device=device)
-    for (m0, n0), *rest in owners.values():
-        for m, name in rest:
-            m._parameters[name] = m0._parameters[n0]
+        for slot in (m._parameters, m._buffers):
+            for name, t in slot.items():
+                if t is None:
+                    continue
+                if id(t) not in new:
+                    e = torch.empty_like(t, device=device)
+                    new[id(t)] = torch.nn.Parameter(e, t.requires_grad) if isinstance(t, torch.nn.Parameter) else e
+                slot[name] = new[id(t)]
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
