@@ -143,7 +143,9 @@ class ModelCfg(Section):
         "forward/backward under torch.autocast in this dtype (mixed precision); inference-only models (evaluate, "
         "the rollout stage, a distillation teacher, a KL reference) are loaded in it, and the model folders the "
         "stages output are saved in it (the fp32 masters stay in the resumable checkpoints). With LoRA the "
-        "frozen base is stored in this dtype and the adapters in fp32")
+        "frozen base is stored in this dtype and the adapters in fp32. Under FSDP2 the policy's parameters are "
+        "also all-gathered in it (FSDP2's MixedPrecisionPolicy, gradients reduced in fp32): every parameter, "
+        "norms and embeddings too, computes in it there, so bf16 FSDP2 is not bit-for-bit one process's autocast")
     lora: LoraCfg | None = Field(None, description="null: full fine-tuning; else train LoRA adapters")
     gradient_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in "
                                          "backward (less memory, ~30% more compute)")

@@ -14,7 +14,8 @@ What every loop does with a ``Dist`` (``current()``; a single-process one when n
 - **Work is split, sums are global.** Each rank takes its share of a step's examples or groups (``shard``) but
   normalises its loss by the *global* token/sequence counts, and multiplies it by the world size because DDP and
   FSDP2 average gradients over ranks: the all-reduced gradient is then exactly the one-process gradient of the
-  whole batch (up to fp32 reduction order).
+  whole batch (up to fp32 reduction order; in bf16 under FSDP2 its MixedPrecisionPolicy computes every
+  parameter in bf16, which one process's autocast does not).
 - **Training forwards go through the wrapper.** Our forwards bypass ``model.forward`` (the LM head runs only
   where scored, ``posttrain.logprobs``), so ``wrap`` puts the model inside ``Forward``, a module whose forward
   is ``fn(model, *args)``; DDP's and FSDP2's hooks then see every training forward (``forward(W, fn, ...)``).
