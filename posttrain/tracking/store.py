@@ -32,14 +32,18 @@ def mlflow_client(uri: str) -> Any:
 
     if not uri.startswith("sqlite:///"):
         return MlflowClient(tracking_uri=uri, registry_uri=uri)
-    # MLflow migrates a new sqlite file's schema when a client opens it: two processes doing it at once (a stage
-    # and the UI, two flow runs) fail one in alembic, so the opening is serialized
+    # MLflow migrates a new sqlite file's schema when a client opens it: two of our processes doing it at once
+    # (two stages or flow runs, a stage and `posttrain repro`) fail one in alembic, so our openings are
+    # serialized (`mlflow ui` / `mlflow server` do not take this lock)
     import fcntl
 
-    db = Path(uri.removeprefix("sqlite:///"))
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with open(db.with_name(db.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    db = Path(uri.removeprefix("sqlite:///").split("?", 1)[0])
+    try:
+        lock = open(db.with_name(db.name + ".lock"), "a")  # noqa: SIM115 (closed below; closing releases it)
+    except OSError:  # a read-only folder, or one that does not exist: MLflow says what is wrong
+        return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         client = MlflowClient(tracking_uri=uri, registry_uri=uri)  # opens (and migrates) the tracking store
         client.search_registered_models(max_results=1)  # and the registry's
     return client
