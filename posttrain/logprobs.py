@@ -30,6 +30,9 @@ from typing import Literal
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from posttrain import distributed
+from posttrain.distributed import placement
+
 DEFAULT_CHUNK = 256  # positions per head chunk: 256 x 151,936 fp32 logits = 156 MB per copy
 
 
@@ -223,17 +226,30 @@ def batch_tensors(seqs: Sequence[Seq], pad_id: int, device: torch.device, pack: 
 
 
 @torch.no_grad()
+def filler(pad_id: int) -> list[Seq]:
+    """A micro-batch of one one-token sequence: the forward a rank without sequences runs (with zero weight) so
+    that its collectives line up with the other ranks'."""
+    return [Seq([pad_id], [pad_id], [0.0], 0.0)]
+
+
 def fill(model: torch.nn.Module, seqs: Sequence[Seq], attr: str, pad_id: int, micro: int, pack: bool,
           temperature: float, with_entropy: bool = False) -> None:
     """Set ``seq.<attr>`` to ``model``'s log-probs of each completion token (no grad), and with
-    ``with_entropy`` ``seq.entropy`` to its per-token entropies, each a tensor. ``model`` is a plain
-    (unwrapped) model. No collective: under torchrun each rank fills exactly the sequences it holds, the ones
-    it will update (``rl.update``), so nothing per-token crosses ranks."""
+    ``with_entropy`` ``seq.entropy`` to its per-token entropies, each a tensor. Under torchrun each rank fills
+    exactly the sequences it holds, the ones it will update (``rl.update``), so nothing per-token crosses ranks.
+    ``model``: a plain model (no collective), or an FSDP2 handle (``Dist.scoring``, ``Dist.load_frozen``), whose
+    every forward all-gathers: then every rank runs the job's largest number of micro-batches, a rank with fewer
+    scoring a one-token filler (the ranks' forwards line up; a rank's extra forward would wait forever)."""
+    d = distributed.current()
     device = next(model.parameters()).device
-    for start in range(0, len(seqs), micro):
-        chunk = seqs[start : start + micro]
-        lp, ent = token_logp_entropy(model, batch_tensors(chunk, pad_id, device, pack), temperature,
-                                     entropy="detached" if with_entropy else "off")
+    chunks = [seqs[i : i + micro] for i in range(0, len(seqs), micro)]
+    if placement.sharded(model):
+        chunks += [[]] * (int(d.max(len(chunks))) - len(chunks))
+    for chunk in chunks:
+        t = batch_tensors(chunk or filler(pad_id), pad_id, device, pack)
+        with torch.no_grad():
+            lp, ent = distributed.forward(model, token_logp_entropy, t, temperature,
+                                          entropy="detached" if with_entropy else "off")
         for j, s in enumerate(chunk):
             span = slice(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + len(s.completion_ids))
             setattr(s, attr, lp[j, span].float().cpu().clone())

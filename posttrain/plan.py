@@ -44,7 +44,7 @@ class Shape:
     stage: str
     seqs: int
     seq_len: int
-    frozen: str | None  # "reference" (rl's KL anchor) or "teacher" (distill), a full model per rank
+    frozen: str | None  # "reference" (rl's KL anchor: sharded under FSDP2) or "teacher" (distill: a full model)
     engine_frac: float  # of the card, held by a colocated vLLM engine while it generates (0: hf backend)
     entropy: str  # "grad" when the loss has an entropy term
 
@@ -105,6 +105,7 @@ def resident_bytes(*modules: torch.nn.Module) -> int:
     seen: dict[int, int] = {}
     for m in modules:
         for t in (*m.parameters(), *m.buffers()):
+            t = t.to_local() if hasattr(t, "to_local") else t  # a shard's own bytes
             if not t.is_meta:
                 seen[id(t.untyped_storage())] = t.untyped_storage().nbytes()
     return sum(seen.values())
@@ -161,6 +162,9 @@ def measure(config: Any, params: Any, shape: Shape, d: Dist, student: Any = None
     for module in (model, frozen):
         if module is not None:
             placement.to_empty_tied(module, "cpu")  # (fake tensors: fake_job's mode)
+    if shape.frozen == "reference" and d.active:  # sharded as the rl stage's Dist.load_frozen shards it
+        frozen, _ = placement.fsdp2(frozen.requires_grad_(False), d.main, torch.device("cpu"), False, d.mesh, m.dtype,
+                                    with_copy=False)
     wrapped = d.wrap(model.train(), m.dtype)
     if shape.stage != "sft":
         d.plain(wrapped)  # the hf backend generates with it; the vllm backend's weights are copied from it

@@ -95,9 +95,9 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     tok = modeling.load_tokenizer(str(inputs["policy"]))
     ref = None
     if cfg.kl_coef > 0 or cfg.kl_reward_coef > 0:  # under LoRA the policy with its adapter off: no second copy
-        ref = model if modeling.is_lora(model) else d.load_on_rank0(  # ranks > 0 read no weights
+        ref = model if modeling.is_lora(model) else d.load_frozen(  # ranks > 0 read no weights; FSDP2: sharded
             lambda: modeling.load_model(str(inputs["policy"]), params.model.dtype, device),
-            lambda: modeling.empty_model(str(inputs["policy"]), dtype=params.model.dtype), device)
+            lambda: modeling.empty_model(str(inputs["policy"]), dtype=params.model.dtype), device, params.model.dtype)
     model = d.wrap(model, params.model.dtype)  # the training handle (the model itself in one process)
     opt = training.adamw(model, cfg.lr, cfg.weight_decay, training.ONLINE_BETAS)
 
@@ -184,7 +184,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
         if feed is not None:
             store.publish(d.plain(model), step + 1)  # generators may start on it at once
         if cfg.ref_reset is not None and (step + 1) % cfg.ref_reset.every == 0:
-            update.reset_reference(ref, d.plain(model), opt if cfg.ref_reset.optimizer else None)
+            update.reset_reference(ref, d.scoring(model), opt if cfg.ref_reset.optimizer else None)
             log.info("step %d: reference reset to the current policy (rl.ref_reset)", step + 1)
         idle = 0 if metrics else idle + 1
         if idle:

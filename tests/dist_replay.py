@@ -40,12 +40,25 @@ def variant(dist: distributed.Dist, params: Params, policy: str, shard: str) -> 
     tok = modeling.load_tokenizer(policy)
     model = modeling.load_policy(policy, params.model, torch.device("cpu"), meta=dist.loads_on_meta)
     assert all(p.is_meta for p in model.parameters()) == dist.loads_on_meta  # FSDP2: only rank 0 reads weights
-    ref = modeling.load_model(policy) if cfg.kl_coef > 0 else None
+    ref = dist.load_frozen(lambda: modeling.load_model(policy), lambda: modeling.empty_model(policy),  # as rl
+                           torch.device("cpu")) if cfg.kl_coef > 0 and params.model.lora is None else None
+    ref_bytes = sum(_local(p).numel() * p.element_size() for p in ref.parameters()) if ref is not None else 0
     prompts = {r["prompt_id"]: r["prompt"] for r in rows}
     prompt_ids = dict(zip(prompts, chat_prompt_ids(tok, list(prompts.values())), strict=True))
+    lora_ref = model if params.model.lora is not None and cfg.kl_coef > 0 else None  # its adapter off, as rl
     model = dist.wrap(model)
     opt = training.adamw(model, cfg.lr, cfg.weight_decay, training.ONLINE_BETAS)  # as stages/rl.py
-    metrics, _ = update.update_from_groups(model, opt, sb, cfg, prompt_ids, tok.pad_token_id, ref, seed=7)
+    metrics, _ = update.update_from_groups(model, opt, sb, cfg, prompt_ids, tok.pad_token_id,
+                                           ref if ref is not None else lora_ref, seed=7)
+    mine = [logprobs.Seq(prompt_ids[r["prompt_id"]], list(r["token_ids"]), list(r["logprobs"]), 0.0)
+            for i in sb.rows for r in sb.rows[i]]  # this rank's rows
+    reset_gap = None
+    if ref is not None:  # ProRL's reset: the reference becomes the updated policy, as the rl stage calls it
+        update.reset_reference(ref, dist.scoring(model))
+        mine = mine if dist.rank == 0 else mine[:1]  # unequal micro-batch counts: FSDP2's forwards in lockstep
+        logprobs.fill(ref, mine, "ref_logp", tok.pad_token_id, cfg.micro_batch_size, cfg.pack, 1.0)
+        logprobs.fill(dist.scoring(model), mine, "old_logp", tok.pad_token_id, cfg.micro_batch_size, cfg.pack, 1.0)
+        reset_gap = dist.max(max((float((s.ref_logp - s.old_logp).abs().max()) for s in mine), default=0.0))
     teacher = dist.plain(model)
     updated = {k: v.clone() for k, v in teacher.state_dict().items()}
     with torch.no_grad():  # a teacher measurably unlike the student: the updated policy, its head scaled
@@ -59,7 +72,12 @@ def variant(dist: distributed.Dist, params: Params, policy: str, shard: str) -> 
     d_metrics = distillation.divergence_update(student, teacher, s_opt, mine, "reverse_kl", 0.5, tok.pad_token_id,
                                                cfg.micro_batch_size, local=True)
     distilled = dist.plain(student)
-    return {"state": updated, "metrics": metrics, "student": distilled.state_dict(), "distill_metrics": d_metrics}
+    return {"state": updated, "metrics": metrics, "student": distilled.state_dict(), "distill_metrics": d_metrics,
+            "ref_bytes": ref_bytes, "reset_gap": reset_gap}
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 if __name__ == "__main__":

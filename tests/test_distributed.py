@@ -134,6 +134,14 @@ def test_rl_update_replayed_from_a_shard_gives_the_same_weights_at_world_size_1_
         assert diff < TOL
         assert res[name]["distill_metrics"]["reverse_kl"] == pytest.approx(
             res[base]["distill_metrics"]["reverse_kl"], rel=1e-3)
+    # FSDP2's KL reference is sharded as the policy is (Dist.load_frozen), scored in lockstep (logprobs.fill; after
+    # the reset rank 1 scores one sequence, rank 0 all of its: a rank's extra forward without a partner hung
+    # until the collective timeout before): half the bytes on rank 0 at world size 2 (a full copy per rank
+    # before), the same KL as world size 1 (above)
+    print(f"reference bytes on rank 0: world 1 {res['w1']['ref_bytes']}, fsdp2 world 2 {res['fsdp2']['ref_bytes']}")
+    assert 0 < res["fsdp2"]["ref_bytes"] <= 0.55 * res["w1"]["ref_bytes"]
+    for name in ("w1", "ddp", "fsdp2"):  # ProRL's reset: the reference then scores as the updated policy
+        assert res[name]["reset_gap"] is not None and res[name]["reset_gap"] < 1e-5, (name, res[name]["reset_gap"])
     moved = {k: _max_diff(res["w1"][k], start) for k in ("state", "student")}
     print(f"world 1 moved the weights by {moved['state']:.3g} (rl) and {moved['student']:.3g} (distill)")
     assert min(moved.values()) > 1e-4  # both steps moved the weights

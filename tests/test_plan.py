@@ -19,7 +19,7 @@ QWEN7B = REPO / "benchmarks" / "model_configs" / "qwen2.5-7b.json"
 @pytest.mark.slow  # over 2 s: out of the fast suite
 def test_the_plan_of_a_small_qwen2_at_2_ranks_shards_what_fsdp2_shards():
     raw = tiny_raw(None)
-    raw["rl"]["kl_coef"], raw["distill"]["grpo_steps"] = 0.1, 0  # a KL reference: a full frozen model per rank
+    raw["rl"]["kl_coef"], raw["distill"]["grpo_steps"] = 0.1, 0  # a KL reference: sharded as the policy is
     raw["runtime"]["distributed"]["strategy"] = "fsdp2"
     raw["distill"]["student"] = {"layers": 1}  # the teacher cut to one layer
     p = parse_params(raw)
@@ -32,7 +32,8 @@ def test_the_plan_of_a_small_qwen2_at_2_ranks_shards_what_fsdp2_shards():
     gib = 2**30
     assert abs(rows["sft"]["Params"] - 4 * n / 2 / gib) < 1e-5  # fp32 masters, half on this rank
     assert abs(rows["sft"]["OptState"] - 2 * 4 * n / 2 / gib) < 1e-5  # Adam's two moments of the shard
-    assert rows["rl"]["Frozen model"] > 0 and rows["sft"]["Frozen model"] == 0
+    assert abs(rows["rl"]["Frozen model"] - 4 * n / 2 / gib) < 1e-5 and rows["sft"]["Frozen model"] == 0  # a shard
+    assert abs(rows["distill"]["Frozen model"] - 4 * n / gib) < 1e-5  # the teacher, whole: it also generates
     assert all(r["verdict"] == "fits" for r in rows.values())
     assert rows["sft"]["Full copy"] == 0 < rows["rl"]["Full copy"]  # sft never makes the generation copy
     assert rows["distill"]["Params"] < 0.8 * rows["rl"]["Params"]  # one layer of two, the same embeddings

@@ -30,8 +30,10 @@ What every loop does with a ``Dist`` (``current()``; a single-process one when n
   engine would. With ``model.dtype`` below fp32, FSDP2 all-gathers in it (``MixedPrecisionPolicy``).
 - **Rank 0 alone reads weights.** Under FSDP2 ranks other than 0 build the policy (and a loaded distill student)
   on the meta device (``loads_on_meta``); ``wrap`` shards it and broadcasts rank 0's weights into the shards.
-  Frozen models (the rl KL reference, the distill teacher) go through ``load_on_rank0`` under both strategies:
-  rank 0 reads them, the others build them empty and receive them tensor by tensor (``placement``).
+  Frozen models go through rank 0 too: the rl KL reference through ``load_frozen`` (under FSDP2 sharded like the
+  policy, 1/world of its bytes per rank, scored through the handle: every scoring forward is then a collective,
+  which ``logprobs.fill`` runs in lockstep), the distill teacher through ``load_on_rank0`` (a full model per
+  rank, since it also generates): rank 0 reads it, the others build it empty and receive it tensor by tensor.
 - **Rank 0 alone writes** outputs, logs and the MLflow run. Resumable checkpoints are written by every rank
   (``posttrain.checkpoint``: DCP, each rank its shards, never a gathered full state); any world size and
   strategy can load them.
@@ -208,6 +210,30 @@ class Dist:
             placement.to_empty_tied(model, device)
         placement.broadcast_module(model, self.comm_device)
         return model
+
+    def load_frozen(self, load: Callable[[], torch.nn.Module], empty: Callable[[], torch.nn.Module],
+                    device: torch.device, dtype: str = "float32") -> torch.nn.Module:
+        """A frozen model that is only scored (rl's KL reference), read by rank 0 alone. Under FSDP2 it is sharded
+        as the policy is (``fully_shard`` per layer, ``dtype`` as ``wrap``'s, no copy, no optimizer): each rank
+        holds 1/world of it (a 7B bf16 reference: 14.2 GiB a rank as a full copy, 1.8 GiB at 8 ranks) and
+        all-gathers a layer at a time while scoring. Score it through ``forward`` (``logprobs.fill``, which runs
+        the ranks' forwards in lockstep). DDP and alone: ``load_on_rank0``'s full model."""
+        if not (self.active and self.strategy == "fsdp2"):
+            return self.load_on_rank0(load, empty, device)
+        model = load() if self.main else empty()  # ranks > 0: on the meta device, no weights read
+        for p in model.parameters():
+            p.requires_grad_(False)
+        wrapped, _ = placement.fsdp2(model, self.main, torch.device(self.comm_device), True, self.mesh, dtype,
+                                     with_copy=False)
+        return wrapped
+
+    def scoring(self, wrapped: torch.nn.Module) -> torch.nn.Module:
+        """The handle that scores the training model without gradients (old log-probs): under FSDP2 the sharded
+        model itself (forwards are collectives: ``logprobs.fill`` runs them in lockstep; no full copy needed),
+        else ``plain``'s model."""
+        if self.active and self.strategy == "fsdp2":
+            return wrapped
+        return self.plain(wrapped)
 
     def plain(self, wrapped: torch.nn.Module) -> torch.nn.Module:
         """The model with the current full weights, run without collectives (generation, scoring, saving).

@@ -3,7 +3,8 @@ refreshed from the shards (in ``model.dtype``, allocated when first asked for), 
 materialised with rank 0's weights.
 
 Rank 0 alone reads a model from disk when the others build it on the meta device (``Dist.loads_on_meta`` for the
-policy, ``Dist.load_on_rank0`` for the frozen KL reference and teacher): they allocate it empty here
+policy and, sharded, the KL reference: ``Dist.load_frozen``; ``Dist.load_on_rank0`` for the teacher): they
+allocate it empty here
 (:func:`to_empty_tied`) and receive rank 0's tensors. A sharded model gets them through torch's
 ``set_model_state_dict(broadcast_from_rank0=True)``; a whole frozen model through :func:`broadcast_module`,
 one tensor at a time (torch has no whole-module broadcast that spares a second full state dict: DDP's
@@ -41,14 +42,22 @@ def forward(wrapped: torch.nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any
     return fn(wrapped, *args, **kwargs)
 
 
+def sharded(model: torch.nn.Module) -> bool:
+    """True for an FSDP2 handle (``fsdp2``'s): every forward through it all-gathers, a collective."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 def fsdp2(model: torch.nn.Module, main: bool, device: torch.device, from_rank0: bool, mesh: Any = None,
-          dtype: str = "float32") -> tuple[torch.nn.Module, torch.nn.Module]:
+          dtype: str = "float32", with_copy: bool = True) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """``model`` sharded (``fully_shard`` per decoder layer and at the root of its ``Forward``) and a skeleton of
     its full-weight copy (on the meta device: no memory until ``refresh`` first fills it). ``from_rank0`` (some
     rank built the model on the meta device): every rank's shards and buffers get rank 0's values, the meta
     ranks' model allocated on ``device``. ``mesh``: the ranks to shard over (None: all of them, torch's default
     mesh). ``dtype`` (``model.dtype``) below float32: FSDP2's ``MixedPrecisionPolicy`` all-gathers parameters in
-    it and reduces gradients in fp32 (the masters stay fp32), and the copy is kept in it."""
+    it and reduces gradients in fp32 (the masters stay fp32), and the copy is kept in it. ``with_copy=False``: no
+    copy (a frozen model that is only ever scored through the handle: ``Dist.load_frozen``)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -56,7 +65,7 @@ def fsdp2(model: torch.nn.Module, main: bool, device: torch.device, from_rank0: 
     mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low != torch.float32 else None
     kw = {"mesh": mesh, **({"mp_policy": mp} if mp else {})}
     on_meta = any(p.is_meta for p in model.parameters())
-    copy_ = skeleton(model, low)
+    copy_ = skeleton(model, low) if with_copy else None
     full = model.state_dict() if main and from_rank0 else {}  # rank 0's weights, for the meta ranks
     for layer in _decoder_layers(model):
         fully_shard(layer, **kw)

@@ -5,7 +5,8 @@
 - Anything else is a local HF folder or a hub id, loaded with ``from_pretrained``. With
   ``HF_HUB_OFFLINE=1`` an id that is not cached fails fast with :class:`ModelLoadError`.
 - :func:`empty_model` is a folder's model without its weights (the meta device): what a rank builds when rank 0
-  alone reads the weights (``Dist.wrap`` for the policy, ``Dist.load_on_rank0`` for frozen models).
+  alone reads the weights (``Dist.wrap`` for the policy, ``Dist.load_frozen`` / ``Dist.load_on_rank0`` for frozen
+  models).
 """
 
 from __future__ import annotations

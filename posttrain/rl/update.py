@@ -25,7 +25,7 @@ import torch
 
 from posttrain import algos, corrections, distributed, training
 from posttrain.config import Rl
-from posttrain.logprobs import Seq, batch_tensors, fill, token_logp_entropy
+from posttrain.logprobs import Seq, batch_tensors, fill, filler, token_logp_entropy
 from posttrain.modeling import adapter_off
 from posttrain.rl.collect import StepBatch
 from posttrain.rl.select import PriorState
@@ -104,12 +104,11 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     glob = d.gather_tensor(lens_local)
     lens, offset = glob[:, 1], int((glob[:, 0] < d.rank).sum())  # [n] loss tokens; my first sequence
     if not on_policy or selecting:  # each rank scores exactly the sequences it updates
-        fill(d.plain(model), seqs, "old_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp, with_entropy=selecting)
+        fill(d.scoring(model), seqs, "old_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp, with_entropy=selecting)
     pg_tokens = select_tokens(seqs, cfg.token_select, cfg.token_rho, int(lens[:offset].sum())) if selecting else 1.0
     if use_kl and any(s.ref_logp is None for s in seqs):
         with adapter_off(ref_model):
             fill(ref_model, seqs, "ref_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp)
-    filler = [Seq([pad_id], [pad_id], [0.0], 0.0)]  # a zero-weight forward for a rank without a sequence
 
     sums = {"loss": 0.0, "clipfrac": 0.0, "kl": 0.0, "entropy": 0.0, "grad_norm": 0.0, "gap": 0.0, "tis_capped": 0.0,
             "is_masked": 0.0}
@@ -128,7 +127,7 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
             def loss_of(chunk: list[Seq], real: bool, n_seqs: int = n_mb, n_tok: int = n_tok,
                         first_pass: bool = epoch == 0) -> torch.Tensor:
                 nonlocal ratio_max, tokens, gap_tokens
-                t = batch_tensors(chunk or filler, pad_id, device, cfg.pack)
+                t = batch_tensors(chunk or filler(pad_id), pad_id, device, cfg.pack)
                 m = t["mask"]
                 logp, ent = distributed.forward(model, token_logp_entropy, t, temp,
                                                 "grad" if cfg.entropy_coef else "detached")
@@ -223,8 +222,9 @@ def update_from_groups(model: torch.nn.Module, opt: torch.optim.Optimizer, sb: S
 
 
 def reset_reference(ref: torch.nn.Module, policy: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> None:
-    """ProRL (Liu et al. 2025): a hard reset of the KL anchor to the current policy, ref <- policy (a full,
-    unwrapped model), so the KL penalty restarts from 0 and stops pulling toward a policy long left behind;
+    """ProRL (Liu et al. 2025): a hard reset of the KL anchor to the current policy, ref <- policy (as held for
+    scoring, ``Dist.scoring``: an FSDP2 reference and policy are sharded alike, each rank copies its shards), so
+    the KL penalty restarts from 0 and stops pulling toward a policy long left behind;
     with ``opt`` the optimizer's state (Adam moments, step counts) is cleared too."""
     with torch.no_grad():
         ref.load_state_dict(policy.state_dict())
