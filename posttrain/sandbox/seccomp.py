@@ -10,7 +10,10 @@ Policy: allow by default, refuse with EPERM the syscalls a Python program has no
 and escapes are made of (the kernel-facing subset of Docker's default deny list): namespaces and mounts (also
 refused by the missing capabilities and ``--disable-userns``: here they fail even if those did not), tracing
 and cross-process memory access, keyrings, eBPF, perf events, userfaultfd (a classic exploit primitive),
-io_uring (a large recent attack surface), module loading, kexec, clocks, swap, reboot, handles by inode.
+io_uring (a large recent attack surface), module loading, kexec, clocks, swap, reboot, handles by inode. And
+``socket``/``socketpair`` in any address family but AF_UNIX, AF_INET and AF_INET6 (EAFNOSUPPORT): netlink,
+packet, AF_ALG, AF_VSOCK and the other families are kernel surface a program has no use for (the network
+namespace leaves IP nothing but its own loopback).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ DENIED = (
     "adjtimex", "name_to_handle_at", "open_by_handle_at", "lookup_dcookie", "iopl", "ioperm", "uselib",
     "vhangup", "personality", "sethostname", "setdomainname",
 )
+SOCKET_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6: the only ones socket() and socketpair() may make
+EAFNOSUPPORT = 97
 
 
 class SeccompUnavailable(RuntimeError):
@@ -46,6 +51,15 @@ def program() -> bytes:
             f.add_rule(sc.ERRNO(1), name)  # EPERM
         except (RuntimeError, ValueError, OSError):  # a syscall this architecture does not have
             continue
+    for call in ("socket", "socketpair"):  # family (argument 0) not in SOCKET_FAMILIES: one rule per gap
+        lo = 0
+        for fam in (*SOCKET_FAMILIES, None):
+            if fam is None:
+                f.add_rule(sc.ERRNO(EAFNOSUPPORT), call, sc.Arg(0, sc.GE, lo))
+                break
+            for v in range(lo, fam):
+                f.add_rule(sc.ERRNO(EAFNOSUPPORT), call, sc.Arg(0, sc.EQ, v))
+            lo = fam + 1
     fd = os.memfd_create("seccomp-bpf")
     try:
         with os.fdopen(os.dup(fd), "wb") as out:
