@@ -173,6 +173,13 @@ attempt("import torch", lambda: __import__("torch"))
     assert "blocked import posttrain ModuleNotFoundError" in r.stdout
 
 
+def test_the_program_sees_the_standard_library_only(sb):
+    """No site-packages on the program's path (``python -S``): the system's dist-packages (numpy and the like,
+    where installed) were importable before, against the docs' "standard library only"."""
+    r = run(sb, "site-packages", "import sys\nprint('packages', [p for p in sys.path if p.endswith('-packages')])")
+    assert "packages []" in r.stdout, r.stdout
+
+
 def test_nothing_outside_scratch_can_be_written(sb, tmp_path):
     target = tmp_path / "pwned"
     r = run(sb, "write outside scratch", TRY + f"""

@@ -110,7 +110,7 @@ signal.signal(signal.SIGINT,signal.SIG_DFL)
 if ctypes.CDLL(None).prctl(4,0,0,0,0):os._exit(126)
 {sets}
 c=os.fork()
-if c==0:os.execv(sys.executable,[sys.executable,'-E','-s','-B',{main!r}])
+if c==0:os.execv(sys.executable,[sys.executable,'-E','-s','-S','-B',{main!r}])
 while True:
  p,s=os.wait()
  if p==c:break
