@@ -208,6 +208,8 @@ def repro(params: Path = PARAMS, args: list[str] = typer.Argument(None, help="pa
     except StageError as e:  # the workspace is held by another run
         print(f"posttrain: {e}", file=sys.stderr)
         raise typer.Exit(1) from None
+    except ConfigError as e:  # the tracking store refuses this checkout (moved)
+        _die(str(e))
     raise typer.Exit(rc)
 
 

@@ -669,3 +669,30 @@ def test_processes_opening_a_new_sqlite_store_at_once_all_get_it(tmp_path):
     outs = [p.communicate(timeout=120) for p in procs]
     assert [(p.returncode, o.strip()) for p, (o, _) in zip(procs, outs, strict=True)] == [(0, "0 []")] * 4, \
         [e[-600:] for _, e in outs]
+
+
+def test_a_moved_checkout_refuses_its_old_stores_artifact_folder_in_one_line(tmp_path, _empty_mlflow_db):
+    """Issue 46, finding 3: mlflow.db keeps its experiment's artifact folder as an absolute path, so a moved or
+    copied checkout wrote its new runs' artifacts into the old checkout's mlartifacts/. Now a stage refuses
+    (ConfigError: exit 2 before any work) naming both folders and the ways out; a store outside the checkout
+    (``tracking.uri``, shared on purpose) is not the checkout's own and is not refused."""
+    import shutil
+
+    from posttrain.config import ConfigError
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    shutil.copy(_empty_mlflow_db, old / "mlflow.db")
+    uri = f"sqlite:///{(old / 'mlflow.db').resolve()}"
+    store.open_run(uri, "posttrain", "curate", 0, None, old)
+    shutil.copytree(old, new)  # the checkout copied (or moved) elsewhere
+    moved = f"sqlite:///{(new / 'mlflow.db').resolve()}"
+    with pytest.raises(ConfigError) as e:
+        store.open_run(moved, "posttrain", "sft", 0, None, new)
+    msg = str(e.value)
+    print(msg)
+    assert "\n" not in msg and str(old / "mlartifacts") in msg and str(new / "mlartifacts") in msg
+    assert "tracking.experiment" in msg
+    run = store.open_run(moved, "fresh", "sft", 0, None, new)  # the way out the line names: a new experiment
+    assert store.mlflow_client(moved).get_run(run).info.artifact_uri.startswith((new / "mlartifacts").as_uri())
+    store.open_run(uri, "posttrain", "sft", 0, None, new)  # old's store used from new on purpose: not refused

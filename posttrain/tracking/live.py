@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain import trainlog
-from posttrain.config import Params
+from posttrain.config import ConfigError, Params
 from posttrain.tracking import records
 from posttrain.tracking.outbox import outbox_dir, to_outbox
 from posttrain.tracking.store import metric_key, mlflow_client, open_run, send, store_uri
@@ -57,6 +57,8 @@ class LiveRun:
         try:  # before the stage's first step, so a run killed early still has its rows (only the one in flight)
             self.run_id = open_run(uri, experiment, stage, start_ms, parent, root)
             client = mlflow_client(uri)
+        except ConfigError:  # the store refuses this checkout (moved): one line, exit 2, before any work
+            raise
         except Exception as e:
             log.warning("tracking store %s unreachable at the start of %s (%s: %s): no live metrics; the run's "
                         "record is sent at the end, or kept in the outbox", uri, stage, type(e).__name__,

@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from posttrain.config import Params
+from posttrain.config import ConfigError, Params
 from posttrain.tracking.champion import promote, register
 from posttrain.tracking.records import StageRecord, _git
 
@@ -55,13 +55,34 @@ KIND_TAG = {"mlflow.experimentKind": "custom_model_development"}
 
 
 def _experiment_id(client: Any, name: str, root: Path | None) -> str:
+    """The experiment ``name``'s id, made (artifacts in ``root``/mlartifacts, the training view's tag) if new.
+    In the checkout's own store (``root``/mlflow.db) an experiment whose artifact folder is another checkout's
+    (the store was moved or copied here: MLflow keeps the absolute path) is refused in one line."""
     exp = client.get_experiment_by_name(name)
+    if exp is not None and root is not None:
+        _refuse_moved(client, exp, name, root)
     if exp is not None:
         if "mlflow.experimentKind" not in exp.tags:  # made before the tag was set, or by someone else
             client.set_experiment_tag(exp.experiment_id, *next(iter(KIND_TAG.items())))
         return exp.experiment_id
     loc = (root / "mlartifacts").resolve().as_uri() if root is not None else None
     return client.create_experiment(name, artifact_location=loc, tags=KIND_TAG)
+
+
+def _refuse_moved(client: Any, exp: Any, name: str, root: Path) -> None:
+    from urllib.parse import unquote, urlparse
+
+    db = (root / "mlflow.db").resolve()
+    here = (root / "mlartifacts").resolve()
+    loc = exp.artifact_location or ""
+    if client.tracking_uri.split("?", 1)[0] != f"sqlite:///{db}" or not loc.startswith("file:"):
+        return  # a store outside the checkout (tracking.uri), shared on purpose; or a server's artifacts
+    kept = Path(unquote(urlparse(loc).path))
+    if kept != here:
+        raise ConfigError(f"tracking: in {db} the experiment {name!r} keeps its artifacts in {kept}, not in this "
+                          f"checkout's {here} (the checkout was moved or copied, mlflow.db with it): set "
+                          f"tracking.experiment to a new name (its runs go to {here}), or move mlflow.db and "
+                          "mlartifacts/ aside")
 
 
 def open_run(uri: str, experiment: str, stage: str, start_ms: int, parent: str | None, root: Path | None) -> str:
@@ -211,6 +232,8 @@ def start_parent(params: Params, root: Path, name: str, tags: dict[str, str] | N
                                               PARENT_TAG: "true", "hostname": socket.gethostname(),
                                               "pid": str(os.getpid()), **(tags or {})}, run_name=name)
         return run.info.run_id
+    except ConfigError:  # the checkout's store refuses it (moved): the caller says so in one line
+        raise
     except Exception as e:
         log.warning("no parent run (tracking store unreachable: %s)", type(e).__name__)
         return None
