@@ -174,9 +174,19 @@ def test_shards_of_several_processes_merge_into_one_sorted_file(cache_file):
         f.write('{"key": "k3", "jud')  # a writer killed mid-line: skipped, never a crash
     assert set(jcache.Store(cache_file).entries) == {"k1", "k2"}  # a new process sees the pending entries
     stats = jcache.merge(cache_file)
-    assert [json.loads(x)["key"] for x in cache_file.read_text().splitlines()] == ["k1", "k2"]
+    assert [json.loads(x).get("key") for x in cache_file.read_text().splitlines()] == [None, "k1", "k2"]  # header
     assert stats["requests"] == 3 and stats["hits"] == 1 and stats["hit_rate"] == 1 / 3  # 1 hit of 3 requests
     assert stats["malformed_rate"] == 1 / 3 and stats["new"] == 2
+
+
+def test_an_empty_cache_is_a_header_line_not_an_empty_file(cache_file, caplog):
+    """Issue 46, finding 11: with no judge the reward stage wrote a 0-byte cache, and DVC warned on every run
+    (``'data/judge/cache.jsonl' is empty``). The merged file starts with a header line the reader skips."""
+    jcache.merge(cache_file)
+    assert cache_file.stat().st_size > 0
+    with caplog.at_level("WARNING"):
+        assert jcache.load(cache_file) == {} and jcache.merge(cache_file)["entries"] == 0
+    assert "cut-short" not in caplog.text
 
 
 def test_retries_with_backoff_then_success_and_failure_without_retries(cache_file):

@@ -11,6 +11,7 @@ import pytest
 from conftest import repo_params
 
 from posttrain.config import ConfigError, names, parse_params
+from posttrain.judge import cache as jcache
 from posttrain.judge.verdict import VERDICTS
 from tests.judge_stub import Stub, running
 
@@ -53,7 +54,7 @@ def test_reward_stage_keeps_the_judge_cache_between_runs_with_a_pool(tiny, tmp_p
     assert second["judge_hit_rate"] == 1.0 and second["judge_new"] == 0 and second["judge_malformed_rate"] == 3 / 8
     assert second["reward_mean"] == first["reward_mean"]  # (llm_judge weight 0: logged only)
     cache = Path(p.paths.judge_cache)
-    assert len(cache.read_text().splitlines()) == 8
+    assert len(cache.read_text().splitlines()) == 1 + 8  # the header line, the 8 judgements
     audit = json.loads((Path(p.paths.reward_report_dir) / "audit.json").read_text())
     assert audit["component_means"]["llm_judge"] == pytest.approx(0.9)  # the 5 scored replies, each 9/10
     assert audit["why"] == {"llm_judge: malformed verdict: no SCORE: line": 3}
@@ -62,6 +63,7 @@ def test_reward_stage_keeps_the_judge_cache_between_runs_with_a_pool(tiny, tmp_p
 
 
 def test_without_a_judge_the_stage_writes_an_empty_cache_and_the_same_metrics(tiny, tmp_path):
+    """The empty cache is its header line alone (a 0-byte file made DVC warn on every run)."""
     from stages import reward
 
     _rollouts(tmp_path / "r.parquet", 4)
@@ -69,7 +71,7 @@ def test_without_a_judge_the_stage_writes_an_empty_cache_and_the_same_metrics(ti
     _, out = reward.paths(p)
     m = reward.run(p, {"rollouts": tmp_path / "r.parquet"}, out)
     assert not any(k.startswith("judge") for k in m)  # the default metrics are unchanged
-    assert Path(p.paths.judge_cache).read_text() == ""
+    assert Path(p.paths.judge_cache).read_text() == json.dumps(jcache.HEADER) + "\n"
 
 
 def _with_judge(kwargs: dict, serve: str | None = None) -> dict:

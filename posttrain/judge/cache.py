@@ -57,6 +57,10 @@ def pending_dir(cache: Path) -> Path:
     return cache.with_name(cache.name + ".pending")
 
 
+# the merged file's first line: an empty cache is one line, not an empty file (DVC warns about an empty output)
+HEADER = {"posttrain_judge_cache": 1}
+
+
 def _read_entries(path: Path, into: dict[str, dict[str, Any]]) -> int:
     """Add the entries of one JSONL file; a line a killed writer cut short is skipped (counted)."""
     bad = 0
@@ -64,6 +68,8 @@ def _read_entries(path: Path, into: dict[str, dict[str, Any]]) -> int:
         for line in f:
             try:
                 e = json.loads(line)
+                if e == HEADER:
+                    continue
                 into[e["key"]] = e
             except (json.JSONDecodeError, KeyError, TypeError):
                 bad += 1
@@ -149,6 +155,7 @@ def merge(cache: Path) -> dict[str, Any]:
                 continue
     with atomic_path(cache, now=True) as tmp:  # the cache is kept even if the stage's other outputs are not
         with tmp.open("w", encoding="utf-8") as f:
+            f.write(json.dumps(HEADER) + "\n")
             for k in sorted(entries):
                 f.write(json.dumps(entries[k], ensure_ascii=False, sort_keys=True) + "\n")
     for p in sorted(d.glob("*")) if d.exists() else []:
