@@ -236,7 +236,7 @@ def _pipeline(root: Path, params: Params, target: str | None, exp_name: str | No
     try:
         for kind, group in _groups(stages, cfg.resources if route else {}):
             if kind == "gpu":  # consecutive gpu stages: one flow run on the gpu pool (one worker pick-up)
-                name = "+".join(group)
+                name = group_name(group)
                 statuses |= remote_stage_task.with_options(name=name, task_run_name=name, **retry)(
                     group, str(root), commit, parent, params_text, cfg.dvc_remote if route else None,
                     pools.job_variables(params, commit))
@@ -252,6 +252,12 @@ def _pipeline(root: Path, params: Params, target: str | None, exp_name: str | No
     finally:
         tracking.end_parent(params, root, parent, "FINISHED" if ok else "FAILED")
     return statuses
+
+
+def group_name(group: list[str]) -> str:
+    """The task name of a run of gpu stages: ``gpu: rl`` or ``gpu: rl .. evaluate@student (5 stages)`` (the
+    stages joined with ``+`` made names of hundreds of characters the UI cut)."""
+    return f"gpu: {group[0]}" + (f" .. {group[-1]} ({len(group)} stages)" if len(group) > 1 else "")
 
 
 def _groups(stages: list[str], resources: dict[str, str]) -> list[tuple[str, list[str]]]:

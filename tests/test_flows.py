@@ -71,7 +71,7 @@ def test_malformed_override_exits_2_in_one_line_naming_it(tmp_path, monkeypatch,
 
 
 def test_consecutive_gpu_stages_share_one_remote_run():
-    from flows.pipeline import _groups
+    from flows.pipeline import _groups, group_name
 
     res = {"curate": "cpu", "sft": "gpu", "rollout": "gpu", "reward": "cpu", "rl": "gpu", "distill": "gpu",
            "evaluate": "gpu", "report": "cpu"}
@@ -80,6 +80,9 @@ def test_consecutive_gpu_stages_share_one_remote_run():
     assert _groups(stages, res) == [("cpu", ["curate"]), ("gpu", ["sft", "rollout"]), ("cpu", ["reward"]),
                                     ("gpu", ["rl", "distill", "evaluate@sft", "evaluate@rl"]), ("cpu", ["report"])]
     assert _groups(stages, {}) == [("cpu", [s]) for s in stages]  # routing off: all in process
+    # the group's task name (issue 46 finding 11: "rl+distill+evaluate@student+evaluate@student_sft+..." before)
+    assert group_name(["rl", "distill", "evaluate@sft", "evaluate@rl"]) == "gpu: rl .. evaluate@rl (4 stages)"
+    assert group_name(["sft"]) == "gpu: sft"
 
 
 def test_posttrain_deploy_runs_flows_deploy_as_a_subprocess_and_never_imports_flows(tmp_path):
