@@ -183,7 +183,7 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s {name}{f'[{rank}]' if rank else ''} %(message)s", datefmt="%H:%M:%S")
     if distributed and dist.launched():
-        dist.init(d.backend, d.strategy, d.timeout_s)
+        dist.init(d.backend, d.strategy, d.timeout_for(name))
         if rank:
             params = params.model_copy(update={"runtime": params.runtime.model_copy(update={"progress": False})})
             params = params.model_copy(update={"tracking": params.tracking.model_copy(update={"enabled": False})})

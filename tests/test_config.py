@@ -444,3 +444,31 @@ def test_hf_hub_offline_is_read_as_huggingface_hub_reads_it(monkeypatch, value, 
 
     monkeypatch.setenv("HF_HUB_OFFLINE", value)
     assert hub_offline() is offline
+
+
+@pytest.mark.parametrize("stage, want", [("rl", 3600.0), ("distill", 3600.0), ("sft", 600.0), ("sft*", 45.0)])
+def test_each_distributed_stage_joins_its_process_group_with_its_own_collective_timeout(tmp_path, monkeypatch,
+                                                                                       stage, want):
+    """Issue 50 item 6: one 600 s collective timeout for every stage was short beside the minutes one rl or
+    distill rank can generate longer than another at long completions. ``runtime.distributed.stage_timeout_s``
+    (rl and distill 3600 s by default) over ``timeout_s``; the stage's process group gets its own (``sft*``: sft
+    with ``stage_timeout_s: {sft: 45}`` set)."""
+    from posttrain import distributed, runner
+
+    raw = repo_params()
+    raw["tracking"]["enabled"] = False
+    if stage == "sft*":
+        stage, raw["runtime"]["distributed"]["stage_timeout_s"] = "sft", {"sft": 45}
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    got = []
+    monkeypatch.setattr(distributed, "launched", lambda: True)
+    monkeypatch.setattr(distributed, "init", lambda backend, strategy, timeout_s: got.append(timeout_s))
+    monkeypatch.setattr(distributed, "shutdown", lambda: None)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.chdir(tmp_path)
+    runner.stage_main(stage, lambda p: {}, ["--params", str(path)], distributed=True)
+    assert got == [want]
+    raw["runtime"]["distributed"]["stage_timeout_s"] = {"evaluate": 10}  # a stage that never joins a group
+    with pytest.raises(ConfigError, match="stage_timeout_s"):
+        parse_params(raw)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -86,11 +86,19 @@ class Distributed(Section):
     slurm: Slurm = Field(default_factory=Slurm)
     timeout_s: float = Field(600, gt=0, le=7 * 86400,
                              description="a collective waiting longer fails the stage (a dead rank "
-                             "cannot hang the others past this)")
+                             "cannot hang the others past this); stage_timeout_s overrides it per stage")
+    stage_timeout_s: dict[Literal["sft", "rl", "distill"], Annotated[float, Field(gt=0, le=7 * 86400)]] = Field(
+        default_factory=lambda: {"rl": 3600.0, "distill": 3600.0},
+        description="per-stage collective timeout (s), over timeout_s: rl and distill ranks generate between "
+        "collectives, and at long completions one rank's share can take minutes longer than another's")
 
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+    def timeout_for(self, stage: str) -> float:
+        """The collective timeout of ``stage`` (``stage_timeout_s``, else ``timeout_s``)."""
+        return self.stage_timeout_s.get(stage, self.timeout_s)
 
     @model_validator(mode="after")
     def _nodes(self) -> Distributed:
