@@ -49,7 +49,7 @@ from tqdm import tqdm
 from posttrain import checkpoint, distributed, modeling, plots, seeds, training
 from posttrain.config import Params
 from posttrain.errors import StageError
-from posttrain.outputs import as_one_set, atomic_path
+from posttrain.outputs import as_one_set, atomic_path, link_tree
 from posttrain.rewards import RewardPool
 from posttrain.rl import collect, overlap, select, shards, update
 from posttrain.rl.prompts import PromptPool, PromptTokens, read_rates
@@ -238,9 +238,9 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     with atomic_path(out["rl_dir"]) as tmp:
         tmp.mkdir()
         prompts.write_selected(tmp / "selected_prompts.parquet")
-        shutil.copytree(shard_tmp, tmp / "shards")
+        link_tree(shard_tmp, tmp / "shards")  # hard links: the checkpoints' copy goes when the stage ends
         if (ckpt_dir / "saved").is_dir():
-            shutil.copytree(ckpt_dir / "saved", tmp / "checkpoints")
+            link_tree(ckpt_dir / "saved", tmp / "checkpoints")
     train_log.close()
     plots.training_curves(log_rows, "step", [("reward_mean", "pass_rate"), "kl", "entropy", "clipfrac",
                                              "response_len", "zero_var_frac", "grad_norm",

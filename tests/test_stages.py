@@ -1,6 +1,8 @@
 """Each stage's run() on tiny fixtures (seconds on CPU)."""
 
 import json
+import os
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -236,7 +238,7 @@ def test_evaluate_counts_unscorable_gold_out_of_denominators(tiny, tmp_path):
 
 
 @pytest.mark.slow  # over 2 s: out of the fast suite
-def test_rollout_reward_rl_then_evaluate(tiny):
+def test_rollout_reward_rl_then_evaluate(tiny, monkeypatch):
     tiny["rl"]["save_steps"] = [2]  # an intermediate checkpoint, evaluated beside the final one
     tiny["evaluate"]["models"]["rl_step2"] = str(Path(tiny["paths"]["rl_dir"]) / "checkpoints" / "step_2")
     p = parse_params(tiny)
@@ -262,7 +264,11 @@ def test_rollout_reward_rl_then_evaluate(tiny):
     assert len(rates) == 8 and all(r["n"] == 4 for r in rates)
     assert (Path(P.reward_report_dir) / "audit.md").read_text().startswith("# Reward audit")
 
+    copied = []  # the shards reach data/rl as hard links: never a second copy of the per-token data on disk
+    real_copyfile = shutil.copyfile
+    monkeypatch.setattr(shutil, "copyfile", lambda a, b, **k: copied.append(os.fspath(a)) or real_copyfile(a, b, **k))
     m = rl.run(p, _ins(p, "rl"), o["rl"])
+    assert not [c for c in copied if c.endswith(".parquet")], copied  # (all 4 shards were copied before)
     assert m["steps"] == 4 and m["shards"] == 4 and m["resumed_from_step"] == 0
     shards = sorted((Path(P.rl_dir) / "shards").glob("step_*.parquet"))
     assert [s.name for s in shards] == [f"step_{i:05d}.parquet" for i in range(1, 5)]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config import ConfigError, Params
+from posttrain.outputs import link_tree
 from posttrain.tracking.champion import promote, register
 from posttrain.tracking.records import StageRecord, _git
 
@@ -202,14 +203,7 @@ def own_copy(client: Any, run: Any, folder: Path) -> str:
         if not dest.exists():
             tmp = dest.with_name(f".{dest.name}.tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-
-            def link(src: str, dst: str) -> None:
-                try:
-                    os.link(src, dst)
-                except OSError:
-                    shutil.copy2(src, dst)
-
-            shutil.copytree(folder, tmp, copy_function=link)
+            link_tree(folder, tmp)
             tmp.rename(dest)  # whole or not at all
         return dest_uri
     client.log_artifacts(run.info.run_id, str(folder), artifact_path=f"model/{folder.name}")
