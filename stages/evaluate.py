@@ -190,8 +190,14 @@ def paths(p: Params, name: str) -> tuple[dict[str, Any], dict[str, Path]]:
 
 def main() -> None:
     model, argv = model_arg(sys.argv[1:])
-    stage_main(f"evaluate@{model}", lambda p: run(p, *paths(p, model)), argv,
-               needs=lambda p: [Path(p.paths.curated_dir) / "eval.parquet"])
+    stage_main(f"evaluate@{model}", lambda p: run(p, *paths(p, model)), argv, needs=lambda p: _needs(p, model))
+
+
+def _needs(p: Params, model: str) -> list[Path]:
+    """The eval split, and the model when a pipeline stage writes it (a ``paths`` entry; a hub id is not)."""
+    path = p.evaluate.models.get(model)
+    made = {str(Path(v)) for v in p.paths.model_dump().values()}
+    return [Path(p.paths.curated_dir) / "eval.parquet", *([Path(path)] if path and str(Path(path)) in made else [])]
 
 
 if __name__ == "__main__":

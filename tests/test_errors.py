@@ -177,3 +177,22 @@ def test_a_real_unwritable_output_folder_exits_1_in_one_line_naming_it(tiny, tmp
         subprocess.run(off, capture_output=True)
     line = _one_line(err)
     assert code == 1 and str(ro / "curated") in line, line
+
+
+def test_evaluate_of_a_model_no_stage_has_made_yet_refuses_in_one_line(tiny, tmp_path, capsys, monkeypatch):
+    """Issue 46, finding 9: ``evaluate@rl`` with the eval split present but no ``models/rl`` yet went on to load
+    it (a hub lookup of the path, offline) after opening its MLflow run. A model folder a pipeline stage writes
+    (a ``paths`` entry) is now one of its needs: one line, exit 1, before any work."""
+    from stages import evaluate
+
+    d = Path(tiny["paths"]["curated_dir"])
+    d.mkdir(parents=True)
+    (d / "eval.parquet").write_text("")  # present: only the model is missing
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny))
+    monkeypatch.setattr("sys.argv", ["evaluate", "--model", "rl", "--params", str(tmp_path / "params.yaml")])
+    with pytest.raises(SystemExit) as e:
+        evaluate.main()
+    line = _one_line(capsys.readouterr().err)
+    assert e.value.code == 1 and line == (f"posttrain evaluate@rl: {tiny['paths']['rl_model']} does not exist: run "
+                                          "the stages upstream of evaluate@rl first (`dvc repro evaluate@rl` or "
+                                          "`posttrain repro`)")
