@@ -145,6 +145,12 @@ def load_model_state(model: torch.nn.Module, opt: torch.optim.Optimizer, msd: di
         options=o)
 
 
+def ref_state(ref: torch.nn.Module) -> dict[str, Any]:
+    """A moving reference model's state dict under the model's own names (an FSDP2 reference is a ``Forward``
+    handle of shards: the same checkpoint then resumes under any strategy, as the policy's does)."""
+    return _strip(ref.state_dict(), _prefix(ref))
+
+
 def _options(strict: bool = True) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=True, strict=strict)
 
@@ -179,7 +185,7 @@ def save(ckpt_dir: Path, step: int, fp: str, model: torch.nn.Module, opt: torch.
         tmp.mkdir(parents=True)
     d.barrier()
     msd, osd = model_state(model, opt)
-    tensors = {"model": msd, "optim": osd, **({"ref": ref.state_dict()} if ref is not None else {})}
+    tensors = {"model": msd, "optim": osd, **({"ref": ref_state(ref)} if ref is not None else {})}
     with warnings.catch_warnings():  # one process: DCP warns that it assumes one process
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.save(tensors, checkpoint_id=tmp, no_dist=not d.active)
@@ -209,13 +215,13 @@ def restore(ckpt_dir: Path, fp: str, model: torch.nn.Module, opt: torch.optim.Op
     msd, osd = model_state(model, opt)  # this job's layout: DCP reads into it (shards under FSDP2)
     tensors = {"model": msd, "optim": osd}
     if ref is not None and json.loads((path / META).read_text()).get("ref"):
-        tensors["ref"] = ref.state_dict()
+        tensors["ref"] = ref_state(ref)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(tensors, checkpoint_id=path, no_dist=not d.active)
     load_model_state(model, opt, tensors["model"], tensors["optim"])
     if "ref" in tensors:
-        ref.load_state_dict(tensors["ref"])
+        ref.load_state_dict({_prefix(ref) + k: v for k, v in tensors["ref"].items()})
     rest = torch.load(path / REST, map_location="cpu", mmap=True, weights_only=True)
     set_rank_rng(rest.pop("rng"))
     log.info("resuming from %s step %d", path, rest["step"])

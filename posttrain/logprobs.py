@@ -225,13 +225,13 @@ def batch_tensors(seqs: Sequence[Seq], pad_id: int, device: torch.device, pack: 
     return {k: v.to(device) for k, v in out.items()}
 
 
-@torch.no_grad()
 def filler(pad_id: int) -> list[Seq]:
     """A micro-batch of one one-token sequence: the forward a rank without sequences runs (with zero weight) so
     that its collectives line up with the other ranks'."""
     return [Seq([pad_id], [pad_id], [0.0], 0.0)]
 
 
+@torch.no_grad()
 def fill(model: torch.nn.Module, seqs: Sequence[Seq], attr: str, pad_id: int, micro: int, pack: bool,
           temperature: float, with_entropy: bool = False) -> None:
     """Set ``seq.<attr>`` to ``model``'s log-probs of each completion token (no grad), and with
@@ -247,9 +247,8 @@ def fill(model: torch.nn.Module, seqs: Sequence[Seq], attr: str, pad_id: int, mi
         chunks += [[]] * (int(d.max(len(chunks))) - len(chunks))
     for chunk in chunks:
         t = batch_tensors(chunk or filler(pad_id), pad_id, device, pack)
-        with torch.no_grad():
-            lp, ent = distributed.forward(model, token_logp_entropy, t, temperature,
-                                          entropy="detached" if with_entropy else "off")
+        lp, ent = distributed.forward(model, token_logp_entropy, t, temperature,
+                                      entropy="detached" if with_entropy else "off")
         for j, s in enumerate(chunk):
             span = slice(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + len(s.completion_ids))
             setattr(s, attr, lp[j, span].float().cpu().clone())

@@ -180,6 +180,11 @@ def measure(config: Any, params: Any, shape: Shape, d: Dist, student: Any = None
         return -(lp.sum() + ent.sum()) / ids.numel()
 
     training.accumulate(wrapped, opt, items, shape.seqs, loss_of, 1.0)  # FSDP2's lazy init, Adam's state made
+    if shape.frozen == "reference" and d.active:  # scored once, as each step scores it: what stays gathered after
+        ids = torch.randint(0, config.vocab_size, (shape.seqs, shape.seq_len))
+        batch = {"ids": ids, "attn": torch.ones_like(ids), "mask": torch.ones_like(ids[:, 1:], dtype=torch.bool)}
+        with torch.no_grad(), modeling.autocast(m.dtype, torch.device("cpu")):
+            forward(frozen, logprobs.token_logp_entropy, batch, entropy="off")
     if d.active:
         tracker = _peak_only(FSDPMemTracker)(wrapped, opt)
     else:

@@ -5,7 +5,8 @@ the distributed checkpoint tests launch it to save at one world size and resume 
 
 MODE ``straight``: four steps, no checkpoint. ``save``: two steps, a checkpoint, stop (a kill after the save).
 ``resume``: restore the checkpoint, then steps 3 and 4. OUT gets the final full weights (rank 0) and, for
-``save``, whether a full tensor was ever gathered while saving (it must not be, under FSDP2).
+``save``, whether a full tensor was ever gathered while saving (it must not be, under FSDP2), and the moving
+KL reference's weights (reset to the policy at the checkpoint's step, saved with it, restored on resume).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from posttrain import checkpoint, distributed, modeling, training
 from posttrain.config import TinyModel
+from posttrain.rl import update
 
 STEPS, AT, BATCH = 4, 2, 6
 
@@ -38,19 +40,26 @@ def main(mode: str, strategy: str, ckpt: str, out: str) -> None:
                                       tok, 0)
     model = d.wrap(model.train())
     opt = training.adamw(model, 1e-2, 0.01, training.SFT_BETAS)
+    # a moving KL reference (rl.ref_reset), built as the rl stage builds it: sharded under FSDP2
+    built = lambda: modeling.build_tiny_model(TinyModel(hidden_size=32, num_layers=2, num_heads=2,  # noqa: E731
+                                                        intermediate_size=64), tok, 1)
+    ref = d.load_frozen(built, built, torch.device("cpu"))
     start, gathered = 0, []
     if mode == "resume":
-        start = checkpoint.restore(Path(ckpt), "fp", model, opt)["step"]
+        start = checkpoint.restore(Path(ckpt), "fp", model, opt, ref)["step"]
     for step in range(start, AT if mode == "save" else STEPS):
         training.accumulate(model, opt, list(range(BATCH)), 2, loss_of(model, step), 1.0)
     if mode == "save":
         full_tensor = DTensor.full_tensor
         DTensor.full_tensor = lambda self, *a, **k: gathered.append(1) or full_tensor(self, *a, **k)
-        checkpoint.save(Path(ckpt), AT, "fp", model, opt, {"log": []})
+        update.reset_reference(ref, d.scoring(model))  # the reference becomes the policy at step AT
+        checkpoint.save(Path(ckpt), AT, "fp", model, opt, {"log": []}, ref)
         DTensor.full_tensor = full_tensor
     weights = {k: v.clone() for k, v in d.plain(model).state_dict().items()}
+    ref_weights = {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
+                   for k, v in checkpoint.ref_state(ref).items()}
     if d.main:
-        torch.save({"weights": weights, "gathered": len(gathered)}, out)
+        torch.save({"weights": weights, "gathered": len(gathered), "ref": ref_weights}, out)
     distributed.shutdown()
 
 

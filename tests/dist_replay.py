@@ -42,7 +42,6 @@ def variant(dist: distributed.Dist, params: Params, policy: str, shard: str) -> 
     assert all(p.is_meta for p in model.parameters()) == dist.loads_on_meta  # FSDP2: only rank 0 reads weights
     ref = dist.load_frozen(lambda: modeling.load_model(policy), lambda: modeling.empty_model(policy),  # as rl
                            torch.device("cpu")) if cfg.kl_coef > 0 and params.model.lora is None else None
-    ref_bytes = sum(_local(p).numel() * p.element_size() for p in ref.parameters()) if ref is not None else 0
     prompts = {r["prompt_id"]: r["prompt"] for r in rows}
     prompt_ids = dict(zip(prompts, chat_prompt_ids(tok, list(prompts.values())), strict=True))
     lora_ref = model if params.model.lora is not None and cfg.kl_coef > 0 else None  # its adapter off, as rl
@@ -50,12 +49,20 @@ def variant(dist: distributed.Dist, params: Params, policy: str, shard: str) -> 
     opt = training.adamw(model, cfg.lr, cfg.weight_decay, training.ONLINE_BETAS)  # as stages/rl.py
     metrics, _ = update.update_from_groups(model, opt, sb, cfg, prompt_ids, tok.pad_token_id,
                                            ref if ref is not None else lora_ref, seed=7)
+    # after the update scored it: a frozen root FSDP2 never reshards in backward must reshard after forward
+    ref_bytes = sum(_local(p).numel() * p.element_size() for p in ref.parameters()) if ref is not None else 0
     mine = [logprobs.Seq(prompt_ids[r["prompt_id"]], list(r["token_ids"]), list(r["logprobs"]), 0.0)
             for i in sb.rows for r in sb.rows[i]]  # this rank's rows
+    zero_rank = None
+    if ref is not None:  # a KL update where rank 1 holds no sequence (its groups dropped): its share of the
+        # reference's scoring is fillers, in step with rank 0 (lr 0: the weights stay those recorded below)
+        fresh = [logprobs.Seq(s.prompt_ids, s.completion_ids, s.logprobs, 0.0) for s in mine]
+        zero_rank = update.policy_update(model, torch.optim.SGD(model.parameters(), lr=0.0),
+                                         fresh if dist.rank == 0 else [], cfg, tok.pad_token_id, ref)
     reset_gap = None
     if ref is not None:  # ProRL's reset: the reference becomes the updated policy, as the rl stage calls it
         update.reset_reference(ref, dist.scoring(model))
-        mine = mine if dist.rank == 0 else mine[:1]  # unequal micro-batch counts: FSDP2's forwards in lockstep
+        mine = mine if dist.rank == 0 else []  # unequal micro-batch counts: FSDP2's forwards in lockstep
         logprobs.fill(ref, mine, "ref_logp", tok.pad_token_id, cfg.micro_batch_size, cfg.pack, 1.0)
         logprobs.fill(dist.scoring(model), mine, "old_logp", tok.pad_token_id, cfg.micro_batch_size, cfg.pack, 1.0)
         reset_gap = dist.max(max((float((s.ref_logp - s.old_logp).abs().max()) for s in mine), default=0.0))
@@ -73,7 +80,8 @@ def variant(dist: distributed.Dist, params: Params, policy: str, shard: str) -> 
                                                cfg.micro_batch_size, local=True)
     distilled = dist.plain(student)
     return {"state": updated, "metrics": metrics, "student": distilled.state_dict(), "distill_metrics": d_metrics,
-            "ref_bytes": ref_bytes, "reset_gap": reset_gap}
+            "ref_bytes": ref_bytes, "reset_gap": reset_gap,
+            "zero_rank": zero_rank}
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

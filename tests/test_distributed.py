@@ -135,13 +135,18 @@ def test_rl_update_replayed_from_a_shard_gives_the_same_weights_at_world_size_1_
         assert res[name]["distill_metrics"]["reverse_kl"] == pytest.approx(
             res[base]["distill_metrics"]["reverse_kl"], rel=1e-3)
     # FSDP2's KL reference is sharded as the policy is (Dist.load_frozen), scored in lockstep (logprobs.fill; after
-    # the reset rank 1 scores one sequence, rank 0 all of its: a rank's extra forward without a partner hung
-    # until the collective timeout before): half the bytes on rank 0 at world size 2 (a full copy per rank
-    # before), the same KL as world size 1 (above)
+    # the reset rank 1 scores no sequence, rank 0 all of its: a rank's extra forward without a partner hung
+    # until the collective timeout before): half the bytes on rank 0 at world size 2 after scoring (a full
+    # copy per rank before; its root group stayed gathered after a forward), the same KL as world size 1
     print(f"reference bytes on rank 0: world 1 {res['w1']['ref_bytes']}, fsdp2 world 2 {res['fsdp2']['ref_bytes']}")
     assert 0 < res["fsdp2"]["ref_bytes"] <= 0.55 * res["w1"]["ref_bytes"]
     for name in ("w1", "ddp", "fsdp2"):  # ProRL's reset: the reference then scores as the updated policy
         assert res[name]["reset_gap"] is not None and res[name]["reset_gap"] < 1e-5, (name, res[name]["reset_gap"])
+    # an update where rank 1 holds no sequence: the FSDP2 ranks agree to score the sharded reference (fillers on
+    # rank 1) and get DDP's numbers (its reference is whole on each rank: no collective to pair)
+    for k in ("kl", "loss", "entropy"):
+        assert res["fsdp2"]["zero_rank"][k] == pytest.approx(res["ddp"]["zero_rank"][k], rel=1e-4, abs=1e-9), k
+    assert res["ddp"]["zero_rank"]["kl"] > 0
     moved = {k: _max_diff(res["w1"][k], start) for k in ("state", "student")}
     print(f"world 1 moved the weights by {moved['state']:.3g} (rl) and {moved['student']:.3g} (distill)")
     assert min(moved.values()) > 1e-4  # both steps moved the weights
@@ -300,14 +305,18 @@ def test_fsdp2_checkpoint_is_sharded_on_disk_and_resumes_at_another_world_size(t
     print(f"fsdp2 world 2 checkpoint: {len(files)} shard files, bytes {sizes}")
     assert len(files) == 2 and max(sizes) < 0.7 * sum(sizes)  # each rank wrote about half
     w1 = tmp_path / "w1"
-    _ckpt_job("save", 1, "ddp", w1, tmp_path / "saved1.pt")
+    saved1 = _ckpt_job("save", 1, "ddp", w1, tmp_path / "saved1.pt")
     fsdp2 = _ckpt_job("straight", 2, "fsdp2", tmp_path / "none", tmp_path / "straight2.pt")["weights"]
     noise = _max_diff(fsdp2, straight)  # reduction order alone, amplified by four Adam steps
     print(f"uninterrupted fsdp2 world 2 vs world 1: max |dw| = {noise:.3g}")
     for name, nproc, strategy, ckpt, same in (("fsdp2 w2 -> w1", 1, "ddp", fs, straight),
                                               ("fsdp2 w2 -> fsdp2 w2", 2, "fsdp2", fs, fsdp2),
                                               ("w1 -> fsdp2 w2", 2, "fsdp2", w1, straight)):
-        got = _ckpt_job("resume", nproc, strategy, ckpt, tmp_path / "resumed.pt")["weights"]
+        res = _ckpt_job("resume", nproc, strategy, ckpt, tmp_path / "resumed.pt")
+        got = res["weights"]
+        # the moving reference saved with it (reset to the policy at step 2) comes back under any strategy
+        # (an FSDP2 reference was saved under its handle's names: w1 could not resume it)
+        assert _max_diff(res["ref"], (saved if ckpt == fs else saved1)["weights"]) == 0.0, name
         diff, exact = _max_diff(got, straight), _max_diff(got, fsdp2 if same is fsdp2 else straight)
         print(f"checkpoint {name}: max |dw| vs uninterrupted world size 1 = {diff:.3g}")
         assert diff < 1e-5

@@ -69,7 +69,9 @@ def fsdp2(model: torch.nn.Module, main: bool, device: torch.device, from_rank0: 
     full = model.state_dict() if main and from_rank0 else {}  # rank 0's weights, for the meta ranks
     for layer in _decoder_layers(model):
         fully_shard(layer, **kw)
-    wrapped = fully_shard(Forward(model), **kw)
+    # a frozen model (no copy) never runs backward, where the root would be resharded: reshard it after forward,
+    # or its root group (embeddings, the LM head, the final norm) stays gathered after the first scoring
+    wrapped = fully_shard(Forward(model), **kw, **({} if with_copy else {"reshard_after_forward": True}))
     if from_rank0:
         if on_meta:
             wrapped.to_empty(device=device)

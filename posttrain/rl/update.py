@@ -25,6 +25,7 @@ import torch
 
 from posttrain import algos, corrections, distributed, training
 from posttrain.config import Rl
+from posttrain.distributed import placement
 from posttrain.logprobs import Seq, batch_tensors, fill, filler, token_logp_entropy
 from posttrain.modeling import adapter_off
 from posttrain.rl.collect import StepBatch
@@ -106,7 +107,10 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     if not on_policy or selecting:  # each rank scores exactly the sequences it updates
         fill(d.scoring(model), seqs, "old_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp, with_entropy=selecting)
     pg_tokens = select_tokens(seqs, cfg.token_select, cfg.token_rho, int(lens[:offset].sum())) if selecting else 1.0
-    if use_kl and any(s.ref_logp is None for s in seqs):
+    need_ref = use_kl and any(s.ref_logp is None for s in seqs)
+    if use_kl and placement.sharded(ref_model):  # scoring it is a collective: every rank or none (a rank with
+        need_ref = bool(d.max(float(need_ref)))  # no sequence runs fillers; skipping would pair its next one)
+    if need_ref:
         with adapter_off(ref_model):
             fill(ref_model, seqs, "ref_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp)
 
