@@ -152,7 +152,8 @@ def test_judge_scores_a_batch_and_a_rerun_is_all_cache_hits(cache_file):
     assert stub.requests == 3
     assert sess.stats | {} == {"requests": 3, "hits": 0, "misses": 3, "malformed": 1, "failed": 0, "overlong": 0,
                                "hit_rate": 0.0, "malformed_rate": 1 / 3, "entries": 3, "new": 3}
-    lines = [json.loads(x) for x in cache_file.read_text().splitlines()]
+    header, *lines = [json.loads(x) for x in cache_file.read_text().splitlines()]
+    assert header == jcache.HEADER and len(lines) == 3
     assert [x["key"] for x in lines] == sorted(x["key"] for x in lines)  # sorted: same judgements, same bytes
     assert not jcache.pending_dir(cache_file).exists()
     # a re-run in a fresh process reads the file: nothing is asked again (a new store: another cache path object)

@@ -6,6 +6,7 @@ its namespaces; the refusal path runs everywhere (a missing bwrap must refuse wi
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -174,10 +175,15 @@ attempt("import torch", lambda: __import__("torch"))
 
 
 def test_the_program_sees_the_standard_library_only(sb):
-    """No site-packages on the program's path (``python -S``): the system's dist-packages (numpy and the like,
-    where installed) were importable before, against the docs' "standard library only"."""
-    r = run(sb, "site-packages", "import sys\nprint('packages', [p for p in sys.path if p.endswith('-packages')])")
-    assert "packages []" in r.stdout, r.stdout
+    """The interpreter's site-packages folders are empty in the sandbox (an empty read-only tmpfs over each):
+    the system's dist-packages (numpy and the like, where installed) were importable before, against the docs'
+    "standard library only". ``site`` still runs: ``exit()`` exits (``python -S`` took it away)."""
+    r = run(sb, "site-packages", "import os, sys\n"
+            "print('packages', [os.listdir(p) for p in sys.path if p.endswith('-packages') and os.path.isdir(p)])\n"
+            "exit(3)")
+    assert "packages [" in r.stdout and all(x == "[]" for x in re.findall(r"\[[^\[\]]*\]",
+                                                                          r.stdout.split("packages ", 1)[1]))
+    assert r.exit_code == 3, r
 
 
 def test_nothing_outside_scratch_can_be_written(sb, tmp_path):

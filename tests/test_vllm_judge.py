@@ -85,7 +85,7 @@ def test_llm_judge_on_a_real_vllm_server_cache_hits_on_rerun_and_malformed_count
     assert st1["malformed"] == malformed and st1["malformed_rate"] == malformed / 6
     assert all(p["llm_judge"] is not None or p["why"]["llm_judge"].startswith("malformed verdict: ")
                for p in parts)
-    assert len(cache.read_text().splitlines()) == 6
+    assert len(cache.read_text().splitlines()) == 1 + 6  # the header line, the 6 judgements
 
     # the re-run (a new server, as a re-run of the stage starts one): every judgement from the cache
     with session(cache, serve_folder=str(folder), python=sys.executable, args=ARGS,

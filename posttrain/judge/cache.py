@@ -7,7 +7,8 @@ answered). A value: the judge's reply, the parsed value and why it was refused. 
 too (asking the same deterministic judge again would pay for the same reply); a request that failed
 (timeout, HTTP error) is not.
 
-The artifact is one JSONL file (``paths.judge_cache``, a DVC out kept between runs), one entry a line, sorted
+The artifact is one JSONL file (``paths.judge_cache``, a DVC out kept between runs): a header line
+(``HEADER``: an empty cache is one line, not an empty file DVC warns about), then one entry a line, sorted
 by key: the same judgements give the same bytes (the same DVC hash), a person can grep a judgement, and the
 merge is a sorted union. Several scoring processes (``reward.workers``) share it without locks: each process
 reads the file (and the pending shards) once, at its first call, and appends what it newly paid for to its own
@@ -68,7 +69,7 @@ def _read_entries(path: Path, into: dict[str, dict[str, Any]]) -> int:
         for line in f:
             try:
                 e = json.loads(line)
-                if e == HEADER:
+                if isinstance(e, dict) and next(iter(HEADER)) in e:  # the header (any version of it)
                     continue
                 into[e["key"]] = e
             except (json.JSONDecodeError, KeyError, TypeError):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -91,6 +92,16 @@ def _ro_binds(python: str) -> tuple[str, ...]:
     return tuple(args)
 
 
+@functools.lru_cache(maxsize=8)
+def site_dirs(python: str) -> tuple[str, ...]:
+    """The interpreter's site-packages folders that exist (``site.getsitepackages()``: the system's
+    dist-packages, numpy and the like where installed): the sandbox mounts an empty read-only tmpfs over each,
+    so a program imports the standard library only while ``site`` still runs (``exit()``, ``quit()``)."""
+    out = subprocess.run([python, "-I", "-c", "import site; print(chr(10).join(site.getsitepackages()))"],
+                         capture_output=True, text=True, timeout=30, check=False)
+    return tuple(d for d in out.stdout.splitlines() if d and Path(d).is_dir())
+
+
 def launcher(cfg: SandboxCfg, main: str) -> str:
     """PID 1 of the sandbox (``--as-pid-1``; bwrap's own init would be ptrace-able by the program, same uid):
     makes itself non-dumpable (no ptrace, no ``/proc/1/mem`` from the program), sets the rlimits (lowering is
@@ -110,7 +121,7 @@ signal.signal(signal.SIGINT,signal.SIG_DFL)
 if ctypes.CDLL(None).prctl(4,0,0,0,0):os._exit(126)
 {sets}
 c=os.fork()
-if c==0:os.execv(sys.executable,[sys.executable,'-E','-s','-S','-B',{main!r}])
+if c==0:os.execv(sys.executable,[sys.executable,'-E','-s','-B',{main!r}])
 while True:
  p,s=os.wait()
  if p==c:break
@@ -131,6 +142,8 @@ def command(cfg: SandboxCfg, bwrap: str, python: str, files: dict[str, int], sta
             "--size", str((cfg.max_file_mb + 1) * 1024 * 1024), "--perms", "0700", "--tmpfs", SCRATCH]
     for name, fd in files.items():
         args += ["--file", str(fd), f"{SCRATCH}/{name}"]
+    for d in site_dirs(python):  # emptied: the standard library only
+        args += ["--perms", "0555", "--tmpfs", d, "--remount-ro", d]
     args += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", SCRATCH, "--clearenv"]
     for k, v in ENV.items():
         args += ["--setenv", k, v]

@@ -28,7 +28,7 @@ def _verdict(stage, passed, why):
 exec(open("codec.py").read())
 _req_r, _req_w = os.pipe()
 _ret_r, _ret_w = os.pipe()
-_sol = subprocess.Popen([sys.executable, "-E", "-s", "-S", "-B", "runner.py", str(_req_r), str(_ret_w)],
+_sol = subprocess.Popen([sys.executable, "-E", "-s", "-B", "runner.py", str(_req_r), str(_ret_w)],
                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                         pass_fds=(_req_r, _ret_w))
 os.close(_req_r); os.close(_ret_w)
