@@ -133,7 +133,7 @@ def remote_stage_task(stages: list[str], repo: str, commit: str, mlflow_parent: 
         parameters["handoff"] = dvcrepo.handoff_of(root, list(dvcrepo.lock_entries(root, None)))
     else:
         parameters["repo"] = repo  # workers share this checkout
-    fr = run_deployment(STAGE_DEPLOYMENT, parameters=parameters, flow_run_name="+".join(stages), timeout=None,
+    fr = run_deployment(STAGE_DEPLOYMENT, parameters=parameters, flow_run_name=group_name(stages), timeout=None,
                         as_subflow=True, poll_interval=1, job_variables=job_variables or None)
     if fr.state is None or not fr.state.is_completed():
         raise StageError(f"stages {stages}: flow run {fr.id} ended {fr.state.name if fr.state else 'unknown'}")

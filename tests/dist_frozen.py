@@ -1,6 +1,6 @@
-"""Loading at world size 2 (gloo, FSDP2): the frozen model (rl's KL reference, distill's teacher) through
-``Dist.load_on_rank0`` as those stages call it, and a pretrained distill student through ``stages.distill._student``
-+ ``Dist.wrap``. ``tests/test_distributed.py`` launches it and compares the ranks.
+"""Loading at world size 2 (gloo, FSDP2): the frozen model (distill's teacher; rl's KL reference under DDP)
+through ``Dist.load_on_rank0`` as those stages call it, and a pretrained distill student through
+``stages.distill._student`` + ``Dist.wrap``. ``tests/test_distributed.py`` launches it and compares the ranks.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_frozen.py FOLDER DTYPE OUT
 
@@ -32,7 +32,7 @@ def tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def main(folder: str, dtype: str, out: str) -> None:
     d = distributed.init("gloo", "fsdp2", 60)
     device = torch.device("cpu")
-    frozen = d.load_on_rank0(lambda: modeling.load_model(folder, dtype, device),  # as stages/rl.py, stages/distill.py
+    frozen = d.load_on_rank0(lambda: modeling.load_model(folder, dtype, device),  # as stages/distill.py
                              lambda: modeling.empty_model(folder, dtype=dtype), device)
     opened_frozen, OPENED[:] = list(OPENED), []
     raw = tiny_raw(None)

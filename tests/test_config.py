@@ -446,19 +446,23 @@ def test_hf_hub_offline_is_read_as_huggingface_hub_reads_it(monkeypatch, value, 
     assert hub_offline() is offline
 
 
-@pytest.mark.parametrize("stage, want", [("rl", 3600.0), ("distill", 3600.0), ("sft", 600.0), ("sft*", 45.0)])
+@pytest.mark.parametrize("stage, want", [("rl", 3600.0), ("distill", 3600.0), ("sft", 600.0), ("sft*", 900.0),
+                                         ("rl*", 7200.0)])
 def test_each_distributed_stage_joins_its_process_group_with_its_own_collective_timeout(tmp_path, monkeypatch,
                                                                                        stage, want):
     """Issue 50 item 6: one 600 s collective timeout for every stage was short beside the minutes one rl or
     distill rank can generate longer than another at long completions. ``runtime.distributed.stage_timeout_s``
-    (rl and distill 3600 s by default) over ``timeout_s``; the stage's process group gets its own (``sft*``: sft
-    with ``stage_timeout_s: {sft: 45}`` set)."""
+    (rl and distill 3600 s by default): a stage's process group waits the larger of its entry and ``timeout_s``
+    (``sft*``: sft with ``stage_timeout_s: {sft: 900}``; ``rl*``: rl with ``timeout_s: 7200``, raised past its
+    entry by a user with long completions)."""
     from posttrain import distributed, runner
 
     raw = repo_params()
     raw["tracking"]["enabled"] = False
     if stage == "sft*":
-        stage, raw["runtime"]["distributed"]["stage_timeout_s"] = "sft", {"sft": 45}
+        stage, raw["runtime"]["distributed"]["stage_timeout_s"] = "sft", {"sft": 900}
+    if stage == "rl*":
+        stage, raw["runtime"]["distributed"]["timeout_s"] = "rl", 7200
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(raw))
     got = []

@@ -10,7 +10,7 @@
   timeout is the backstop), and re-running resumes from the last checkpoint to the one-process weights;
 - sharded checkpoints (``tests/dist_ckpt.py``): FSDP2 saves through DCP with no full tensor gathered, each rank
   its half, and a checkpoint resumes at world size 2 -> 1, 1 -> 2 and 2 -> 2 (bit-identical in its own layout).
-- loading (``tests/dist_frozen.py``): the frozen model (rl's KL reference, distill's teacher) and a pretrained
+- loading (``tests/dist_frozen.py``): the frozen model (distill's teacher, rl's KL reference under DDP) and a pretrained
   distill student are read by rank 0 only, and every rank's copy is the one-process load bit for bit.
 """
 
@@ -352,9 +352,9 @@ def test_sft_of_a_loaded_base_under_fsdp2_reads_it_on_rank_0_only_and_equals_wor
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_frozen_models_and_a_pretrained_student_are_read_by_rank_0_only_and_arrive_bit_for_bit(tmp_path, dtype):
     """``tests/dist_frozen.py`` at world size 2 (FSDP2, gloo), a model saved in ``dtype``: the frozen model (rl's
-    KL reference, distill's teacher: ``Dist.load_on_rank0``) and a pretrained distill student (meta on rank 1,
-    ``Dist.wrap``) are read from disk by rank 0 only (one weight file opened there, none on rank 1), and every
-    rank's copy equals the one-process load bit for bit: the same dtype (``model.dtype`` for the frozen model,
+    KL reference under DDP, distill's teacher: ``Dist.load_on_rank0``) and a pretrained distill student (meta
+    on rank 1, ``Dist.wrap``) are read from disk by rank 0 only (one weight file opened there, none on rank 1),
+    and every rank's copy equals the one-process load bit for bit: the same dtype (``model.dtype`` for the frozen model,
     fp32 masters for the student), the tied LM head still tied, the rotary buffers (non-persistent) included."""
     tok = modeling.build_char_tokenizer()
     model = modeling.build_tiny_model(TinyModel(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64),

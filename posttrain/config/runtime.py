@@ -86,19 +86,21 @@ class Distributed(Section):
     slurm: Slurm = Field(default_factory=Slurm)
     timeout_s: float = Field(600, gt=0, le=7 * 86400,
                              description="a collective waiting longer fails the stage (a dead rank "
-                             "cannot hang the others past this); stage_timeout_s overrides it per stage")
+                             "cannot hang the others past this); a stage's stage_timeout_s entry can raise it")
     stage_timeout_s: dict[Literal["sft", "rl", "distill"], Annotated[float, Field(gt=0, le=7 * 86400)]] = Field(
         default_factory=lambda: {"rl": 3600.0, "distill": 3600.0},
-        description="per-stage collective timeout (s), over timeout_s: rl and distill ranks generate between "
-        "collectives, and at long completions one rank's share can take minutes longer than another's")
+        description="per-stage collective timeout (s); a stage waits the larger of this and timeout_s: rl and "
+        "distill ranks generate between collectives, and at long completions one rank's share can take minutes "
+        "longer than another's")
 
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
 
     def timeout_for(self, stage: str) -> float:
-        """The collective timeout of ``stage`` (``stage_timeout_s``, else ``timeout_s``)."""
-        return self.stage_timeout_s.get(stage, self.timeout_s)
+        """The collective timeout of ``stage``: the larger of its ``stage_timeout_s`` entry and ``timeout_s`` (a
+        user who raises ``timeout_s`` for long completions raises every stage's)."""
+        return max(self.stage_timeout_s.get(stage, 0.0), self.timeout_s)
 
     @model_validator(mode="after")
     def _nodes(self) -> Distributed:
