@@ -696,3 +696,7 @@ def test_a_moved_checkout_refuses_its_old_stores_artifact_folder_in_one_line(tmp
     run = store.open_run(moved, "fresh", "sft", 0, None, new)  # the way out the line names: a new experiment
     assert store.mlflow_client(moved).get_run(run).info.artifact_uri.startswith((new / "mlartifacts").as_uri())
     store.open_run(uri, "posttrain", "sft", 0, None, new)  # old's store used from new on purpose: not refused
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "mlflow.db").symlink_to(old / "mlflow.db")  # a checkout whose mlflow.db links to another's
+    store.open_run(f"sqlite:///{(linked / 'mlflow.db').resolve()}", "posttrain", "sft", 0, None, linked)

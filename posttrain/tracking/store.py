@@ -76,8 +76,9 @@ def _refuse_moved(client: Any, exp: Any, name: str, root: Path) -> None:
     db = (root / "mlflow.db").resolve()
     here = (root / "mlartifacts").resolve()
     loc = exp.artifact_location or ""
-    if client.tracking_uri.split("?", 1)[0] != f"sqlite:///{db}" or not loc.startswith("file:"):
-        return  # a store outside the checkout (tracking.uri), shared on purpose; or a server's artifacts
+    if (client.tracking_uri.split("?", 1)[0] != f"sqlite:///{db}" or db.parent != root.resolve()
+            or not loc.startswith("file:")):
+        return  # a store outside the checkout (tracking.uri, or mlflow.db a link to one), shared on purpose
     kept = Path(unquote(urlparse(loc).path))
     if kept != here:
         raise ConfigError(f"tracking: in {db} the experiment {name!r} keeps its artifacts in {kept}, not in this "
