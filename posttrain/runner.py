@@ -125,6 +125,23 @@ def _terminated(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt("SIGTERM")
 
 
+def resume_hint(name: str, params: Params) -> str:
+    """What a re-run of an interrupted stage does, from what is on disk in its checkpoint folder
+    (``paths.<stage>_checkpoints``): the step of the newest complete checkpoint (sft, reward_model, rl,
+    distill), the finished chunks (rollout), or a start from scratch."""
+    folder = getattr(params.paths, f"{name}_checkpoints", None)
+    if folder is None:
+        return "re-run the same command (this stage has no checkpoints: it starts over)"
+    steps = [int(p.name.split("_")[1]) for p in Path(folder).glob("step_*")  # complete: has checkpoint.META
+             if p.is_dir() and p.name.split("_")[1].isdigit() and (p / "meta.json").is_file()]
+    if steps:
+        return f"re-run the same command to resume from step {max(steps)} (its checkpoint in {folder})"
+    parts = len(list(Path(folder).glob("part-*.parquet")))
+    if parts:
+        return f"re-run the same command to resume after the {parts} finished chunks in {folder}"
+    return f"re-run the same command (no checkpoint was written yet in {folder}: it starts over)"
+
+
 def model_arg(argv: list[str]) -> tuple[str, list[str]]:
     """``--model NAME`` of a per-model stage (evaluate@<name>) and the remaining arguments; missing -> exit 2."""
     ap = argparse.ArgumentParser(add_help=False)
@@ -211,8 +228,7 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
         with stage_run(name, params, Path(args.params).resolve().parent):
             body(params)
     except KeyboardInterrupt as e:
-        print(f"posttrain {name}: interrupted; re-run the same command to resume (sft, rollout, rl and distill go "
-              "on from their last checkpoint)", file=sys.stderr)
+        print(f"posttrain {name}: interrupted; {resume_hint(name, params)}", file=sys.stderr)
         sys.exit(143 if str(e) == "SIGTERM" else 130)  # the shell's codes for a process ended by the signal
     except ConfigError as e:  # a config problem only the stage can see (e.g. an unknown --model name)
         print(f"posttrain: {e}", file=sys.stderr)

@@ -107,6 +107,29 @@ def test_a_bug_keeps_its_traceback(tiny, tmp_path, monkeypatch):
         runner.stage_main("sft", lambda p: sft.run(p, *sft.paths(p)), ["--params", str(tmp_path / "params.yaml")])
 
 
+@pytest.mark.parametrize("made,hint", [
+    ((), "re-run the same command (no checkpoint was written yet in {ck}: it starts over)"),
+    # step_15 is being written (no meta.json yet), step_20.partial not renamed yet: step 10 is the newest whole one
+    (("step_5", "step_10", "step_15/", "step_20.partial"), "re-run the same command to resume from step 10 (its "
+                                                             "checkpoint in {ck})"),
+])
+def test_an_interrupt_names_the_step_a_re_run_resumes_from(tiny, tmp_path, capsys, monkeypatch, made, hint):
+    """Issue 46, finding 9: the interrupt line said only "resume from their last checkpoint"; it names the step
+    of the newest complete checkpoint on disk (the one a re-run loads), or says the re-run starts over."""
+    ck = Path(tiny["paths"]["sft_checkpoints"])
+    for name in made:
+        (ck / name.rstrip("/")).mkdir(parents=True)
+        if not name.endswith("/") and not name.endswith(".partial"):
+            (ck / name / "meta.json").write_text("{}")
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sft, "run", interrupted)
+    code, err = _main(tmp_path, tiny, sft, capsys)
+    assert code == 130 and _one_line(err) == f"posttrain sft: interrupted; {hint.format(ck=ck)}"
+
+
 @pytest.mark.parametrize("exc,expected", [
     (OSError(errno.ENOSPC, "No space left on device", "/data/rl/shards"), "/data/rl/shards: no space left"),
     (PermissionError(errno.EACCES, "Permission denied", "/models/rl"), "/models/rl: permission denied"),

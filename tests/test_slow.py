@@ -170,9 +170,10 @@ def test_an_interrupted_stage_says_so_in_one_line_and_its_run_ends_killed(tmp_pa
     proc.send_signal(sig)
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == code, err[-3000:]
+    last = max(int(p.name.split("_")[1]) for p in (tmp_path / "checkpoints" / "sft").glob("step_*[0-9]"))
     assert "Traceback" not in err and err.strip().splitlines()[-1] == (
-        "posttrain sft: interrupted; re-run the same command to resume (sft, rollout, rl and distill go on from "
-        "their last checkpoint)")
+        f"posttrain sft: interrupted; re-run the same command to resume from step {last} (its checkpoint in "
+        f"{raw['paths']['sft_checkpoints']})")
     client = MlflowClient(raw["tracking"]["uri"])
     (run,) = client.search_runs([client.get_experiment_by_name("t").experiment_id], "attributes.run_name = 'sft'")
     assert run.info.status == "KILLED"
