@@ -6,7 +6,10 @@ per_problem.json: the outputs of the ``evaluate@<name>`` stages). Outputs: ``pat
 and ``pass_at_k.png``; ``metrics/report.json``: ``{split: {"a vs b": {metric: {diff, n, ci}}}}`` for the
 ``report.compare`` pairs (the same problems resampled jointly: paired bootstrap).
 
-Cheap (no model is loaded): it re-runs whenever any model's evaluation does.
+Cheap (no model is loaded): it re-runs whenever any model's evaluation does. Run inside a DVC repository,
+it reads ``dvc.lock`` (never a dependency: DVC rewrites it as stages finish) and heads report.md with a
+warning for every stage built from an output its upstream no longer holds (``compare.stale_inputs``: a
+student distilled from an rl model that a later ``dvc repro evaluate@rl`` replaced, say).
 
 Run: ``dvc repro report`` (re-evaluates what changed first) or ``python -m stages.report [--params params.yaml]``.
 """
@@ -18,8 +21,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from posttrain import metrics as M
 from posttrain import plots
+from posttrain.compare import stale_inputs
 from posttrain.config import Params
 from posttrain.errors import StageError
 from posttrain.outputs import as_one_set
@@ -44,7 +50,8 @@ def crossing(a: dict[str, Any], b: dict[str, Any], ks: list[int]) -> str:
 
 
 def report_markdown(results: dict[str, dict[str, dict[str, Any]]], ks: list[int], sampling: Any,
-                    compare: list[tuple[str, str]], diffs: dict[str, dict[str, dict[str, Any]]]) -> str:
+                    compare: list[tuple[str, str]], diffs: dict[str, dict[str, dict[str, Any]]],
+                    stale: list[str] = ()) -> str:
     shown = sorted({1, min(8, ks[-1]), ks[-1]} & set(ks))
     cols = ["greedy"] + [f"pass@{k}" for k in shown] + [f"maj@{ks[-1]}"]
     lines = ["# Evaluation", "",
@@ -55,6 +62,9 @@ def report_markdown(results: dict[str, dict[str, dict[str, Any]]], ks: list[int]
              "guard refused before any equivalence check: no answer at all, several different answers, a hedge "
              "(the task's guard: reports/reward/audit.md counts each reason). n sampled: the problems the "
              "sampled metrics use. Curves: pass_at_k.png.", ""]
+    if stale:
+        lines += ["**Stale inputs** (dvc.lock): these rows do not all come from one pipeline state.", ""]
+        lines += [f"- {w}" for w in stale] + [""]
     for split, by_model in results.items():
         lines += [f"## {split}", "", "| model | n greedy | n sampled | " + " | ".join(cols)
                   + " | mean len | cut at max | guarded |", "|---|---:|---:|" + "---:|" * (len(cols) + 3)]
@@ -85,7 +95,8 @@ def report_markdown(results: dict[str, dict[str, dict[str, Any]]], ks: list[int]
 
 
 def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[str, Any]:
-    """Merge. ``inputs``: models_dir (one folder per model). ``out``: dir, metrics. Returns the paired diffs."""
+    """Merge. ``inputs``: models_dir (one folder per model), lock (``dvc.lock``; optional, read if there). ``out``: dir,
+    metrics. Returns the paired diffs."""
     with as_one_set(out, "report"):  # a kill leaves the old outputs or the new ones, never a mix
         return _run(params, inputs, out)
 
@@ -105,7 +116,12 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
                                                     lambda k: k in M.NO_INTERVAL)
                  for a, b in params.report.compare} for s in splits}
     write_json(out["dir"] / "paired.json", diffs)
-    write_text(out["dir"] / "report.md", report_markdown(results, cfg.ks, cfg.sampling, params.report.compare, diffs))
+    lock = inputs.get("lock")
+    stale = stale_inputs(yaml.safe_load(lock.read_text()) or {}) if lock is not None and lock.is_file() else []
+    for w in stale:
+        log.warning("stale input: %s", w)
+    write_text(out["dir"] / "report.md", report_markdown(results, cfg.ks, cfg.sampling, params.report.compare, diffs,
+                                                         stale))
     plots.pass_at_k_curves(results, cfg.ks, out["dir"] / "pass_at_k.png")
     write_json(out["metrics"], diffs)
     for s in splits:
@@ -121,7 +137,11 @@ def paths(p: Params) -> tuple[dict[str, Any], dict[str, Path]]:
 
 
 def main() -> None:
-    stage_main("report", lambda p: run(p, *paths(p)), needs=lambda p: [paths(p)[0]["models_dir"]])
+    def body(p: Params) -> dict[str, Any]:  # dvc (and a user by hand) runs stages at the repository's root
+        inputs, out = paths(p)
+        return run(p, {**inputs, "lock": Path("dvc.lock")}, out)
+
+    stage_main("report", body, needs=lambda p: [paths(p)[0]["models_dir"]])
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain import modeling
@@ -173,7 +174,7 @@ def test_sft_counts_what_max_seq_len_truncates_in_its_metrics(tiny):
     assert written["demos_trained"] == written["demos"] and 0 <= written["padding_frac"] < 1
 
 
-def test_sft_then_evaluate(tiny, monkeypatch):
+def test_sft_then_evaluate(tiny, monkeypatch, tmp_path):
     p = parse_params(tiny)
     o = _outs(p)
     curate.run(p, {}, o["curate"])
@@ -218,6 +219,16 @@ def test_sft_then_evaluate(tiny, monkeypatch):
     d = diffs["eval"]["base vs sft"]["greedy"]  # paired: the mean of per-problem differences
     assert d["diff"] == pytest.approx(res["sft"]["eval"]["greedy"] - res["base"]["eval"]["greedy"], abs=1e-3)
     assert json.loads((Path(p.paths.metrics_dir) / "report.json").read_text()) == diffs
+    assert "Stale inputs" not in md
+    # issue 49 #6: a dvc.lock whose distill was built from an rl model rl no longer outputs is said in report.md
+    lock = tmp_path / "dvc.lock"
+    lock.write_text(yaml.safe_dump({"stages": {"rl": {"outs": [{"path": "models/rl", "md5": "new.dir"}]},
+                                               "distill": {"deps": [{"path": "models/rl", "md5": "old.dir"}]}}}))
+    inputs, out = report.paths(p)
+    report.run(p, {**inputs, "lock": lock}, out)
+    md = (Path(p.paths.eval_report_dir) / "summary" / "report.md").read_text()
+    assert ("**Stale inputs** (dvc.lock): these rows do not all come from one pipeline state.\n\n- distill was "
+            "built from a models/rl other than the one rl now outputs (run dvc repro to rebuild it)\n") in md
 
 
 def test_evaluate_counts_unscorable_gold_out_of_denominators(tiny, tmp_path):
