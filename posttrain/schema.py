@@ -93,7 +93,9 @@ SHARD_SCHEMA = (SCORED_SCHEMA.append(pa.field("step", pa.int32())).append(pa.fie
                 .append(pa.field("used", pa.bool_())))  # used = entered the update (not skipped/unscorable)
 
 TOOL_FIELDS = [pa.field("loss_mask", pa.list_(pa.int8())),  # 1: a model token of token_ids, 0: an observation's
-               pa.field("tool_calls", pa.int32())]  # tool calls the completion made
+               pa.field("tool_calls", pa.int32()),  # tool calls the completion made
+               pa.field("model_text", pa.string()),  # the model's turns alone: what rewards score
+               pa.field("model_tokens", pa.int32())]  # its tokens (loss_mask's 1s): what lengths count
 
 
 def with_tool_fields(schema: pa.Schema, tools: bool) -> pa.Schema:

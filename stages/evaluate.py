@@ -12,7 +12,8 @@ Outputs: ``paths.eval_report_dir/models/<name>/``: ``summary.json`` (``{split: {
 ``generations.parquet`` (every completion with its extracted answer and verdict, for audit);
 ``metrics/evaluate/<name>.json`` (the summary, for ``dvc metrics show``/``diff``).
 With ``tools.enabled`` completions are generated through the multi-turn tool loop (``posttrain.tools``: the
-completion is the whole transcript, observations included; docs/tools.md), and each split also reports
+completion is the whole transcript, observations included; docs/tools.md; the verdict and the lengths read
+the model's turns alone), and each split also reports
 ``tool_rate`` (the share of sampled completions with at least one tool call), ``tool_calls`` (calls per sampled
 completion) and ``greedy_tool_calls``.
 
@@ -65,7 +66,7 @@ def score_problem(p: Problem, greedy: Completion, samples: list[Completion], ks:
     """Per-problem metrics (None when unscorable) and (extracted, correct) of greedy + each sample.
     With no samples (outside ``sample_prompts``) only the greedy metrics are returned. ``oks``: the verdicts of
     greedy + each sample when already known (``verify_all`` of a whole split: code runs many at once)."""
-    task, texts = get_task(p["task"]), [c.text for c in [greedy, *samples]]
+    task, texts = get_task(p["task"]), [c.scored_text for c in [greedy, *samples]]  # observations left out
     if oks is None:
         oks = task.verify([(p["prompt"], p["answer"], t) for t in texts])
     verdicts = [(task.extract(t), ok) for t, ok in zip(texts, oks, strict=True)]
@@ -74,7 +75,7 @@ def score_problem(p: Problem, greedy: Completion, samples: list[Completion], ks:
     tools = greedy.tool_calls is not None  # a multi-turn tool rollout: how often and how much it called
     guarded = float(np.mean([task.guard(t) is not None for t in texts]))  # refused before any equivalence check
     if not samples:
-        row = {"greedy": float(bool(verdicts[0][1])), "greedy_len": float(len(greedy.token_ids)),
+        row = {"greedy": float(bool(verdicts[0][1])), "greedy_len": float(greedy.model_tokens),
                "guarded": guarded}
         return row | ({"greedy_tool_calls": float(greedy.tool_calls or 0)} if tools else {}), verdicts
     s = verdicts[1:]
@@ -83,8 +84,8 @@ def score_problem(p: Problem, greedy: Completion, samples: list[Completion], ks:
     for k in ks:
         row[f"pass@{k}"] = M.pass_at_k(len(s), c, k)
         row[f"maj@{k}"] = M.maj_at_k([a for a, _ in s], [v for _, v in s], k)
-    row["len"] = float(np.mean([len(x.token_ids) for x in samples]))
-    row["greedy_len"] = float(len(greedy.token_ids))
+    row["len"] = float(np.mean([x.model_tokens for x in samples]))
+    row["greedy_len"] = float(greedy.model_tokens)
     row["truncated"] = float(np.mean([x.finish_reason == "length" for x in samples]))
     row["guarded"] = guarded
     if tools:  # tool_rate: the share of samples with >= 1 call; tool_calls: calls per sample (greedy: its own)
@@ -151,7 +152,7 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
             n_s = len(ids) if cfg.sample_prompts is None else min(cfg.sample_prompts, len(ids))
             samples = backend.generate(ids[:n_s], cfg.samples_per_prompt, sample_sp) + [[]] * (len(ids) - n_s)
             per, unscorable, gen_rows = [], 0, []
-            oks = iter(verify_all([(p["task"], p["prompt"], p["answer"], c.text)
+            oks = iter(verify_all([(p["task"], p["prompt"], p["answer"], c.scored_text)
                                    for p, g, ss in zip(probs, greedy, samples, strict=True) for c in [g[0], *ss]]))
             for p, g, ss in zip(probs, greedy, samples, strict=True):
                 row, verdicts = score_problem(p, g[0], ss, cfg.ks, [next(oks) for _ in range(1 + len(ss))])
@@ -163,7 +164,7 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
                 for j, (c, (ext, ok)) in enumerate(zip([g[0], *ss], verdicts, strict=True)):
                     gen_rows.append({"model": name, "split": split, "id": p["id"], "mode": "greedy" if j == 0
                                      else "sample", "sample": max(j - 1, 0), "completion": c.text,
-                                     "num_tokens": len(c.token_ids), "finish_reason": c.finish_reason,
+                                     "num_tokens": c.model_tokens, "finish_reason": c.finish_reason,
                                      "extracted": ext, "correct": ok})
             for i in range(0, len(gen_rows), BATCH_ROWS):  # this split's completions, then they are dropped
                 write(gen_rows[i : i + BATCH_ROWS])

@@ -205,7 +205,8 @@ def audit_markdown(a: dict[str, Any]) -> str:
 READ = ("prompt_id", "sample", "prompt", "answer", "task", "completion", "max_new_tokens",
         "finish_reason")  # what scoring and the audit read of rollouts.parquet (not the log-probs) ...
 LENGTHS = {"token_ids": "num_tokens"}  # ... and the completions' lengths (never the token ids themselves)
-# (and ``tool_calls`` where the rollouts have it: tools.enabled, what ``tool_cost`` reads)
+# (and ``tool_calls``, ``model_text``, ``model_tokens`` where the rollouts have them: tools.enabled; what
+# ``tool_cost`` reads and what a reward scores of a multi-turn completion)
 
 
 def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
@@ -219,7 +220,8 @@ def score_batches(rollouts: Path, specs: Sequence[Any], batch_rows: int, pool: R
                   ) -> Iterator[list[dict[str, Any]]]:
     """The rollouts' rows (``READ`` columns) with ``reward`` and ``rewards``, a record batch at a time: one
     ``score_rows`` call per batch, scored in ``pool`` (None: in this thread)."""
-    tools = ("tool_calls",) if "tool_calls" in parquet_file(rollouts).schema_arrow.names else ()  # multi-turn rows
+    names = parquet_file(rollouts).schema_arrow.names
+    tools = tuple(c for c in ("tool_calls", "model_text", "model_tokens") if c in names)  # multi-turn rows
     for rows in iter_rows(rollouts, READ + tools, batch_rows, LENGTHS):
         yield score_rows(rows, specs, pool)
 

@@ -5,6 +5,7 @@ tokens masked, seeded)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -125,7 +126,8 @@ def test_tools_are_off_by_default_and_the_default_schema_is_unchanged():
     p = parse_params(repo_params())
     assert p.tools.enabled is False
     assert with_tool_fields(ROLLOUT_SCHEMA, False) is ROLLOUT_SCHEMA
-    assert with_tool_fields(ROLLOUT_SCHEMA, True).names[-2:] == ["loss_mask", "tool_calls"]
+    tool_fields = ["loss_mask", "tool_calls", "model_text", "model_tokens"]
+    assert with_tool_fields(ROLLOUT_SCHEMA, True).names[-4:] == tool_fields
 
 
 def _tools_on(raw: dict) -> dict:
@@ -227,6 +229,9 @@ def test_token_ids_survive_turns_unchanged_and_observations_are_masked(tiny):
     assert c.logprobs[: len(turn1)] == pytest.approx([-0.5 - 0.01 * i for i in range(len(turn1))])
     assert c.tool_calls == 1 and c.finish_reason == "stop"
     assert c.text == "<tool=calc>12*7</tool><obs>84</obs>answer: 84"  # the transcript (special tokens skipped)
+    # issue 49 #4: what rewards score and lengths count, the model's turns alone (turn 1 decodes its <unk> to '')
+    assert c.model_text == "<tool=calc>12*7</tool>answer: 84" == c.scored_text
+    assert c.model_tokens == len(turn1) + len(turn2)
     assert inner.calls[0][2].stop == ("</tool>",) and inner.calls[1][2].stop == ()  # the last turn: no call tag
     assert inner.calls[1][2].seed == seeds.tool_turn(9, 1)
     assert inner.calls[1][2].max_new_tokens == 60 - len(turn1) - len(obs)  # the budget counts every token
@@ -312,6 +317,26 @@ def test_multi_turn_hf_rollouts_are_seeded_and_score_as_one_sequence(tiny, char_
             assert c.loss_mask.count(0) == len(_enc(tok, "<obs>5</obs>")) * c.tool_calls or c.finish_reason == "length"
 
 
+def test_rewards_score_the_models_turns_never_a_tools_observation():
+    """Issue 49 #4: the reward scored the whole transcript, so a tool's output holding the answer (a program that
+    prints \\boxed{84}) made a completion that never answered correct, and ``overlong`` counted observation tokens as
+    the model's. Hand-computed: math_verify finds no answer in the model's turns -> 0.0 (1.0 on the transcript);
+    overlong(buffer 4) over 8 model tokens of a budget of 12 -> 0 (the transcript's 12 tokens: -1.0)."""
+    from posttrain.rewards import Spec, score_rows
+
+    row = {"prompt_id": "p", "prompt": "12*7?", "answer": "84", "task": "math", "max_new_tokens": 12,
+           "finish_reason": "stop", "token_ids": list(range(12)),
+           "completion": "<tool=python>show()</tool><obs>\\boxed{84}</obs>done",
+           "loss_mask": [1] * 6 + [0] * 4 + [1] * 2, "tool_calls": 1,
+           "model_text": "<tool=python>show()</tool>done", "model_tokens": 8}
+    specs = [Spec("math_verify", 1.0, {}), Spec("overlong", 1.0, {"buffer": 4})]
+    (scored,) = score_rows([row], specs)
+    assert json.loads(scored["rewards"]) == {"math_verify": 0.0, "overlong": 0.0}
+    single = {k: v for k, v in row.items() if k not in ("loss_mask", "tool_calls", "model_text", "model_tokens")}
+    (plain,) = score_rows([single], specs)  # a single-turn row: every token and the whole text are the model's
+    assert json.loads(plain["rewards"]) == {"math_verify": 1.0, "overlong": -1.0}
+
+
 def test_sample_rows_carry_the_mask_only_for_tool_rollouts(tiny, char_format):
     model, tok = tiny
     probs = [{"id": "p0", "prompt": "12*3=", "answer": "36", "task": "arith"}]
@@ -322,3 +347,5 @@ def test_sample_rows_carry_the_mask_only_for_tool_rollouts(tiny, char_format):
     rows, _ = sample_rows(with_tools(hf, tok, ToolsCfg(enabled=True, names=["calc"])), tok, probs, 2,
                           SamplingParams(1.0, 1.0, 20, 0), "pol")
     assert all(len(r["loss_mask"]) == len(r["token_ids"]) and r["tool_calls"] >= 0 for r in rows)
+    assert all(r["model_tokens"] == sum(r["loss_mask"]) and len(r["model_text"]) <= len(r["completion"])
+               for r in rows)

@@ -135,9 +135,14 @@ def failed(specs: Sequence[Any], why: str) -> tuple[None, dict[str, Any]]:
 
 
 def sample_of(r: dict[str, Any]) -> Sample:
-    """What a reward sees of a rollout row (``num_tokens``, when given, spares reading ``token_ids``)."""
-    n = r["num_tokens"] if "num_tokens" in r else len(r["token_ids"])
-    return Sample(r["completion"], r["answer"], r["task"], n, r["max_new_tokens"], r["finish_reason"],
+    """What a reward sees of a rollout row (``num_tokens``, when given, spares reading ``token_ids``): of a
+    multi-turn tool rollout, the model's turns and tokens alone (``model_text``, ``model_tokens``), never a
+    tool's observation."""
+    if r.get("model_text") is not None:
+        text, n = r["model_text"], r["model_tokens"]
+    else:
+        text, n = r["completion"], r["num_tokens"] if "num_tokens" in r else len(r["token_ids"])
+    return Sample(text, r["answer"], r["task"], n, r["max_new_tokens"], r["finish_reason"],
                   r.get("prompt", ""), int(r.get("tool_calls") or 0))
 
 

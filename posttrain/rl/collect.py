@@ -36,8 +36,8 @@ class StepBatch:
     """What one step sampled. Groups are numbered in sampling order over the whole job (rounds, then the prior
     budget's extra groups); every rank holds every group's scalars, and the rows of its own groups only.
 
-    ``stats`` [S, G, 4] float64: reward (NaN: unscorable), correct (1 / 0, NaN: unknown), completion tokens,
-    tool calls (0 for a single-turn completion).
+    ``stats`` [S, G, 4] float64: reward (NaN: unscorable), correct (1 / 0, NaN: unknown), the model's completion
+    tokens (a tool's observation tokens left out), tool calls (0 for a single-turn completion).
     ``rows``: this rank's rows by group number. ``segments``: the groups of each sampling call, [start, end)
     (rank r holds a contiguous block of each, in rank order). ``used``: the groups that enter the update, in
     order. ``first``: the number of groups of the first round (the step's on-policy sample of the prompt set).
@@ -62,7 +62,7 @@ class StepBatch:
         d, g = distributed.current(), self.g
         local = [_compact(r, shift) for r in local_rows]
         mine = torch.tensor([[math.nan if r["reward"] is None else float(r["reward"]), _correct(r),
-                              float(len(r["token_ids"])), float(r.get("tool_calls") or 0)] for r in local],
+                              float(_model_tokens(r)), float(r.get("tool_calls") or 0)] for r in local],
                             dtype=torch.float64).view(-1, NSTATS)
         stats = d.gather_tensor(mine).view(-1, g, NSTATS)
         if stats.shape[0] != len(prompt_ids):
@@ -108,6 +108,11 @@ def _compact(row: Row, shift: int) -> Row:
     if row.get("loss_mask") is not None:  # a multi-turn tool rollout: 0 on observation tokens
         out["loss_mask"] = np.asarray(row["loss_mask"], dtype=np.int8)
     return out
+
+
+def _model_tokens(row: Row) -> int:
+    """The tokens the model generated: of a multi-turn tool rollout, not its observations (``model_tokens``)."""
+    return row["model_tokens"] if row.get("model_tokens") is not None else len(row["token_ids"])
 
 
 def _correct(row: Row) -> float:

@@ -117,7 +117,8 @@ def sample_chunks(backend: RolloutBackend, tokenizer: PreTrainedTokenizerBase,
                              "temperature": sp.temperature, "top_p": sp.top_p, "max_new_tokens": sp.max_new_tokens,
                              "seed": sp.seed})
                 if comp.loss_mask is not None:  # a multi-turn tool rollout (schema.with_tool_fields)
-                    rows[-1] |= {"loss_mask": comp.loss_mask, "tool_calls": comp.tool_calls}
+                    rows[-1] |= {"loss_mask": comp.loss_mask, "tool_calls": comp.tool_calls,
+                                 "model_text": comp.model_text, "model_tokens": comp.model_tokens}
         made += len(rows)
         if bar is not None:
             bar.update(len(rows))

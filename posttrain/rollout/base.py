@@ -40,6 +40,19 @@ class Completion:
     # holds a model token, 0 an observation token (its logprobs entry is 0), and the number of tool calls
     loss_mask: list[int] | None = None
     tool_calls: int | None = None
+    model_text: str | None = None  # the model's turns only, observations left out (None: single-turn, all of text)
+
+    @property
+    def scored_text(self) -> str:
+        """What a reward or a verifier reads: the model's own words, never a tool's observation (which could hold
+        the answer, a \\boxed{} say, that the model did not write)."""
+        return self.text if self.model_text is None else self.model_text
+
+    @property
+    def model_tokens(self) -> int:
+        """The tokens the model generated (observation tokens are not the model's: lengths and length rewards
+        count these)."""
+        return len(self.token_ids) if self.loss_mask is None else sum(self.loss_mask)
 
 
 class RolloutBackend(Protocol):

@@ -18,8 +18,9 @@ A row's tokens, model and observation together, stay within ``max_new_tokens`` (
 holds): a turn is cut at the row's remaining budget, an observation too (finish ``length``).
 
 The completion: ``token_ids`` every token in order, ``logprobs`` the sampler's for model tokens and 0 for observation
-tokens, ``loss_mask`` 1 / 0 for them, ``tool_calls`` the calls run, ``text`` the whole transcript (the reward
-scores the final answer in it), ``finish_reason`` that of the last turn. Same seed, same transcripts.
+tokens, ``loss_mask`` 1 / 0 for them, ``tool_calls`` the calls run, ``text`` the whole transcript,
+``model_text`` the model's turns alone (what rewards and verifiers score: an observation's text is never taken
+for the model's answer), ``finish_reason`` that of the last turn. Same seed, same transcripts.
 
 Why by hand: the libraries that run such loops (verl's agent loop, ``verifiers``, SkyRL-gym) come with their own
 trainers, servers or async engines; this is the loop alone, ~100 lines, over the backends the pipeline has. The
@@ -73,6 +74,8 @@ class _Row:
     calls: int = 0
     head: str = ""  # the transcript before the current turn
     text: str = ""
+    said_head: str = ""  # the model's turns before the current one (no observation)
+    said: str = ""
     finish: str = "length"
     pending: list[Call] = dataclasses.field(default_factory=list)  # the last turn's calls, not run yet
 
@@ -86,7 +89,8 @@ class _Row:
         self.mask += [1] * len(ids)
         self.finish = finish
         self.pending = parse(tok.decode(ids)) if finish == "stop" else []
-        self.text = self.head + (c.text if len(ids) == len(c.token_ids) else tok.decode(ids, skip_special_tokens=True))
+        turn = c.text if len(ids) == len(c.token_ids) else tok.decode(ids, skip_special_tokens=True)
+        self.text, self.said = self.head + turn, self.said_head + turn
 
     def add_obs(self, ids: list[int], text: str) -> None:
         self.tokens += ids
@@ -94,6 +98,7 @@ class _Row:
         self.mask += [0] * len(ids)
         self.calls += len(self.pending)
         self.head = self.text = self.text + text
+        self.said_head = self.said
         self.pending = []
 
 
@@ -139,7 +144,7 @@ class ToolBackend:
             outs = self.inner.generate([r.prompt + r.tokens for r in live], 1, sp)
             for r, group in zip(live, outs, strict=True):
                 r.add_turn(group[0], cap - len(r.tokens), self.tok, self.parse)
-        done = [Completion(r.text, r.tokens, r.logprobs, r.finish, r.mask, r.calls) for r in rows]
+        done = [Completion(r.text, r.tokens, r.logprobs, r.finish, r.mask, r.calls, r.said) for r in rows]
         return [done[i * n : (i + 1) * n] for i in range(len(prompt_ids))]
 
     def _run_tools(self, live: list[_Row], cap: int) -> None:
