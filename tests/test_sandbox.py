@@ -280,6 +280,19 @@ def test_a_thread_bomb_is_capped_by_max_procs(sb):
     assert r.stdout.startswith(f"{FAST.max_procs - 1} can't start new thread")
 
 
+@pytest.mark.parametrize("src,expected", [
+    ("import sys\nsys.exit(152)", ("error", 152, "exit code 152")),  # 128 + SIGXCPU: read as a CPU timeout before
+    ("import os\nos._exit(137)", ("error", 137, "exit code 137")),  # 128 + SIGKILL: read as killed before
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGXCPU)", ("killed", 152, "ended by SIGXCPU")),  # no CPU used
+])
+def test_the_status_is_the_parents_not_the_exit_code_the_program_picks(sb, src, expected):
+    """Issue 49, sandbox: the status was decided from bwrap's exit code, which folds a signal n into 128 + n, so
+    a program chose its own status by its exit code. Now the launcher (PID 1, non-dumpable) reports the raw wait
+    status and CPU time on a descriptor the program never holds."""
+    r = run(sb, "chosen exit code", src)
+    assert (r.status, r.exit_code, r.detail) == expected
+
+
 def test_a_memory_bomb_is_status_memory(sb):
     r = run(sb, "memory bomb", "a = []\nwhile True:\n    a.append(bytearray(10**7))")
     assert (r.status, r.detail) == ("memory", "MemoryError")

@@ -102,11 +102,13 @@ def site_dirs(python: str) -> tuple[str, ...]:
     return tuple(d for d in out.stdout.splitlines() if d and Path(d).is_dir())
 
 
-def launcher(cfg: SandboxCfg, main: str) -> str:
+def launcher(cfg: SandboxCfg, main: str, report_fd: int) -> str:
     """PID 1 of the sandbox (``--as-pid-1``; bwrap's own init would be ptrace-able by the program, same uid):
-    makes itself non-dumpable (no ptrace, no ``/proc/1/mem`` from the program), sets the rlimits (lowering is
-    always allowed; children inherit them), forks the program (``python -I main.py``: no PYTHON* variables,
-    no user site, no cwd on the path), reaps every orphan until the program exits, and exits with its status
+    makes itself non-dumpable (no ptrace, no ``/proc/1/mem`` or ``/proc/1/fd`` from the program), sets the
+    rlimits (lowering is always allowed; children inherit them), forks the program (``python -I main.py``: no
+    PYTHON* variables, no user site, no cwd on the path), reaps every orphan until the program exits, writes
+    the program's raw wait status and CPU seconds to ``report_fd`` (close-on-exec: the program never holds it,
+    so how it ended, by a signal or an exit code, is not the program's to say) and exits with its status
     (128 + n for signal n). When PID 1 exits the kernel kills what is left in the PID namespace. RLIMIT_CPU's
     hard limit is a second past the soft one: SIGXCPU first, SIGKILL if the program catches it."""
     mb = 1024 * 1024
@@ -119,22 +121,24 @@ def launcher(cfg: SandboxCfg, main: str) -> str:
     return f"""import ctypes,os,signal,sys,resource as r
 signal.signal(signal.SIGINT,signal.SIG_DFL)
 if ctypes.CDLL(None).prctl(4,0,0,0,0):os._exit(126)
+os.set_inheritable({report_fd},False)
 {sets}
 c=os.fork()
 if c==0:os.execv(sys.executable,[sys.executable,'-E','-s','-B',{main!r}])
 while True:
- p,s=os.wait()
+ p,s,u=os.wait4(-1,0)
  if p==c:break
+os.write({report_fd},b'%d %.3f'%(s,u.ru_utime+u.ru_stime))
 e=os.waitstatus_to_exitcode(s)
 os._exit(e if e>=0 else 128-e)
 """
 
 
 def command(cfg: SandboxCfg, bwrap: str, python: str, files: dict[str, int], status_fd: int,
-            seccomp_fd: int | None) -> list[str]:
+            seccomp_fd: int | None, report_fd: int) -> list[str]:
     """The bwrap argv: namespaces, binds, the scratch tmpfs filled from ``files`` (name -> readable fd), the
     environment, the seccomp filter (a readable fd of BPF, or None), then the launcher. ``status_fd``: bwrap's
-    JSON status (child pid once set up, exit code)."""
+    JSON status (child pid once set up, exit code); ``report_fd``: the launcher's (:func:`launcher`)."""
     args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
             "--as-pid-1",
             "--cap-drop", "ALL", "--uid", str(INNER_UID), "--gid", str(INNER_UID), "--hostname", "sandbox",
@@ -149,4 +153,4 @@ def command(cfg: SandboxCfg, bwrap: str, python: str, files: dict[str, int], sta
         args += ["--setenv", k, v]
     if seccomp_fd is not None:
         args += ["--seccomp", str(seccomp_fd)]
-    return [*args, python, "-I", "-S", "-c", launcher(cfg, "main.py")]
+    return [*args, python, "-I", "-S", "-c", launcher(cfg, "main.py", report_fd)]

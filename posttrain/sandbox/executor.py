@@ -83,8 +83,9 @@ def _run(cfg: SandboxCfg, bwrap_path: str, python: str, source: str, stdin: str 
     fds = {name: _memfd(name, data) for name, data in contents.items()}
     bpf = _memfd("seccomp", seccomp.program()) if cfg.seccomp else None
     status_r, status_w = os.pipe()
-    argv = bwrap.command(cfg, bwrap_path, python, fds, status_w, bpf)
-    passed = (*fds.values(), status_w, *([bpf] if bpf is not None else []))
+    report_r, report_w = os.pipe()
+    argv = bwrap.command(cfg, bwrap_path, python, fds, status_w, bpf, report_w)
+    passed = (*fds.values(), status_w, report_w, *([bpf] if bpf is not None else []))
     owner: dict = {"user": bwrap.HOST_UID, "group": bwrap.HOST_UID, "extra_groups": []} if os.geteuid() == 0 else {}
     t0 = time.monotonic()
     try:
@@ -92,9 +93,11 @@ def _run(cfg: SandboxCfg, bwrap_path: str, python: str, source: str, stdin: str 
                                 pass_fds=passed, env={}, start_new_session=True, **owner)
     except OSError as e:  # bwrap not executable (by the host user it runs as): nothing ran
         os.close(status_r)
+        os.close(report_r)
         return Result("refused", None, "", "", False, 0.0, f"cannot start {bwrap_path}: {e.strerror}")
     except BaseException:
         os.close(status_r)
+        os.close(report_r)
         raise
     finally:
         for fd in passed:
@@ -106,7 +109,9 @@ def _run(cfg: SandboxCfg, bwrap_path: str, python: str, source: str, stdin: str 
         _kill(proc)
         with os.fdopen(status_r, "rb") as f:
             status = _status_lines(f.read())
-    return _classify(proc.returncode, status, out, err, why, time.monotonic() - t0)
+        with os.fdopen(report_r, "rb") as f:
+            report = _report(f.read())
+    return _classify(cfg, proc.returncode, status, report, out, err, why, time.monotonic() - t0)
 
 
 def _memfd(name: str, data: str | bytes) -> int:
@@ -202,13 +207,28 @@ def _status_lines(raw: bytes) -> dict[str, int]:
 
 
 
+def _report(raw: bytes) -> tuple[int, float] | None:
+    """The launcher's record: the program's raw wait status and CPU seconds; None when it wrote none (it was
+    killed first: by the parent's wall clock or output cap, or from outside)."""
+    try:
+        ws, cpu = raw.decode().split()
+        return int(ws), float(cpu)
+    except ValueError:
+        return None
+
+
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return printable(lines[-1])[:300] if lines else ""  # the program's own text: no escapes in an audit
 
 
-def _classify(returncode: int, status: dict[str, int], out: _Capped, err: _Capped, why: str, wall: float,
-              ) -> Result:
+def _classify(cfg: SandboxCfg, returncode: int, status: dict[str, int], report: tuple[int, float] | None,
+              out: _Capped, err: _Capped, why: str, wall: float) -> Result:
+    """The status, decided here from what the program cannot write: bwrap's status pipe, the parent's own
+    limits, and the launcher's wait status and CPU time (a signal is a signal, whatever exit code a program
+    picks: ``sys.exit(152)`` is an error, and a SIGXCPU the program sends itself is ``killed``: a CPU-time
+    ``timeout`` needs the CPU seconds to be there). Only ``memory`` reads the program's stderr (Python's
+    ``MemoryError`` at RLIMIT_AS, which the kernel does not signal): an audit label, never a verdict."""
     stdout, stderr = out.buf.decode("utf-8", "replace"), err.buf.decode("utf-8", "replace")
 
     def result(s: Status, code: int | None, detail: str) -> Result:
@@ -220,14 +240,18 @@ def _classify(returncode: int, status: dict[str, int], out: _Capped, err: _Cappe
         return result("timeout", None, "wall-clock limit: the process tree was killed")
     if why == "output":
         return result("output_limit", None, "output past max_output_kb: the process tree was killed")
-    code = status.get("exit-code", returncode)
+    if report is None:
+        return result("killed", None, f"the sandbox ended before the program did (bwrap exited {returncode})")
+    ws, cpu = report
+    if os.WIFSIGNALED(ws):
+        n = os.WTERMSIG(ws)
+        name = signal.Signals(n).name if n in signal.valid_signals() else str(n)
+        if n in (signal.SIGXCPU, signal.SIGKILL) and cpu >= cfg.cpu_s - 0.1:  # the rlimit's, not kill(2)'s
+            return result("timeout", 128 + n, f"CPU-time limit ({name})")
+        return result("killed", 128 + n, f"ended by {name}")
+    code = os.WEXITSTATUS(ws)
     if code == 0:
         return result("ok", 0, "")
-    if code > 128 and code - 128 < signal.NSIG:
-        sig = signal.Signals(code - 128).name if code - 128 in signal.valid_signals() else str(code - 128)
-        if sig == "SIGXCPU":
-            return result("timeout", code, "CPU-time limit (SIGXCPU)")
-        return result("killed", code, f"ended by {sig}")
     last = _last_line(stderr)
     if last.startswith("MemoryError"):
         return result("memory", code, last)
