@@ -6,7 +6,8 @@ The parent enforces what rlimits cannot: the wall clock (``wall_s``, start-up in
 so a ``while True: print()`` costs no more than its cap). Killing a run kills bwrap's process group; the
 launcher, PID 1 inside the sandbox, dies with it (``--die-with-parent``; also when the caller itself is
 SIGKILLed) and the kernel then kills every process left in the sandbox's PID namespace, whatever
-``setsid``/double fork it did: no process outlives the call. A program that exits normally ends the namespace
+``setsid``/double fork it did; the call returns once PID 1 has exited (:func:`_await_namespace`): no process
+outlives the call. A program that exits normally ends the namespace
 the same way (the launcher exits with it).
 
 Setup failures are told apart from the program's own exit codes by bwrap's JSON status pipe: no
@@ -15,6 +16,7 @@ Setup failures are told apart from the program's own exit codes by bwrap's JSON 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -23,6 +25,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 from posttrain.config.sandbox import SandboxCfg
 from posttrain.sandbox import bwrap, seccomp
@@ -106,9 +109,11 @@ def _run(cfg: SandboxCfg, bwrap_path: str, python: str, source: str, stdin: str 
         out, err, why = _communicate(proc, stdin.encode() if isinstance(stdin, str) else stdin,
                                      t0 + cfg.wall_s, cfg.max_output_kb * 1024)
     finally:
-        _kill(proc)
+        early = _read_ready(status_r)  # bwrap's child-pid line, written at set-up
+        _kill(proc, _status_lines(early).get("child-pid"))
         with os.fdopen(status_r, "rb") as f:
-            status = _status_lines(f.read())
+            status = _status_lines(early + f.read())
+        _await_namespace(status.get("child-pid"))
         with os.fdopen(report_r, "rb") as f:
             report = _report(f.read())
     return _classify(cfg, proc.returncode, status, report, out, err, why, time.monotonic() - t0)
@@ -179,17 +184,56 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, cap: int
         sel.close()
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    """SIGKILL bwrap's process group (its PID 1 in the sandbox follows, and the PID namespace with it); reap."""
+def _read_ready(fd: int) -> bytes:
+    """What ``fd`` (a pipe) holds now, without waiting."""
+    os.set_blocking(fd, False)
+    chunks = []
+    try:
+        while chunk := os.read(fd, READ):
+            chunks.append(chunk)
+    except BlockingIOError:
+        pass
+    os.set_blocking(fd, True)
+    return b"".join(chunks)
+
+
+def _kill(proc: subprocess.Popen, pid1: int | None) -> None:
+    """SIGKILL the sandbox's PID 1 (host pid ``pid1``) first, while bwrap still lives to reap it (killed after
+    bwrap, it would be orphaned to the host's init: a zombie until init reaps it, forever when the caller is a
+    container's PID 1 that does not), then bwrap's process group; reap bwrap."""
+    if proc.poll() is None and pid1 is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid1, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(1.0)  # bwrap reaps its child and exits
     if proc.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     proc.wait()
     for f in (proc.stdin, proc.stdout, proc.stderr):
         if f is not None and not f.closed:
             f.close()
+
+
+def _await_namespace(pid: int | None, limit_s: float = 10.0) -> None:
+    """Return once the sandbox's PID 1 (host pid ``pid``, bwrap's ``child-pid``) has exited: the kernel reaps
+    every other process of its PID namespace before PID 1 can exit, so none is left when :meth:`Sandbox.run`
+    returns (killing bwrap on a wall timeout only starts that: 42 processes were still there at the return).
+    PID 1 orphaned by bwrap's kill is reparented to the host's init, or to the caller when the caller is PID 1
+    of a container (or a subreaper): then the caller reaps it here, leaving no zombie."""
+    if pid is None:
+        return
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return  # gone (reaped)
+        if state in {"Z", "X"}:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)  # ours only when orphaned to this process
+            return
+        time.sleep(0.002)
 
 
 def _status_lines(raw: bytes) -> dict[str, int]:
