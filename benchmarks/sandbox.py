@@ -1,6 +1,8 @@
 """Throughput of the sandbox pool (posttrain/sandbox/): programs per second on trivial programs (``print(1)``)
 and on HumanEval's canonical solutions run against their own tests (all 164 must pass), at 1 and 2 workers;
-the baseline ("bare"): the same interpreter running ``print(1)`` as a plain subprocess, no sandbox.
+the baseline ("bare"): the same interpreter running ``print(1)`` as a plain subprocess, no sandbox; and
+"trivial-nocg": the trivial programs with no memory cgroup around the tree (the sandbox before the cgroup;
+where no cgroup can be made, "trivial" is that too).
 
 Arms alternate within the run (w1, w2, w1, w2, ...) so machine noise hits both; every repeat is reported.
 Each program gets a fresh sandbox (bwrap: new namespaces, a fresh scratch tmpfs, a Python start-up).
@@ -12,16 +14,18 @@ Each program gets a fresh sandbox (bwrap: new namespaces, a fresh scratch tmpfs,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from posttrain.config import SandboxCfg
-from posttrain.sandbox import Program, SandboxPool
+from posttrain.sandbox import Program, SandboxPool, cgroup
 from posttrain.sandbox.bwrap import resolve_python
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,9 +42,21 @@ def humaneval_programs(path: Path) -> tuple[list[str], list[Program]]:
     return ids, progs
 
 
-def arm(workers: int, programs: list[Program]) -> tuple[dict, list]:
+@contextlib.contextmanager
+def _memory_cgroup(on: bool) -> Iterator[None]:
+    """Off: the executor's ``cgroup.make`` makes none (the sandbox as it was before the cgroup)."""
+    make = cgroup.make
+    if not on:
+        cgroup.make = lambda mb: None
+    try:
+        yield
+    finally:
+        cgroup.make = make
+
+
+def arm(workers: int, programs: list[Program], memory_cgroup: bool = True) -> tuple[dict, list]:
     cfg = SandboxCfg(workers=workers)
-    with SandboxPool(cfg) as pool:
+    with _memory_cgroup(memory_cgroup), SandboxPool(cfg) as pool:
         t = time.perf_counter()
         results = pool.map(programs)
         dt = time.perf_counter() - t
@@ -83,6 +99,8 @@ def main() -> None:
         for w in (1, 2):
             row, _ = arm(w, trivial)
             rows.append({"suite": "trivial", "repeat": rep, **row})
+            row, _ = arm(w, trivial, memory_cgroup=False)
+            rows.append({"suite": "trivial-nocg", "repeat": rep, **row})
             rows.append({"suite": "bare", "repeat": rep, **bare(w, args.trivial, python)})
     ids, progs = humaneval_programs(HUMANEVAL)
     for rep in range(args.humaneval_repeats):
@@ -93,10 +111,11 @@ def main() -> None:
                 if not r.ok:
                     failures[i] = f"{r.status}: {r.detail}"
 
-    print(f"{'suite':10} {'rep':>3} {'workers':>7} {'programs':>8} {'seconds':>8} {'prog/s':>8} {'ok':>5} "
+    print(f"memory cgroup: {cgroup.available() or 'none can be made here'}")
+    print(f"{'suite':12} {'rep':>3} {'workers':>7} {'programs':>8} {'seconds':>8} {'prog/s':>8} {'ok':>5} "
           f"{'p50 ms':>7} {'p95 ms':>7}")
     for r in rows:
-        print(f"{r['suite']:10} {r['repeat']:>3} {r['workers']:>7} {r['programs']:>8} {r['seconds']:>8} "
+        print(f"{r['suite']:12} {r['repeat']:>3} {r['workers']:>7} {r['programs']:>8} {r['seconds']:>8} "
               f"{r['programs_per_s']:>8} {r['ok']:>5} {r['p50_wall_ms']:>7} {r['p95_wall_ms']:>7}")
     he = [r for r in rows if r["suite"] == "humaneval"]
     print(f"HumanEval canonical solutions passing their tests: {min(r['ok'] for r in he)}/{len(progs)} "
@@ -104,6 +123,7 @@ def main() -> None:
     bwrap = subprocess.run(["bwrap", "--version"], capture_output=True, text=True).stdout.strip()
     out = ROOT / "benchmarks" / "results" / "sandbox.json"
     out.write_text(json.dumps({"rows": rows, "humaneval_failures": failures, "bwrap": bwrap,
+                               "memory_cgroup": str(cgroup.available()),
                                "limits": SandboxCfg().model_dump(), "cpus": len(os.sched_getaffinity(0)),
                                "machine": platform.platform()}, indent=1) + "\n")
     print(f"wrote {out.relative_to(ROOT)}")

@@ -135,10 +135,12 @@ os._exit(e if e>=0 else 128-e)
 
 
 def command(cfg: SandboxCfg, bwrap: str, python: str, files: dict[str, int], status_fd: int,
-            seccomp_fd: int | None, report_fd: int) -> list[str]:
+            seccomp_fd: int | None, report_fd: int, block_fd: int | None = None) -> list[str]:
     """The bwrap argv: namespaces, binds, the scratch tmpfs filled from ``files`` (name -> readable fd), the
     environment, the seccomp filter (a readable fd of BPF, or None), then the launcher. ``status_fd``: bwrap's
-    JSON status (child pid once set up, exit code); ``report_fd``: the launcher's (:func:`launcher`)."""
+    JSON status (child pid once set up, exit code); ``report_fd``: the launcher's (:func:`launcher`);
+    ``block_fd``: set up, the sandbox waits for a byte there before it runs anything (``executor._place``
+    moves it into its memory cgroup first)."""
     args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
             "--as-pid-1",
             "--cap-drop", "ALL", "--uid", str(INNER_UID), "--gid", str(INNER_UID), "--hostname", "sandbox",
@@ -153,4 +155,6 @@ def command(cfg: SandboxCfg, bwrap: str, python: str, files: dict[str, int], sta
         args += ["--setenv", k, v]
     if seccomp_fd is not None:
         args += ["--seccomp", str(seccomp_fd)]
+    if block_fd is not None:
+        args += ["--block-fd", str(block_fd)]
     return [*args, python, "-I", "-S", "-c", launcher(cfg, "main.py", report_fd)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import selectors
 import signal
 import subprocess
@@ -28,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from posttrain.config.sandbox import SandboxCfg
-from posttrain.sandbox import bwrap, seccomp
+from posttrain.sandbox import bwrap, cgroup, seccomp
 from posttrain.sandbox.result import Result, Status
 from posttrain.text import printable
 
@@ -87,36 +88,69 @@ def _run(cfg: SandboxCfg, bwrap_path: str, python: str, source: str, stdin: str 
     bpf = _memfd("seccomp", seccomp.program()) if cfg.seccomp else None
     status_r, status_w = os.pipe()
     report_r, report_w = os.pipe()
-    argv = bwrap.command(cfg, bwrap_path, python, fds, status_w, bpf, report_w)
-    passed = (*fds.values(), status_w, report_w, *([bpf] if bpf is not None else []))
+    tree = cgroup.make(cfg.memory_mb + cgroup.HEADROOM_MB)
+    block_r, block_w = os.pipe() if tree is not None else (None, None)
+    argv = bwrap.command(cfg, bwrap_path, python, fds, status_w, bpf, report_w, block_r)
+    passed = (*fds.values(), status_w, report_w, *(x for x in (bpf, block_r) if x is not None))
     owner: dict = {"user": bwrap.HOST_UID, "group": bwrap.HOST_UID, "extra_groups": []} if os.geteuid() == 0 else {}
     t0 = time.monotonic()
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 pass_fds=passed, env={}, start_new_session=True, **owner)
-    except OSError as e:  # bwrap not executable (by the host user it runs as): nothing ran
-        os.close(status_r)
-        os.close(report_r)
-        return Result("refused", None, "", "", False, 0.0, f"cannot start {bwrap_path}: {e.strerror}")
-    except BaseException:
-        os.close(status_r)
-        os.close(report_r)
+    except BaseException as e:
+        for fd in (status_r, report_r, block_w):
+            if fd is not None:
+                os.close(fd)
+        if tree is not None:
+            tree.remove()
+        if isinstance(e, OSError):  # bwrap not executable (by the host user it runs as): nothing ran
+            return Result("refused", None, "", "", False, 0.0, f"cannot start {bwrap_path}: {e.strerror}")
         raise
     finally:
         for fd in passed:
             os.close(fd)
+    early, placed, oom = b"", True, 0
     try:
-        out, err, why = _communicate(proc, stdin.encode() if isinstance(stdin, str) else stdin,
+        if tree is not None:  # the program starts only once its sandbox is in the cgroup
+            early, placed = _place(status_r, block_w, tree, t0 + cfg.wall_s)
+        if not placed:  # bwrap's read of the block pipe sees EOF and would go on: nothing may run
+            _stop(proc, _status_lines(early).get("child-pid"))
+        out, err, why = _communicate(proc, stdin.encode() if isinstance(stdin, str) and placed else b"",
                                      t0 + cfg.wall_s, cfg.max_output_kb * 1024)
+        why = why if placed else "unplaced"
     finally:
-        early = _read_ready(status_r)  # bwrap's child-pid line, written at set-up
+        early += _read_ready(status_r)  # bwrap's child-pid line, written at set-up
         _kill(proc, _status_lines(early).get("child-pid"))
         with os.fdopen(status_r, "rb") as f:
             status = _status_lines(early + f.read())
         _await_namespace(status.get("child-pid"))
         with os.fdopen(report_r, "rb") as f:
             report = _report(f.read())
-    return _classify(cfg, proc.returncode, status, report, out, err, why, time.monotonic() - t0)
+        if tree is not None:
+            oom = tree.oom_kills()
+            tree.remove()
+    return _classify(cfg, proc.returncode, status, report, oom, out, err, why, time.monotonic() - t0)
+
+
+def _place(status_r: int, block_w: int, tree: cgroup.TreeLimit, deadline: float) -> tuple[bytes, bool]:
+    """Wait for bwrap's ``child-pid`` (the sandbox's PID 1, blocked on ``--block-fd`` before it runs anything),
+    move it into ``tree`` and let it go. Returns what was read of the status pipe and whether it was placed
+    (not: bwrap failed its set-up, the deadline passed, or the move was refused)."""
+    got = b""
+    try:
+        while "child-pid" not in _status_lines(got):  # a whole JSON line (a read may end mid-line)
+            ready, _, _ = select.select([status_r], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(status_r, READ) if ready else b""
+            if not chunk:
+                return got, False
+            got += chunk
+        tree.add(_status_lines(got)["child-pid"])
+        os.write(block_w, b"go")
+        return got, True
+    except (OSError, KeyError):
+        return got, False
+    finally:
+        os.close(block_w)
 
 
 def _memfd(name: str, data: str | bytes) -> int:
@@ -198,9 +232,18 @@ def _read_ready(fd: int) -> bytes:
 
 
 def _kill(proc: subprocess.Popen, pid1: int | None) -> None:
+    """:func:`_stop` the sandbox, reap bwrap, close its pipes."""
+    _stop(proc, pid1)
+    proc.wait()
+    for f in (proc.stdin, proc.stdout, proc.stderr):
+        if f is not None and not f.closed:
+            f.close()
+
+
+def _stop(proc: subprocess.Popen, pid1: int | None) -> None:
     """SIGKILL the sandbox's PID 1 (host pid ``pid1``) first, while bwrap still lives to reap it (killed after
     bwrap, it would be orphaned to the host's init: a zombie until init reaps it, forever when the caller is a
-    container's PID 1 that does not), then bwrap's process group; reap bwrap."""
+    container's PID 1 that does not), then bwrap's process group."""
     if proc.poll() is None and pid1 is not None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid1, signal.SIGKILL)
@@ -209,10 +252,6 @@ def _kill(proc: subprocess.Popen, pid1: int | None) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    for f in (proc.stdin, proc.stdout, proc.stderr):
-        if f is not None and not f.closed:
-            f.close()
 
 
 def _await_namespace(pid: int | None, limit_s: float = 10.0) -> None:
@@ -267,7 +306,7 @@ def _last_line(text: str) -> str:
 
 
 def _classify(cfg: SandboxCfg, returncode: int, status: dict[str, int], report: tuple[int, float] | None,
-              out: _Capped, err: _Capped, why: str, wall: float) -> Result:
+              oom: int, out: _Capped, err: _Capped, why: str, wall: float) -> Result:
     """The status, decided here from what the program cannot write: bwrap's status pipe, the parent's own
     limits, and the launcher's wait status and CPU time (a signal is a signal, whatever exit code a program
     picks: ``sys.exit(152)`` is an error, and a SIGXCPU the program sends itself is ``killed``: a CPU-time
@@ -280,6 +319,11 @@ def _classify(cfg: SandboxCfg, returncode: int, status: dict[str, int], report: 
 
     if "child-pid" not in status:
         return result("refused", None, _last_line(stderr) or f"bwrap exited {returncode} before the sandbox was set up")
+    if why == "unplaced":
+        return result("refused", None, "the sandbox could not be put in its memory cgroup: nothing ran")
+    if oom:
+        return result("memory", None, f"the process tree passed {cfg.memory_mb + cgroup.HEADROOM_MB} MiB: the "
+                                      f"kernel's OOM killer ended {oom} of its processes (memory cgroup)")
     if why == "wall":
         return result("timeout", None, "wall-clock limit: the process tree was killed")
     if why == "output":
