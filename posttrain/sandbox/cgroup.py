@@ -114,7 +114,7 @@ def available() -> tuple[Path, int] | None:
     if own is None:
         return None
     try:
-        TreeLimit(own[0] / f"posttrain-sandbox-{os.getpid()}-probe", own[1], 64).remove()
+        TreeLimit(own[0] / f"posttrain-sandbox-{os.getpid()}-probe{next(_SEQ)}", own[1], 64).remove()
     except OSError:
         return None
     return own
