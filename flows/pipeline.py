@@ -43,6 +43,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
+from prefect.states import Completed, State
 
 from flows import pools
 from posttrain import dvcrepo, tracking
@@ -102,10 +103,11 @@ def publish(stage: str, repo: Path, params: Params, status: str) -> None:
 
 
 @task(cache_policy=None, persist_result=False)
-def stage_task(stage: str, repo: str) -> str:
+def stage_task(stage: str, repo: str) -> str | State:
     """One DVC stage in this process (the task is renamed to the stage by ``pipeline``): ``dvc repro
     --single-item <stage>`` unless DVC finds it up to date; returns what DVC said it would do (``dvcrepo.plan``):
-    ran | skipped | restored (outputs checked out of DVC's cache)."""
+    ran | skipped | restored (outputs checked out of DVC's cache). A skipped stage ends in a completed state
+    named ``Skipped`` (the UI draws it apart from a stage that ran; :func:`stage_status` reads it back)."""
     root = Path(repo)
     freed = dvcrepo.clear_stale_locks(root)
     if freed:
@@ -114,7 +116,12 @@ def stage_task(stage: str, repo: str) -> str:
     if status != "skipped":
         dvc("repro", "--single-item", stage, repo=root)
     publish(stage, root, load_params(root / "params.yaml"), status)
-    return status
+    return Completed(name="Skipped", message=f"{stage}: up to date, DVC ran nothing") if status == "skipped" else status
+
+
+def stage_status(returned: str | State) -> str:
+    """What :func:`stage_task` returned, as ran | skipped | restored."""
+    return "skipped" if isinstance(returned, State) else returned
 
 
 @task(cache_policy=None, persist_result=False)
@@ -193,7 +200,8 @@ def stage_flow(stages: list[str], repo: str | None = None, commit: str | None = 
             get_run_logger().info("stages %s run with %s", stages, python)
             _STAGE_PYTHON[:] = [str(python)]
         try:
-            statuses = {s: stage_task.with_options(name=s, task_run_name=s)(s, str(root)) for s in stages}
+            statuses = {s: stage_status(stage_task.with_options(name=s, task_run_name=s)(s, str(root)))
+                        for s in stages}
         finally:
             _STAGE_PYTHON[:] = []
         if remote:
@@ -242,7 +250,7 @@ def _pipeline(root: Path, params: Params, target: str | None, exp_name: str | No
                     pools.job_variables(params, commit))
             else:
                 (s,) = group
-                statuses[s] = stage_task.with_options(name=s, task_run_name=s, **retry)(s, str(root))
+                statuses[s] = stage_status(stage_task.with_options(name=s, task_run_name=s, **retry)(s, str(root)))
                 if route and cfg.dvc_remote:  # workers in other checkouts pull it from there
                     dvc("push", "--remote", cfg.dvc_remote, s, repo=root)
             log.info("%s: %s", "+".join(group), [statuses[s] for s in group])

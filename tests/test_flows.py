@@ -408,6 +408,8 @@ def test_two_overlapping_flow_runs_each_run_with_their_own_params(tmp_path):
         again = _flow(repo, tmp_path / "prefect0", "--target", "curate", "-S", f"curate.eval.rows={rows}")
         assert again.returncode == 0, again.stderr[-3000:]
         assert json.loads(again.stdout.strip().splitlines()[-1]) == {"curate": status}
+        # issue 46 #11: a stage DVC skipped ends in a state of its own, not drawn as one that ran
+        assert ("Task run 'curate' - Finished in state Skipped(" in again.stderr) == (status == "skipped")
         assert (repo / "params.yaml").read_text() == own
     assert json.loads((repo / "metrics" / "curate.json").read_text())["eval"] == first  # the restored outputs
 
