@@ -129,9 +129,13 @@ test-suites: setup
 # environment then its tier. Each test runs mostly on one core (imports, subprocesses, servers), so on 2 cores
 # the three take about half the time they take one after another; --output-sync=line keeps each line whole (and
 # nothing is held back if a run is killed); pytest's cache is off in all three (they would write one
-# .pytest_cache at once). Any failure fails `make test`.
+# .pytest_cache at once). Any failure fails `make test`. OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads
+# (libgomp) spin at every barrier by default, and three streams of two threads on two cores then spin through
+# each other's time slices: three copies of a small-matmul loop took 22-38 s each against 5-9 s passive (2.6 s
+# alone; docs/tests.md). Only here: alone, passive waits cost that loop ~60%.
 test: lint docs
-	$(MAKE) -j3 --output-sync=line PYTEST_OPTS="-p no:cacheprovider" test-suites test-real-multiproc test-vllm
+	OMP_WAIT_POLICY=PASSIVE $(MAKE) -j3 --output-sync=line PYTEST_OPTS="-p no:cacheprovider" test-suites \
+		test-real-multiproc test-vllm
 
 test-real-multiproc: test-realmodel
 	$(MAKE) test-multiproc
