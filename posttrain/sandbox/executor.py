@@ -17,7 +17,6 @@ Setup failures are told apart from the program's own exit codes by bwrap's JSON 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import selectors
@@ -29,9 +28,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from posttrain.config.sandbox import SandboxCfg
-from posttrain.sandbox import bwrap, cgroup, seccomp
-from posttrain.sandbox.result import Result, Status
-from posttrain.text import printable
+from posttrain.sandbox import bwrap, cgroup, outcome, seccomp
+from posttrain.sandbox.result import Result
 
 READ = 65536
 
@@ -114,22 +112,23 @@ def _run(cfg: SandboxCfg, bwrap_path: str, python: str, source: str, stdin: str 
         if tree is not None:  # the program starts only once its sandbox is in the cgroup
             early, placed = _place(status_r, block_w, tree, t0 + cfg.wall_s)
         if not placed:  # bwrap's read of the block pipe sees EOF and would go on: nothing may run
-            _stop(proc, _status_lines(early).get("child-pid"))
+            _stop(proc, outcome.status_lines(early).get("child-pid"))
         out, err, why = _communicate(proc, stdin.encode() if isinstance(stdin, str) and placed else b"",
                                      t0 + cfg.wall_s, cfg.max_output_kb * 1024)
         why = why if placed else "unplaced"
     finally:
         early += _read_ready(status_r)  # bwrap's child-pid line, written at set-up
-        _kill(proc, _status_lines(early).get("child-pid"))
+        _kill(proc, outcome.status_lines(early).get("child-pid"))
         with os.fdopen(status_r, "rb") as f:
-            status = _status_lines(early + f.read())
+            status = outcome.status_lines(early + f.read())
         _await_namespace(status.get("child-pid"))
         with os.fdopen(report_r, "rb") as f:
-            report = _report(f.read())
+            report = outcome.launcher_report(f.read())
         if tree is not None:
             oom = tree.oom_kills()
             tree.remove()
-    return _classify(cfg, proc.returncode, status, report, oom, out, err, why, time.monotonic() - t0)
+    return outcome.classify(cfg, proc.returncode, status, report, oom, out.buf.decode("utf-8", "replace"),
+                            err.buf.decode("utf-8", "replace"), out.over or err.over, why, time.monotonic() - t0)
 
 
 def _place(status_r: int, block_w: int, tree: cgroup.TreeLimit, deadline: float) -> tuple[bytes, bool]:
@@ -138,13 +137,13 @@ def _place(status_r: int, block_w: int, tree: cgroup.TreeLimit, deadline: float)
     (not: bwrap failed its set-up, the deadline passed, or the move was refused)."""
     got = b""
     try:
-        while "child-pid" not in _status_lines(got):  # a whole JSON line (a read may end mid-line)
+        while "child-pid" not in outcome.status_lines(got):  # a whole JSON line (a read may end mid-line)
             ready, _, _ = select.select([status_r], [], [], max(0.0, deadline - time.monotonic()))
             chunk = os.read(status_r, READ) if ready else b""
             if not chunk:
                 return got, False
             got += chunk
-        tree.add(_status_lines(got)["child-pid"])
+        tree.add(outcome.status_lines(got)["child-pid"])
         os.write(block_w, b"go")
         return got, True
     except (OSError, KeyError):
@@ -273,74 +272,3 @@ def _await_namespace(pid: int | None, limit_s: float = 10.0) -> None:
                 os.waitpid(pid, os.WNOHANG)  # ours only when orphaned to this process
             return
         time.sleep(0.002)
-
-
-def _status_lines(raw: bytes) -> dict[str, int]:
-    """bwrap's ``--json-status-fd`` records merged: ``child-pid`` once set up, ``exit-code`` at the end."""
-    merged: dict[str, int] = {}
-    for line in raw.decode("utf-8", "replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            merged.update({k: v for k, v in rec.items() if isinstance(v, int)})
-    return merged
-
-
-
-
-def _report(raw: bytes) -> tuple[int, float] | None:
-    """The launcher's record: the program's raw wait status and CPU seconds; None when it wrote none (it was
-    killed first: by the parent's wall clock or output cap, or from outside)."""
-    try:
-        ws, cpu = raw.decode().split()
-        return int(ws), float(cpu)
-    except ValueError:
-        return None
-
-
-def _last_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return printable(lines[-1])[:300] if lines else ""  # the program's own text: no escapes in an audit
-
-
-def _classify(cfg: SandboxCfg, returncode: int, status: dict[str, int], report: tuple[int, float] | None,
-              oom: int, out: _Capped, err: _Capped, why: str, wall: float) -> Result:
-    """The status, decided here from what the program cannot write: bwrap's status pipe, the parent's own
-    limits, and the launcher's wait status and CPU time (a signal is a signal, whatever exit code a program
-    picks: ``sys.exit(152)`` is an error, and a SIGXCPU the program sends itself is ``killed``: a CPU-time
-    ``timeout`` needs the CPU seconds to be there). Only ``memory`` reads the program's stderr (Python's
-    ``MemoryError`` at RLIMIT_AS, which the kernel does not signal): an audit label, never a verdict."""
-    stdout, stderr = out.buf.decode("utf-8", "replace"), err.buf.decode("utf-8", "replace")
-
-    def result(s: Status, code: int | None, detail: str) -> Result:
-        return Result(s, code, stdout, stderr, out.over or err.over, round(wall, 4), detail)
-
-    if "child-pid" not in status:
-        return result("refused", None, _last_line(stderr) or f"bwrap exited {returncode} before the sandbox was set up")
-    if why == "unplaced":
-        return result("refused", None, "the sandbox could not be put in its memory cgroup: nothing ran")
-    if oom:
-        return result("memory", None, f"the process tree passed {cfg.memory_mb + cgroup.HEADROOM_MB} MiB: the "
-                                      f"kernel's OOM killer ended {oom} of its processes (memory cgroup)")
-    if why == "wall":
-        return result("timeout", None, "wall-clock limit: the process tree was killed")
-    if why == "output":
-        return result("output_limit", None, "output past max_output_kb: the process tree was killed")
-    if report is None:
-        return result("killed", None, f"the sandbox ended before the program did (bwrap exited {returncode})")
-    ws, cpu = report
-    if os.WIFSIGNALED(ws):
-        n = os.WTERMSIG(ws)
-        name = signal.Signals(n).name if n in signal.valid_signals() else str(n)
-        if n in (signal.SIGXCPU, signal.SIGKILL) and cpu >= cfg.cpu_s - 0.1:  # the rlimit's, not kill(2)'s
-            return result("timeout", 128 + n, f"CPU-time limit ({name})")
-        return result("killed", 128 + n, f"ended by {name}")
-    code = os.WEXITSTATUS(ws)
-    if code == 0:
-        return result("ok", 0, "")
-    last = _last_line(stderr)
-    if last.startswith("MemoryError"):
-        return result("memory", code, last)
-    return result("error", code, last or f"exit code {code}")
