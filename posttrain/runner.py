@@ -127,18 +127,20 @@ def _terminated(signum: int, frame: Any) -> None:
 
 def resume_hint(name: str, params: Params) -> str:
     """What a re-run of an interrupted stage does, from what is on disk in its checkpoint folder
-    (``paths.<stage>_checkpoints``): the step of the newest complete checkpoint (sft, reward_model, rl,
-    distill), the finished chunks (rollout), or a start from scratch."""
-    folder = getattr(params.paths, f"{name}_checkpoints", None)
+    (``paths.<stage>_checkpoints``; ``reward_model@<name>``: its ``<name>`` subfolder): the step of the newest
+    complete checkpoint (sft, reward_model, rl, distill), the finished chunks (rollout), or a start from
+    scratch."""
+    stage, _, member = name.partition("@")
+    folder = getattr(params.paths, f"{stage}_checkpoints", None)
     if folder is None:
         return "re-run the same command (this stage has no checkpoints: it starts over)"
+    folder = str(Path(folder) / member) if member else folder
     steps = [int(p.name.split("_")[1]) for p in Path(folder).glob("step_*")  # complete: has checkpoint.META
              if p.is_dir() and p.name.split("_")[1].isdigit() and (p / "meta.json").is_file()]
     if steps:
         return f"re-run the same command to resume from step {max(steps)} (its checkpoint in {folder})"
-    parts = len(list(Path(folder).glob("part-*.parquet")))
-    if parts:
-        return f"re-run the same command to resume after the {parts} finished chunks in {folder}"
+    if any(Path(folder).glob("part-*.parquet")):
+        return f"re-run the same command to resume after the finished chunks kept in {folder}"
     return f"re-run the same command (no checkpoint was written yet in {folder}: it starts over)"
 
 

@@ -116,8 +116,7 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
                                                     lambda k: k in M.NO_INTERVAL)
                  for a, b in params.report.compare} for s in splits}
     write_json(out["dir"] / "paired.json", diffs)
-    lock = inputs.get("lock")
-    stale = stale_inputs(yaml.safe_load(lock.read_text()) or {}) if lock is not None and lock.is_file() else []
+    stale = _stale(inputs.get("lock"))
     for w in stale:
         log.warning("stale input: %s", w)
     write_text(out["dir"] / "report.md", report_markdown(results, cfg.ks, cfg.sampling, params.report.compare, diffs,
@@ -128,6 +127,18 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
         for a, b in params.report.compare:
             log.info("%s, %s vs %s: %s", s, a, b, crossing(results[s].get(a, {}), results[s].get(b, {}), cfg.ks))
     return diffs
+
+
+def _stale(lock: Path | None) -> list[str]:
+    """``compare.stale_inputs`` of ``dvc.lock`` (none when there is no lock); an unreadable lock (a merge
+    conflict, say) is a warning, never the report's failure."""
+    if lock is None or not lock.is_file():
+        return []
+    try:
+        return stale_inputs(yaml.safe_load(lock.read_text()) or {})
+    except (OSError, yaml.YAMLError, AttributeError, KeyError, TypeError) as e:
+        log.warning("%s could not be read for stale inputs: %s", lock, str(e).splitlines()[0])
+        return []
 
 
 def paths(p: Params) -> tuple[dict[str, Any], dict[str, Path]]:

@@ -5,6 +5,7 @@ page (Chromium's ``--dump-dom`` prints the DOM after it ran)."""
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import shutil
@@ -50,8 +51,7 @@ def _layout(browser: str, page: Path) -> dict:
     assert r.returncode == 0, r.stderr[-2000:]
     dom = r.stdout
     start = dom.index('<pre id="layout">') + len('<pre id="layout">')
-    return json.loads(dom[start : dom.index("</pre>", start)].replace("&quot;", '"').replace("&amp;", "&")
-                      .replace("&lt;", "<").replace("&gt;", ">"))
+    return json.loads(html.unescape(dom[start : dom.index("</pre>", start)]))
 
 
 def test_the_docs_at_1400_px_give_the_text_room_scroll_code_and_never_break_a_key(tmp_path):

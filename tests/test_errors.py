@@ -130,6 +130,19 @@ def test_an_interrupt_names_the_step_a_re_run_resumes_from(tiny, tmp_path, capsy
     assert code == 130 and _one_line(err) == f"posttrain sft: interrupted; {hint.format(ck=ck)}"
 
 
+def test_the_resume_hint_of_a_reward_model_member_looks_in_its_own_folder(tiny):
+    from posttrain.config import parse_params
+
+    p = parse_params(tiny)
+    member = Path(p.paths.reward_model_checkpoints) / "rm1"
+    (member / "step_3").mkdir(parents=True)
+    (member / "step_3" / "meta.json").write_text("{}")
+    assert runner.resume_hint("reward_model@rm1", p) == (f"re-run the same command to resume from step 3 (its "
+                                                        f"checkpoint in {member})")
+    assert "starts over" in runner.resume_hint("reward_model@rm2", p) and "starts over" in runner.resume_hint(
+        "curate", p)
+
+
 @pytest.mark.parametrize("exc,expected", [
     (OSError(errno.ENOSPC, "No space left on device", "/data/rl/shards"), "/data/rl/shards: no space left"),
     (PermissionError(errno.EACCES, "Permission denied", "/models/rl"), "/models/rl: permission denied"),

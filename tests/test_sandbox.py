@@ -80,6 +80,8 @@ def _host_procs(marker: str) -> list[str]:
 def test_a_normal_program_gives_its_stdout_exit_code_and_stdin(sb):
     r = run(sb, "normal", "import sys\nprint(sum(map(int, sys.stdin.read().split())))", stdin="1 2 3\n")
     assert (r.status, r.exit_code, r.stdout, r.truncated) == ("ok", 0, "6\n", False)
+    r = run(sb, "bytes on stdin", "import sys\nprint(sys.stdin.buffer.read().hex())", stdin=b"\x00\xff")
+    assert (r.status, r.stdout) == ("ok", "00ff\n")
     r = run(sb, "exit code", "import sys; print('x'); sys.exit(3)")
     assert (r.status, r.exit_code, r.stdout) == ("error", 3, "x\n")
 
@@ -295,14 +297,15 @@ def test_the_status_is_the_parents_not_the_exit_code_the_program_picks(sb, src, 
 
 @pytest.fixture(scope="module")
 def small() -> Sandbox:
-    """memory_mb 64: each process 64 MiB of address space, the whole tree 64 + 64 MiB (cgroup.HEADROOM_MB)."""
+    """memory_mb 64: each process 64 MiB of address space, the whole tree 64 + 16 + 1 + 64 MiB
+    (``cgroup.limit_mb``: memory_mb, the scratch tmpfs, cgroup.HEADROOM_MB)."""
     from posttrain.sandbox import cgroup
 
     if cgroup.available() is None:
         pytest.skip("no memory cgroup can be made here (not root, no delegated subtree): RLIMIT_AS x "
                     "RLIMIT_NPROC bounds the tree instead (docs/sandbox.md)")
     try:
-        return Sandbox(SandboxCfg(memory_mb=64, max_procs=16, wall_s=30))
+        return Sandbox(SandboxCfg(memory_mb=64, max_file_mb=16, max_procs=16, wall_s=30))
     except SandboxUnavailable as e:
         pytest.skip(str(e))
 
@@ -342,9 +345,9 @@ def small() -> Sandbox:
 def test_the_whole_process_tree_is_bounded_by_a_memory_cgroup(small, name, src):
     """Issue 49, sandbox: RLIMIT_AS bounds each process, so a tree of forks, SysV shared memory or a million
     empty folders (kernel memory) held several times memory_mb (0.6-1.2 GiB at 256 MiB). Now the tree is in a
-    memory cgroup of memory_mb + 64 MiB, and its OOM kill is status memory, read by the parent."""
+    memory cgroup (here 145 MiB), and its OOM kill is status memory, read by the parent."""
     r = run(small, name, src)
-    assert r.status == "memory" and "OOM killer" in r.detail and "passed 128 MiB" in r.detail, r
+    assert r.status == "memory" and "OOM killer" in r.detail and "passed 145 MiB" in r.detail, r
 
 
 def test_a_memory_bomb_is_status_memory(sb):

@@ -9,7 +9,7 @@ parent reads back (``oom_kill`` in the cgroup's counters) as status ``memory``.
 Where: a child of the caller's own memory cgroup, cgroup v1 (``/sys/fs/cgroup/memory/<path>``, the path from
 ``/proc/self/cgroup``) or v2 (``/sys/fs/cgroup/<path>``, when the memory controller is enabled for its
 children). Making one needs write access there: root on most hosts, or a delegated subtree. Where none can be
-made (probed once, :func:`available`), the sandbox runs as before, each process bounded by RLIMIT_AS and
+made (probed once, :func:`available`, logged), the sandbox runs as before, each process bounded by RLIMIT_AS and
 their number by RLIMIT_NPROC: ``memory_mb`` x ``max_procs`` bounds the tree, and docs/sandbox.md says so.
 
 Why by hand: the cgroup file interface is a few writes; the libraries that wrap it (systemd's transient
@@ -21,13 +21,24 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import os
+import subprocess
 import time
 from pathlib import Path
+
+from posttrain.config.sandbox import SandboxCfg
 
 ROOT = Path("/sys/fs/cgroup")
 HEADROOM_MB = 64  # the launcher and the page cache of the interpreter's files, beside the program's memory_mb
 _SEQ = itertools.count()
+log = logging.getLogger("sandbox")
+
+
+def limit_mb(cfg: SandboxCfg) -> int:
+    """A sandbox tree's limit: a process's ``memory_mb``, the scratch tmpfs (``max_file_mb`` + 1: its pages are
+    charged too) and ``HEADROOM_MB``."""
+    return cfg.memory_mb + cfg.max_file_mb + 1 + HEADROOM_MB
 
 
 def _own() -> tuple[Path, int] | None:
@@ -101,20 +112,34 @@ def make(mb: int) -> TreeLimit | None:
     if own is None:
         return None
     folder, version = own
-    with contextlib.suppress(OSError):
+    try:
         return TreeLimit(folder / f"posttrain-sandbox-{os.getpid()}-{next(_SEQ)}", version, mb)
-    return None
+    except OSError as e:
+        log.warning("sandbox: no memory cgroup for this run (%s): its tree is bounded by rlimits only", e)
+        return None
 
 
 @functools.cache
 def available() -> tuple[Path, int] | None:
-    """The caller's memory cgroup and its version when a child with a limit can be made there (tried once per
-    process), else None."""
+    """The caller's memory cgroup and its version when a child with a limit can be made there and a process
+    moved into it (tried once per process with a short ``sleep``), else None (logged once)."""
     own = _own()
-    if own is None:
-        return None
-    try:
-        TreeLimit(own[0] / f"posttrain-sandbox-{os.getpid()}-probe{next(_SEQ)}", own[1], 64).remove()
-    except OSError:
+    why = "no memory controller in /proc/self/cgroup" if own is None else ""
+    if own is not None:
+        try:
+            probe = TreeLimit(own[0] / f"posttrain-sandbox-{os.getpid()}-probe{next(_SEQ)}", own[1], 64)
+            try:
+                with subprocess.Popen(["sleep", "5"]) as p:
+                    try:
+                        probe.add(p.pid)
+                    finally:
+                        p.kill()
+            finally:
+                probe.remove()
+        except OSError as e:
+            why = str(e)
+    if why:
+        log.info("sandbox: no memory cgroup can be made here (%s): each process is bounded by RLIMIT_AS, the tree "
+                 "by RLIMIT_AS x RLIMIT_NPROC (docs/sandbox.md)", why)
         return None
     return own

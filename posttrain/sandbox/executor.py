@@ -82,39 +82,43 @@ def _run(cfg: SandboxCfg, bwrap_path: str, python: str, source: str, stdin: str 
     bad = [n for n in contents if not n or "/" in n or n in {".", ".."}]
     if bad:
         raise ValueError(f"sandbox file names must be plain names, got {bad}")
-    fds = {name: _memfd(name, data) for name, data in contents.items()}
-    bpf = _memfd("seccomp", seccomp.program()) if cfg.seccomp else None
-    status_r, status_w = os.pipe()
-    report_r, report_w = os.pipe()
-    tree = cgroup.make(cfg.memory_mb + cgroup.HEADROOM_MB)
-    block_r, block_w = os.pipe() if tree is not None else (None, None)
-    argv = bwrap.command(cfg, bwrap_path, python, fds, status_w, bpf, report_w, block_r)
-    passed = (*fds.values(), status_w, report_w, *(x for x in (bpf, block_r) if x is not None))
-    owner: dict = {"user": bwrap.HOST_UID, "group": bwrap.HOST_UID, "extra_groups": []} if os.geteuid() == 0 else {}
+    tree = cgroup.make(cgroup.limit_mb(cfg))
+    ours: list[int] = []  # the parent's ends of the pipes
+    theirs: list[int] = []  # what bwrap gets (pass_fds), closed here once it has them
     t0 = time.monotonic()
     try:
+        fds = {name: _keep(theirs, _memfd(name, data)) for name, data in contents.items()}
+        bpf = _keep(theirs, _memfd("seccomp", seccomp.program())) if cfg.seccomp else None
+        status_r, status_w = _pipe(ours, theirs)
+        report_r, report_w = _pipe(ours, theirs)
+        block_r, block_w = _pipe(theirs, ours) if tree is not None else (None, None)  # bwrap reads, we write
+        argv = bwrap.command(cfg, bwrap_path, python, fds, status_w, bpf, report_w, block_r)
+        owner: dict = ({"user": bwrap.HOST_UID, "group": bwrap.HOST_UID, "extra_groups": []} if os.geteuid() == 0
+                       else {})
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                pass_fds=passed, env={}, start_new_session=True, **owner)
+                                pass_fds=theirs, env={}, start_new_session=True, **owner)
     except BaseException as e:
-        for fd in (status_r, report_r, block_w):
-            if fd is not None:
-                os.close(fd)
+        for fd in ours:
+            os.close(fd)
         if tree is not None:
             tree.remove()
-        if isinstance(e, OSError):  # bwrap not executable (by the host user it runs as): nothing ran
+        if isinstance(e, OSError):  # bwrap not executable (by the host user it runs as), no fd left: nothing ran
             return Result("refused", None, "", "", False, 0.0, f"cannot start {bwrap_path}: {e.strerror}")
         raise
     finally:
-        for fd in passed:
+        for fd in theirs:
             os.close(fd)
     early, placed, oom = b"", True, 0
     try:
         if tree is not None:  # the program starts only once its sandbox is in the cgroup
-            early, placed = _place(status_r, block_w, tree, t0 + cfg.wall_s)
-        if not placed:  # bwrap's read of the block pipe sees EOF and would go on: nothing may run
-            _stop(proc, outcome.status_lines(early).get("child-pid"))
-        out, err, why = _communicate(proc, stdin.encode() if isinstance(stdin, str) and placed else b"",
-                                     t0 + cfg.wall_s, cfg.max_output_kb * 1024)
+            try:
+                early, placed = _place(status_r, block_w, tree, t0 + cfg.wall_s)
+                if not placed:  # stopped before the block pipe closes: bwrap reads EOF as the go-ahead
+                    _stop(proc, outcome.status_lines(early).get("child-pid"))
+            finally:
+                os.close(block_w)
+        data = stdin.encode() if isinstance(stdin, str) else stdin
+        out, err, why = _communicate(proc, data if placed else b"", t0 + cfg.wall_s, cfg.max_output_kb * 1024)
         why = why if placed else "unplaced"
     finally:
         early += _read_ready(status_r)  # bwrap's child-pid line, written at set-up
@@ -131,25 +135,37 @@ def _run(cfg: SandboxCfg, bwrap_path: str, python: str, source: str, stdin: str 
                             err.buf.decode("utf-8", "replace"), out.over or err.over, why, time.monotonic() - t0)
 
 
+def _keep(owner: list[int], fd: int) -> int:
+    owner.append(fd)
+    return fd
+
+
+def _pipe(reader: list[int], writer: list[int]) -> tuple[int, int]:
+    """A pipe whose read end goes to ``reader``'s list and write end to ``writer``'s (the parent's or bwrap's)."""
+    r, w = os.pipe()
+    return _keep(reader, r), _keep(writer, w)
+
+
 def _place(status_r: int, block_w: int, tree: cgroup.TreeLimit, deadline: float) -> tuple[bytes, bool]:
     """Wait for bwrap's ``child-pid`` (the sandbox's PID 1, blocked on ``--block-fd`` before it runs anything),
     move it into ``tree`` and let it go. Returns what was read of the status pipe and whether it was placed
-    (not: bwrap failed its set-up, the deadline passed, or the move was refused)."""
+    (not: bwrap failed its set-up, the deadline passed, or the move was refused; the caller stops the sandbox
+    before it closes ``block_w``, whose EOF bwrap would take as the go-ahead)."""
     got = b""
+    poller = select.poll()  # (select.select refuses descriptors >= 1024)
+    poller.register(status_r, select.POLLIN)
     try:
         while "child-pid" not in outcome.status_lines(got):  # a whole JSON line (a read may end mid-line)
-            ready, _, _ = select.select([status_r], [], [], max(0.0, deadline - time.monotonic()))
-            chunk = os.read(status_r, READ) if ready else b""
+            left = deadline - time.monotonic()
+            chunk = os.read(status_r, READ) if left > 0 and poller.poll(1000 * left) else b""
             if not chunk:
                 return got, False
             got += chunk
         tree.add(outcome.status_lines(got)["child-pid"])
         os.write(block_w, b"go")
         return got, True
-    except (OSError, KeyError):
+    except OSError:
         return got, False
-    finally:
-        os.close(block_w)
 
 
 def _memfd(name: str, data: str | bytes) -> int:

@@ -59,7 +59,7 @@ def classify(cfg: SandboxCfg, returncode: int, status: dict[str, int], report: t
     if why == "unplaced":
         return result("refused", None, "the sandbox could not be put in its memory cgroup: nothing ran")
     if oom:
-        return result("memory", None, f"the process tree passed {cfg.memory_mb + cgroup.HEADROOM_MB} MiB: the "
+        return result("memory", None, f"the process tree passed {cgroup.limit_mb(cfg)} MiB: the "
                                       f"kernel's OOM killer ended {oom} of its processes (memory cgroup)")
     if why == "wall":
         return result("timeout", None, "wall-clock limit: the process tree was killed")
