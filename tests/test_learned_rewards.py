@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from conftest import REPO, repo_params, tiny_raw
 from test_reward_model import _arith_prefs, _params
@@ -119,6 +120,22 @@ def test_the_model_is_loaded_once_per_process_and_again_when_it_changes(rm, tmp_
         learned.scorer_for(str(tmp_path / "nothing"))
 
 
+def test_the_reward_model_scores_in_bf16_and_plain_cuda_is_the_ranks_own_gpu(rm, monkeypatch):
+    """Issue 50 item 4: the reward model loaded in fp32 whatever the run's dtype, and ``device: cuda`` put every
+    rank's scorers on GPU 0. Now ``dtype`` loads the members in it (half the bytes in bf16; scores within bf16
+    rounding of fp32's) and plain ``cuda`` under torchrun is ``cuda:<LOCAL_RANK>``."""
+    samples = [_s("20*3=", "answer: 60"), _s("20*3=", "answer: 61"), _s("14*5=", "answer: 70", "70")]
+    f32 = learned.reward_model(samples, str(rm))
+    bf16 = learned.reward_model(samples, str(rm), dtype="bfloat16")
+    members = learned.scorer_for(str(rm), dtype="bfloat16").members
+    assert {p.dtype for m in members for p in m.parameters()} == {torch.bfloat16}
+    assert bf16 == pytest.approx(f32, abs=0.05 + 0.02 * max(abs(x) for x in f32)) and bf16 != f32
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert [learned.rank_device(d) for d in ("cuda", "cuda:1", "cpu")] == ["cuda:3", "cuda:1", "cpu"]
+    monkeypatch.delenv("LOCAL_RANK")
+    assert learned.rank_device("cuda") == "cuda"  # one process: the current GPU
+
+
 # ------------------------------------------------------------------------------------------ config
 def _with(rewards: list[dict], **top: dict) -> dict:
     raw = repo_params()
@@ -133,6 +150,7 @@ def _with(rewards: list[dict], **top: dict) -> dict:
     ({"path": "{rm}", "steps": "sum"}, "reward.rewards[1].kwargs.steps", "unknown steps 'sum'"),
     ({"path": "{rm}", "lam": -1.0}, "reward.rewards[1].kwargs.lam", "greater than or equal to 0"),
     ({}, "reward.rewards[1].kwargs.path", "Field required"),
+    ({"path": "{rm}", "dtype": "float64"}, "reward.rewards[1].kwargs.dtype", "float32"),
 ])
 def test_bad_reward_model_kwargs_are_refused_at_load_naming_the_key(rm, kwargs, key, says):
     kwargs = {k: v.format(rm=rm) if isinstance(v, str) else v for k, v in kwargs.items()}

@@ -4,7 +4,7 @@ audit."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -55,7 +55,11 @@ class RewardModelKwargs(Section):
     step_sep: str = Field("\n", min_length=1, description="what ends a step (arith's steps end in ';')")
     eta: float = Field(0.0, ge=-1e6, le=1e6, description="clip: the score a step must reach to cost nothing")
     batch_size: int = Field(64, ge=1, le=MAX_BATCH, description="texts a forward")
-    device: str = Field("cpu", description="where the reward model runs (cpu, cuda, cuda:1, ...)")
+    device: str = Field("cpu", description="where the reward model runs (cpu, cuda, cuda:1, ...); plain cuda is "
+                        "each rank's own GPU under torchrun (cuda:<LOCAL_RANK>), not GPU 0 for all")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="the members' weights when scoring (bfloat16: half the memory of each copy; "
+        "scores differ from float32's by bf16 rounding)")
 
     @field_validator("combine")
     @classmethod

@@ -20,6 +20,7 @@ component's distribution (quantiles, a histogram plot) over the run.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,36 +34,45 @@ from posttrain.rewards.sample import Sample
 
 log = logging.getLogger("reward")
 MANIFEST = "manifest.json"  # (posttrain.reward_model.scorer.MANIFEST: named here to stay torch-free)
-_LOADED: dict[tuple[str, str, str], Any] = {}  # (folder, digest, device) -> its RewardScorer (torch: loaded lazily)
+_LOADED: dict[tuple[str, str, str, str], Any] = {}  # (folder, digest, device, dtype) -> its RewardScorer
 
 
-def scorer_for(path: str, device: str = "cpu") -> Any:
-    """The reward model at ``path``, loaded once per process (and again when its files change)."""
+def rank_device(device: str) -> str:
+    """``cuda`` under torchrun is the rank's own GPU (``cuda:<LOCAL_RANK>``: every rank's scorers on GPU 0
+    would crowd one card); any other name as given."""
+    local = os.environ.get("LOCAL_RANK")
+    return f"cuda:{local}" if device == "cuda" and local is not None else device
+
+
+def scorer_for(path: str, device: str = "cpu", dtype: str = "float32") -> Any:
+    """The reward model at ``path`` in ``dtype`` on ``device`` (``rank_device``), loaded once per process (and
+    again when its files change)."""
     folder = Path(path).resolve()
     if not (folder / MANIFEST).is_file():
         raise StageError(f"{path}: not a reward model (no {MANIFEST}); train it with the reward_model stage")
-    key = (str(folder), folder_digest(folder), device)
+    device = rank_device(device)
+    key = (str(folder), folder_digest(folder), device, dtype)
     if key not in _LOADED:
         from posttrain.reward_model.scorer import load_reward_model
 
         for old in [k for k in _LOADED if k[0] == key[0]]:  # an older version of the same folder
             del _LOADED[old]
-        _LOADED[key] = load_reward_model(folder, device)
+        _LOADED[key] = load_reward_model(folder, device, dtype)
         log.info("reward_model: loaded %s (%d members, digest %s)", path, _LOADED[key].k, key[1][7:19])
     return _LOADED[key]
 
 
 def reward_model(samples: Sequence[Sample], path: str, combine: str = "mean", lam: float = 0.5, steps: str = "off",
-                 step_sep: str = "\n", eta: float = 0.0, batch_size: int = 64, device: str = "cpu"
-                 ) -> list[float | None]:
+                 step_sep: str = "\n", eta: float = 0.0, batch_size: int = 64, device: str = "cpu",
+                 dtype: str = "float32") -> list[float | None]:
     """A Bradley-Terry reward model's score of each (prompt, completion): its members combined by ``combine``
     (``mean``; ``wco``: the minimum; ``uwo``: mean - ``lam`` x variance; ``uwo_std``: mean - ``lam`` x std), of
     the whole completion (``steps: off``) or, per step (``step_sep``-separated; the summed step rewards of
     ``raw``, ``clip`` (``min(s - eta, 0)``) or ``delta``), of each prefix. None when the text is longer than the
-    model's context."""
+    model's context. ``dtype``: the members' weights (float32, bfloat16, float16); ``device``: ``rank_device``."""
     from posttrain.reward_model.scorer import encode
 
-    scorer = scorer_for(path, device)
+    scorer = scorer_for(path, device, dtype)
     scorer.batch_size = batch_size
     seqs: list[list[int]] = []
     spans: list[tuple[int, int] | None] = []  # each sample's rows of seqs; None: unscorable
@@ -91,8 +101,8 @@ def reward_model(samples: Sequence[Sample], path: str, combine: str = "mean", la
     return out
 
 
-def _warm(path: str, device: str = "cpu", **_: Any) -> None:
-    scorer_for(path, device)
+def _warm(path: str, device: str = "cpu", dtype: str = "float32", **_: Any) -> None:
+    scorer_for(path, device, dtype)
 
 
 reward_model.warm = _warm  # type: ignore[attr-defined]  # (scoring.warm: a pool worker loads it as it starts)
