@@ -4,7 +4,7 @@ audit."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -57,9 +57,8 @@ class RewardModelKwargs(Section):
     batch_size: int = Field(64, ge=1, le=MAX_BATCH, description="texts a forward")
     device: str = Field("cpu", description="where the reward model runs (cpu, cuda, cuda:1, ...); plain cuda is "
                         "each rank's own GPU under torchrun (cuda:<LOCAL_RANK>), not GPU 0 for all")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="the members' weights when scoring (bfloat16: half the memory of each copy; "
-        "scores differ from float32's by bf16 rounding)")
+    dtype: str = Field("float32", description="the members' weights when scoring: float32, bfloat16 (half the "
+                       "memory of each copy; scores differ from float32's by bf16 rounding) or float16")
 
     @field_validator("combine")
     @classmethod
@@ -70,6 +69,11 @@ class RewardModelKwargs(Section):
     @classmethod
     def _steps(cls, v: str) -> str:
         return registered("steps", v, names.RM_STEPS)
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        return registered("dtype", v, ("float32", "bfloat16", "float16"))
 
 
 class ToolCostKwargs(Section):
