@@ -239,7 +239,7 @@ def lineage(target: str = typer.Argument(..., help="a DVC output path (or a file
                                          "or models:/<name>@<alias>"),
             verify: bool = typer.Option(False, "--verify", help="recompute hashes; exit 1 on any mismatch"),
             as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
-            samples: bool = typer.Option(False, "--samples", help="the rl run's sample ledger instead: which "
+            samples: bool = typer.Option(False, "--samples", help="the rl or sft run's sample ledger instead: which "
                                          "curated rows each step consumed, in order (posttrain/lineage/ledger.py)"),
             params: Path = PARAMS) -> None:
     """Where TARGET came from: every stage back to the sources, with params, hashes, runs, metrics."""
@@ -255,20 +255,24 @@ def lineage(target: str = typer.Argument(..., help="a DVC output path (or a file
     p = _params(params)
     root = _repo_root(params)
     if samples:
-        from posttrain.lineage.ledger import ledger
+        from posttrain.lineage.ledger import ledger, sft_ledger
 
-        if (root / target).resolve() != (root / p.paths.rl_model).resolve():
-            print(f"posttrain lineage: --samples: {target} is not the rl model ({p.paths.rl_model}); only rl records "
-                  "the rows each step consumed", file=sys.stderr)
+        made_by = {(root / m).resolve(): k for k, m in (("rl", p.paths.rl_model), ("sft", p.paths.sft_model))}
+        kind = made_by.get((root / target).resolve())
+        if kind is None:
+            print(f"posttrain lineage: --samples: {target} is neither the rl model ({p.paths.rl_model}) nor the sft "
+                  f"model ({p.paths.sft_model}); only rl and sft record the rows each step consumed", file=sys.stderr)
             raise typer.Exit(2)
-        led = ledger(root, p)
+        led = ledger(root, p) if kind == "rl" else sft_ledger(root, p)
         if as_json:
             typer.echo(_json.dumps(led, indent=2))
         else:
             typer.echo(f"curated split {led['split']['path']} sha256 {led['split']['sha256']}")
             for s in led["steps"]:
                 typer.echo(f"step {s['step']}: {s['samples']} samples, {s['used']} used, prompts "
-                           + " ".join(s["prompts"]))
+                           + " ".join(s["prompts"]) if kind == "rl" else
+                           f"step {s['step']}: " + " ".join(f"{i}:{st}" for i, st in zip(s["ids"], s["styles"],
+                                                                                       strict=True)))
         return
     uri = tracking.store_uri(p, root) if p.tracking.enabled else None
     try:

@@ -41,11 +41,12 @@ DISTILL_WEIGHT_DECAY = 0.01  # torch's AdamW default, which distill has always u
 
 
 def start_or_resume(model: torch.nn.Module, lr: float, weight_decay: float, warmup_steps: int, total_steps: int,
-                    ckpt_dir: Path, fp: str, log_to: TrainLog
+                    ckpt_dir: Path, fp: str, log_to: TrainLog, extra: dict[str, Any] | None = None
                     ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR, int]:
     """AdamW (SFT's betas) with warmup + cosine over ``total_steps``, restored from ``ckpt_dir``'s last checkpoint
-    when it carries fingerprint ``fp`` (the model, optimizer, scheduler and ``log_to``'s rows): ``(opt, sched,
-    first step to run)``. The supervised loops (sft, reward_model) start here."""
+    when it carries fingerprint ``fp`` (the model, optimizer, scheduler and ``log_to``'s rows; ``extra`` updated
+    with the checkpoint's saved ``extra``): ``(opt, sched, first step to run)``. The supervised loops (sft,
+    reward_model) start here."""
     opt = adamw(model, lr, weight_decay, SFT_BETAS)
     sched = get_cosine_schedule_with_warmup(opt, warmup_steps, total_steps)
     state = checkpoint.restore(ckpt_dir, fp, model, opt)
@@ -53,6 +54,8 @@ def start_or_resume(model: torch.nn.Module, lr: float, weight_decay: float, warm
         return opt, sched, 0
     sched.load_state_dict(state["scheduler"])
     log_to.resume(state["log"])
+    if extra is not None:
+        extra.update(state.get("extra") or {})
     return opt, sched, state["step"]
 
 
@@ -193,16 +196,20 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
     Demos are tokenized once (``sft_data.tokenize``, cached in ``ckpt_dir``), ``cfg.max_seq_len`` /
     ``cfg.overlong`` decide what trains (``sft_data.select``) and ``cfg.batching`` how a micro-batch is laid
     out (padded, grouped by length, or packed): the loss is the same token-mean either way.
-    Returns ``{"log": rows, "start": resumed step, "seconds": ..., "tokens": ..., "data": counts}`` (``data``:
-    what the max_seq_len policy dropped or truncated, and the padding fraction of the decoder input).
+    Returns ``{"log": rows, "start": resumed step, "seconds": ..., "tokens": ..., "data": counts, "ledger": steps}``
+    (``data``: what the max_seq_len policy dropped or truncated, and the padding fraction of the decoder input;
+    ``ledger``: per step ``{step, ids, styles}``, the demos it consumed in order, checkpointed with the model so a
+    resumed run's ledger is the whole run's).
     """
     d = distributed.current()
     device = next(model.parameters()).device
     log_to = log_to if log_to is not None else TrainLog(None, SFT_LOG_FIELDS)
     model.train()
     total = cfg.total_steps
+    saved: dict[str, Any] = {}
     opt, sched, start = start_or_resume(model, cfg.lr, cfg.weight_decay, cfg.warmup_steps, total, ckpt_dir, fp,
-                                        log_to)
+                                        log_to, saved)
+    ledger: list[dict[str, Any]] = saved.get("ledger", [])  # the demos each step consumed (so far, if resumed)
     if start:
         log.info("resuming %s from %s step %d", desc, ckpt_dir, start)
     # both renderings of each demo (cot, direct), tokenized once (each rank its shard; a resume finds the files)
@@ -219,6 +226,9 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
         phase, spec = phase_of[step]
         idx, styles = step_batch(seed, step, len(data), cfg.batch_size, spec.cot_frac, spec.tool_frac)
         examples = [data.example(i, str(st)) for i, st in zip(idx, styles, strict=True)]
+        kept = [int(data.keep[i]) for i in idx]  # rows of ``demos``
+        ledger.append({"step": step + 1, "ids": [str(demos[k].get("id", k)) for k in kept],
+                       "styles": [str(st) for st in styles]})
         if cfg.batching == "grouped":  # similar lengths share a micro-batch; exact: the loss is order-free
             examples = sft_data.group_by_length(examples, d.world)
         n_tok = sum(sum(1 for y in ex[1][1:] if y != IGNORE) for ex in examples)  # next-token targets (global)
@@ -249,8 +259,10 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
                            "grad_norm": round(grad_norm, 4), "cot_frac": spec.cot_frac})
             bar.set_postfix(loss=f"{loss:.4f}", phase=phase)
         if done % cfg.checkpoint_every == 0 and done < total:
-            checkpoint.save(ckpt_dir, done, fp, model, opt, {"scheduler": sched.state_dict(), "log": log_to.rows})
+            checkpoint.save(ckpt_dir, done, fp, model, opt, {"scheduler": sched.state_dict(), "log": log_to.rows,
+                                                             "extra": {"ledger": ledger}})
     positions, real_positions = d.sum(positions, real_positions)
     data.counts["padding_frac"] = round(1 - real_positions / positions, 4) if positions else 0.0
     model.eval()
-    return {"log": log_to.rows, "start": start, "seconds": time.time() - t0, "tokens": tokens, "data": data.counts}
+    return {"log": log_to.rows, "start": start, "seconds": time.time() - t0, "tokens": tokens, "data": data.counts,
+            "ledger": ledger}

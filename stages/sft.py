@@ -3,7 +3,8 @@
 Inputs: ``paths.curated_dir/sft.parquet``; the starting model ``paths.base_model`` (the model stage's import of
 ``model.base``: its tokenizer carries the prompt format).
 Outputs: ``paths.sft_model`` (HF checkpoint), ``paths.sft_report_dir/train_log.csv`` (for dvc plots),
-``metrics/sft.json``.
+``paths.sft_report_dir/ledger.parquet`` (the demo ids each step trained on, in order: the sample ledger,
+``posttrain.lineage.ledger``), ``metrics/sft.json``.
 
 Data: demos tokenized once (rank 0, cached in the checkpoint folder, ``posttrain.sft_data``); ``sft.max_seq_len``
 with ``sft.overlong`` (drop | truncate) bounds every sequence, counted in the metrics; ``sft.batching`` lays out
@@ -33,6 +34,7 @@ from typing import Any
 
 from posttrain import checkpoint, distributed, modeling, plots, training
 from posttrain.config import Params
+from posttrain.lineage.ledger import SFT_LEDGER, write_sft
 from posttrain.outputs import as_one_set, atomic_path
 from posttrain.runner import stage_main
 from posttrain.schema import read_problems, write_json
@@ -82,6 +84,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     with atomic_path(out["model"]) as tmp:
         modeling.save_checkpoint(final, tok, tmp, params.model.dtype)
     train_log.close()
+    write_sft(res["ledger"], out["report_dir"] / SFT_LEDGER)  # the demos each step trained on (lineage --samples)
     plots.training_curves(log_rows, "step", ["loss", "lr", "grad_norm"], "sft", out["report_dir"] / "curves.png")
     write_json(out["metrics"], metrics)
     shutil.rmtree(out["checkpoints"], ignore_errors=True)  # finished: the checkpoint is the output now

@@ -1,4 +1,5 @@
-"""The sample ledger (posttrain/lineage/ledger.py): which curated rows each rl step consumed, read from the shards.
+"""The sample ledger (posttrain/lineage/ledger.py): which curated rows each rl step consumed, read from the shards,
+and which demos each sft step trained on.
 Its end-to-end check, a SIGKILLed and resumed rl run against an uninterrupted one, is in tests/test_slow.py."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import pyarrow.parquet as pq
 from conftest import tiny_raw
 
 from posttrain.config import parse_params
-from posttrain.lineage.ledger import ledger
+from posttrain.lineage.ledger import SFT_LEDGER, ledger, sft_ledger, write_sft
 
 
 def test_the_ledger_lists_each_steps_prompts_in_sampling_order_with_the_splits_hash(tmp_path):
@@ -31,12 +32,26 @@ def test_the_ledger_lists_each_steps_prompts_in_sampling_order_with_the_splits_h
                             {"step": 2, "prompts": ["c", "b"], "samples": 4, "used": 4}]
 
 
-def test_samples_of_a_model_other_than_rl_is_refused_in_one_line():
+def test_the_sft_ledger_round_trips_the_steps_the_training_loop_recorded(tmp_path):
+    """Issue 49 #8, sft: the loop's per-step demo ids and renderings (training.sft_train's ``ledger``, checkpointed
+    with the model: tests/test_training.py resumes a run and gets the straight run's) are written by the stage and
+    read back per step, in order."""
+    p = parse_params(tiny_raw(tmp_path))
+    steps = [{"step": 1, "ids": ["d3", "d1"], "styles": ["cot", "direct"]},
+             {"step": 2, "ids": ["d1", "d0"], "styles": ["direct", "direct"]}]
+    report = Path(p.paths.sft_report_dir)
+    report.mkdir(parents=True)
+    write_sft(steps, report / SFT_LEDGER)
+    led = sft_ledger(tmp_path, p)
+    assert led["steps"] == steps and led["split"]["path"].endswith("sft.parquet")
+
+
+def test_samples_of_a_model_other_than_rl_or_sft_is_refused_in_one_line():
     import subprocess
     import sys
 
     from conftest import REPO
 
-    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "lineage", "models/sft", "--samples"], cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "lineage", "models/student", "--samples"], cwd=REPO,
                        capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "only rl records" in r.stderr, r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "only rl and sft record" in r.stderr, r.stderr

@@ -185,6 +185,11 @@ def test_sft_then_evaluate(tiny, monkeypatch, tmp_path):
     log_lines = (Path(p.paths.sft_report_dir) / "train_log.csv").read_text().splitlines()
     assert log_lines[0].startswith("step,phase,loss") and len(log_lines) == 1 + 4
     assert not Path(p.paths.sft_checkpoints).exists()  # removed once the model is written
+    from posttrain.lineage.ledger import sft_ledger
+
+    demo_ids = {r["id"] for r in read_problems(Path(p.paths.curated_dir) / "sft.parquet")}
+    steps = sft_ledger(Path("/"), p)["steps"]  # (paths are absolute here)
+    assert [s["step"] for s in steps] == list(range(1, 9)) and all(set(s["ids"]) <= demo_ids for s in steps)
     for path in (p.paths.base_model, p.paths.sft_model):  # standard HF folders, reloadable offline
         AutoModelForCausalLM.from_pretrained(path)
         assert AutoTokenizer.from_pretrained(path).chat_template

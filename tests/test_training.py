@@ -87,7 +87,8 @@ def test_resume_after_changing_micro_batch_size_gives_the_same_weights(tmp_path)
     demos = DEMOS * 4
     cfg = _sft(phases=[{"steps": 4, "cot_frac": 0.0}], batch_size=4, micro_batch_size=4, checkpoint_every=2)
     whole, tok = _model()
-    training.sft_train(whole, tok, demos, cfg, 0, tmp_path / "whole", checkpoint.fingerprint(cfg), progress=False)
+    straight = training.sft_train(whole, tok, demos, cfg, 0, tmp_path / "whole", checkpoint.fingerprint(cfg),
+                                  progress=False)
 
     # "killed" after step 2: a run of the first two steps leaves the step-2 checkpoint behind
     ck = tmp_path / "ck"
@@ -103,6 +104,10 @@ def test_resume_after_changing_micro_batch_size_gives_the_same_weights(tmp_path)
     assert res["start"] == 2
     for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    # the sample ledger (issue 49 #8): the resumed run's, steps 1-2 from the checkpoint, is the straight run's
+    assert res["ledger"] == straight["ledger"] and [s["step"] for s in res["ledger"]] == [1, 2, 3, 4]
+    assert all(len(s["ids"]) == len(s["styles"]) == 4 for s in res["ledger"])
+    assert {i for s in res["ledger"] for i in s["ids"]} <= {str(k) for k in range(len(demos))}  # no ids: row numbers
 
     other = cfg.model_copy(update={"lr": 1e-3})
     fresh, _ = _model()

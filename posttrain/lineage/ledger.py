@@ -7,8 +7,10 @@ sampled them (each once, its G samples counted), how many samples entered the up
 sequence exactly when their ledgers are equal: what ``tests/test_slow.py`` checks of a SIGKILLed and resumed run
 against an uninterrupted one (the question NeMo-RL#3480 and prime-rl#3299 ask of resumed runs).
 
-RL only: the sft and distill stages record no per-step row ids yet (their order is a function of the seed and
-the split, but a ledger must be read, not recomputed); ``posttrain lineage <rl model> --samples`` prints it.
+``sft_ledger(root, params)``: the same for sft, read from ``paths.sft_report_dir/ledger.parquet``, which the sft
+stage writes from the ledger its training loop checkpoints (:func:`write_sft`): per step the demo ids of
+``curated/sft.parquet`` in the order it trained on them, each with its rendering (cot, direct, tool). The
+distill stage records none yet. ``posttrain lineage <rl or sft model> --samples`` prints either.
 """
 
 from __future__ import annotations
@@ -16,17 +18,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from posttrain.config import Params
 from posttrain.digests import sha256_file
 
+SFT_LEDGER = "ledger.parquet"  # in paths.sft_report_dir
+_SFT_SCHEMA = pa.schema([("step", pa.int32()), ("id", pa.string()), ("style", pa.string())])
+
+
+def _split(root: Path, split: Path) -> dict[str, Any]:
+    return {"path": str(split.relative_to(root)) if split.is_relative_to(root) else str(split),
+            "sha256": sha256_file(split) if split.is_file() else None}
+
 
 def ledger(root: Path, params: Params) -> dict[str, Any]:
     """The rl run's ledger under ``root`` (see the module docstring); ``steps`` empty when no shard exists."""
-    split = root / params.paths.curated_dir / "train.parquet"
-    out: dict[str, Any] = {"split": {"path": str(split.relative_to(root)) if split.is_relative_to(root) else str(split),
-                                     "sha256": sha256_file(split) if split.is_file() else None}, "steps": []}
+    out: dict[str, Any] = {"split": _split(root, root / params.paths.curated_dir / "train.parquet"), "steps": []}
     for f in sorted((root / params.paths.rl_dir / "shards").glob("step_*.parquet")):
         t = pq.read_table(f, columns=["prompt_id", "step", "used"])
         ids = t.column("prompt_id").to_pylist()
@@ -34,4 +43,30 @@ def ledger(root: Path, params: Params) -> dict[str, Any]:
         out["steps"].append({"step": steps.pop() if len(steps) == 1 else sorted(steps),
                              "prompts": list(dict.fromkeys(ids)), "samples": len(ids),
                              "used": sum(bool(u) for u in t.column("used").to_pylist())})
+    return out
+
+
+def write_sft(steps: list[dict[str, Any]], path: Path) -> None:
+    """The sft run's ledger (``training.sft_train``'s ``ledger``: per step ``{step, ids, styles}``) as one row per
+    (step, demo), in training order."""
+    cols: dict[str, list[Any]] = {"step": [], "id": [], "style": []}
+    for s in steps:
+        cols["step"] += [s["step"]] * len(s["ids"])
+        cols["id"] += s["ids"]
+        cols["style"] += s["styles"]
+    pq.write_table(pa.table(cols, schema=_SFT_SCHEMA), path)
+
+
+def sft_ledger(root: Path, params: Params) -> dict[str, Any]:
+    """The sft run's ledger: the demos split and, per step, the demo ids and renderings it trained on; ``steps``
+    empty when the sft stage wrote no ledger."""
+    out: dict[str, Any] = {"split": _split(root, root / params.paths.curated_dir / "sft.parquet"), "steps": []}
+    f = root / params.paths.sft_report_dir / SFT_LEDGER
+    if f.is_file():
+        t = pq.read_table(f).to_pydict()
+        for step, i, style in zip(t["step"], t["id"], t["style"], strict=True):
+            if not out["steps"] or out["steps"][-1]["step"] != step:
+                out["steps"].append({"step": step, "ids": [], "styles": []})
+            out["steps"][-1]["ids"].append(i)
+            out["steps"][-1]["styles"].append(style)
     return out
