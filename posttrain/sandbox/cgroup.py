@@ -123,8 +123,12 @@ def make(mb: int) -> TreeLimit | None:
 def available() -> tuple[Path, int] | None:
     """The caller's memory cgroup and its version when a child with a limit can be made there and a process
     moved into it (tried once per process with a short ``sleep``), else None (logged once)."""
-    own = _own()
-    why = "no memory controller in /proc/self/cgroup" if own is None else ""
+    try:
+        own = _own()
+    except (OSError, ValueError) as e:  # an unreadable cgroup file: none here
+        own, why = None, str(e)
+    else:
+        why = "no memory controller in /proc/self/cgroup" if own is None else ""
     if own is not None:
         try:
             probe = TreeLimit(own[0] / f"posttrain-sandbox-{os.getpid()}-probe{next(_SEQ)}", own[1], 64)
