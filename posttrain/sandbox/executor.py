@@ -119,7 +119,7 @@ def _run(cfg: SandboxCfg, bwrap_path: str, python: str, source: str, stdin: str 
                 os.close(block_w)
         data = stdin.encode() if isinstance(stdin, str) else stdin
         out, err, why = _communicate(proc, data if placed else b"", t0 + cfg.wall_s, cfg.max_output_kb * 1024)
-        why = why if placed else "unplaced"
+        why, ended = why if placed else "unplaced", time.monotonic()  # (the teardown below is not the program's)
     finally:
         early += _read_ready(status_r)  # bwrap's child-pid line, written at set-up
         _kill(proc, outcome.status_lines(early).get("child-pid"))
@@ -132,7 +132,7 @@ def _run(cfg: SandboxCfg, bwrap_path: str, python: str, source: str, stdin: str 
             oom = tree.oom_kills()
             tree.remove()
     return outcome.classify(cfg, proc.returncode, status, report, oom, out.buf.decode("utf-8", "replace"),
-                            err.buf.decode("utf-8", "replace"), out.over or err.over, why, time.monotonic() - t0)
+                            err.buf.decode("utf-8", "replace"), out.over or err.over, why, ended - t0)
 
 
 def _keep(owner: list[int], fd: int) -> int:

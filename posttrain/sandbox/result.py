@@ -18,7 +18,9 @@ STATUSES: tuple[Status, ...] = ("ok", "error", "timeout", "memory", "output_limi
 class Result:
     """One program's run. ``exit_code``: its exit status (128 + n when signal n ended it; None when the run was
     killed from outside or refused). ``stdout``/``stderr``: decoded UTF-8 (invalid bytes replaced), each cut
-    to ``max_output_kb``; ``truncated`` when either was cut. ``detail``: one line saying why, for an audit."""
+    to ``max_output_kb``; ``truncated`` when either was cut. ``wall_s``: from the start (bwrap's set-up
+    included) until the program exited or its kill was decided; the teardown of its process tree after that,
+    which ``Sandbox.run`` waits for, is not counted. ``detail``: one line saying why, for an audit."""
 
     status: Status
     exit_code: int | None
