@@ -65,6 +65,5 @@ def test_the_docs_at_1400_px_give_the_text_room_scroll_code_and_never_break_a_ke
     for page in (home, config):
         assert page["content"] >= 850, page["content"]  # was 606 px
         assert page["code"] and all(c["overflow"] in ("auto", "scroll") for c in page["code"])  # never cut unseen
-    assert not home["code"][0]["cut"] or home["code"][0]["overflow"] == "auto"  # the DAG diagram: whole or scrolls
     broken = [k for k, lines in config["keys"] if lines > 1]
     assert len(config["keys"]) > 100 and broken == [], broken[:10]
