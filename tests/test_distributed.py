@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import launch
 import pytest
 import torch
 import yaml
@@ -60,8 +61,18 @@ def _stage(name: str, params: Path) -> subprocess.Popen:
 
 
 def _ok(proc: subprocess.Popen) -> None:
-    _, err = proc.communicate(timeout=300)
+    _, err = launch.communicate(proc, 300)
     assert proc.returncode == 0, err[-3000:]
+
+
+def _ranks(nproc: int, script: str, *args: object, env: dict[str, str] = ENV) -> None:
+    """``tests/<script> args`` as one process (``nproc`` 1) or under torchrun (gloo): it must exit 0 within 300 s
+    (a hang fails with every process's stacks: ``tests/launch.py``)."""
+    argv = [str(REPO / "tests" / script), *map(str, args)]
+    cmd = [*launch.TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *argv] if nproc > 1 else [sys.executable,
+                                                                                                      *argv]
+    r = launch.run(cmd, env=env, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -113,12 +124,7 @@ def test_rl_update_replayed_from_a_shard_gives_the_same_weights_at_world_size_1_
             files.append(_params(tmp_path / job / "lora", None, nproc, strategy, lora))
         files = [f.rename(f.with_name(f"{f.parent.name}.yaml")) for f in files]  # result keys: full, lora
         out = tmp_path / f"{job}.pt"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(REPO / "tests" / "dist_replay.py"), str(out), str(policy), str(shard), *map(str, files)]
-        if nproc == 1:
-            cmd = [sys.executable, *cmd[5:]]
-        r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
+        _ranks(nproc, "dist_replay.py", out, policy, shard, *files)
         for key, v in torch.load(out).items():
             res[job if key == "full" else f"lora-{job}"] = v
     start = load_file(policy / "model.safetensors")
@@ -199,7 +205,7 @@ def test_sft_at_world_size_2_equals_world_size_1_and_a_killed_rank_fails_cleanly
     assert proc.poll() is None and set(workers) == {0, 1}, "the run ended before a rank could be killed"
     os.kill(workers[1], signal.SIGKILL)
     t0 = time.time()
-    _, err = proc.communicate(timeout=120)  # a hang would time out here
+    _, err = launch.communicate(proc, 120)  # a hang would time out here
     print(f"rank 1 killed: the stage exited {proc.returncode} after {time.time() - t0:.1f}s")
     assert proc.returncode == 1 and "rank 1 failed (killed by signal 9)" in err
     assert not (tmp_path / "ddp" / "models" / "sft").exists()
@@ -256,11 +262,7 @@ def test_rl_step_at_world_size_2_gathers_scalars_only_and_every_rank_gets_the_ha
     for nproc in (1, 2):
         out = tmp_path / f"w{nproc}"
         out.mkdir()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(REPO / "tests" / "dist_collect.py"), str(out)]
-        r = subprocess.run(cmd if nproc == 2 else [sys.executable, *cmd[5:]], cwd=REPO, env=ENV, capture_output=True,
-                           text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-3000:]
+        _ranks(nproc, "dist_collect.py", out)
         runs[nproc] = [torch.load(out / f"rank{k}.pt") for k in range(nproc)]
     hand = torch.tensor([[0.0, 0, 0, 0], [1.5, -0.5, -0.5, -0.5], [0.866025, 0.866025, -0.866025, -0.866025],
                          [0.5, 0.5, 0.5, -1.5]])
@@ -283,11 +285,7 @@ def test_rl_step_at_world_size_2_gathers_scalars_only_and_every_rank_gets_the_ha
 
 
 def _ckpt_job(mode: str, nproc: int, strategy: str, ckpt: Path, out: Path) -> dict:
-    script = [str(REPO / "tests" / "dist_ckpt.py"), mode, strategy, str(ckpt), str(out)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script]
-    r = subprocess.run(cmd if nproc > 1 else [sys.executable, *script], cwd=REPO, env=ENV, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    _ranks(nproc, "dist_ckpt.py", mode, strategy, ckpt, out)
     return torch.load(out, weights_only=True)
 
 
@@ -361,10 +359,7 @@ def test_frozen_models_and_a_pretrained_student_are_read_by_rank_0_only_and_arri
                                       tok, 0)
     folder, out = tmp_path / "m", tmp_path / "out"
     modeling.save_checkpoint(model, tok, folder, dtype)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "tests" / "dist_frozen.py"), str(folder), dtype, str(out)]
-    r = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    _ranks(2, "dist_frozen.py", folder, dtype, out)
     r0, r1 = (torch.load(f"{out}.{rank}", weights_only=True) for rank in (0, 1))
     print(f"{dtype}: weight files opened, rank 0 {len(r0['opened_frozen'])} + {len(r0['opened_student'])}, "
           f"rank 1 {len(r1['opened_frozen'])} + {len(r1['opened_student'])}")
@@ -401,11 +396,7 @@ def test_fsdp2_keeps_gradients_sharded_between_micro_batches(tmp_path, dtype):
                                       tok, 0)
     folder, out = tmp_path / "m", tmp_path / "out"
     modeling.save_checkpoint(model, tok, folder, "float32")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "tests" / "dist_grads.py"), str(folder), str(out), dtype]
-    r = subprocess.run(cmd, cwd=REPO, env={**ENV, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"},
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    _ranks(2, "dist_grads.py", folder, out, dtype, env={**ENV, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"})
     for rank in (0, 1):
         m = json.loads(Path(f"{out}.{rank}").read_text())
         print(rank, m)

@@ -43,8 +43,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import logging
 import os
+import signal
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -280,8 +282,10 @@ def launched() -> bool:
 
 def init(backend: str, strategy: str, timeout_s: float) -> Dist:
     """Join the torchrun job (env://): the process group with ``backend`` (``auto``: nccl on CUDA, else gloo)
-    and a ``timeout_s`` on every collective, so a dead rank fails the others instead of hanging them."""
+    and a ``timeout_s`` on every collective, so a dead rank fails the others instead of hanging them. A rank
+    that seems stuck prints its Python stacks on ``kill -USR2 <pid>`` (and stays alive)."""
     global _CURRENT
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
