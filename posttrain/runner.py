@@ -20,13 +20,14 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from posttrain import seeds, slurm
 from posttrain.config import EXIT_CONFIG_ERROR, ConfigError, Params, load_params
 from posttrain.config.sandbox import ENV as SANDBOX_ENV
+from posttrain.dvcrestore import restore_outputs
 from posttrain.errors import StageError
 
 
@@ -155,6 +156,15 @@ def model_arg(argv: list[str]) -> tuple[str, list[str]]:
     return args.model, rest
 
 
+def refuse(code: int, line: str) -> NoReturn:
+    """A refusal before any work: ``line`` on stderr and exit ``code``, with the outputs ``dvc repro`` removed
+    before starting this stage put back (``dvcrestore``; rank 0 only: every rank shares the workspace)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        restore_outputs()
+    print(line, file=sys.stderr)
+    sys.exit(code)
+
+
 def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[str] | None = None,
                distributed: bool = False, precheck: Callable[[Params], None] | None = None,
                needs: Callable[[Params], Iterable[Path]] | None = None) -> None:
@@ -177,13 +187,11 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
     try:
         params = load_params(args.params)
     except ConfigError as e:
-        print(f"posttrain: {e}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG_ERROR)
+        refuse(EXIT_CONFIG_ERROR, f"posttrain: {e}")
     missing = [str(x) for x in (needs(params) if needs is not None else ()) if not Path(x).exists()]
     if missing:
-        print(f"posttrain {name}: {missing[0]} does not exist: run the stages upstream of {name} first "
-              f"(`dvc repro {name}` or `posttrain repro`)", file=sys.stderr)
-        sys.exit(1)
+        refuse(1, f"posttrain {name}: {missing[0]} does not exist: run the stages upstream of {name} first "
+                  f"(`dvc repro {name}` or `posttrain repro`)")
     rank = 0
     if distributed and params.runtime.distributed.launcher == "slurm" and not slurm.inside():
         signal.signal(signal.SIGTERM, _terminated)  # the command stopped: its job is cancelled
@@ -217,11 +225,9 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
         try:
             precheck(params)
         except ConfigError as e:
-            print(f"posttrain: {e}", file=sys.stderr)
-            sys.exit(EXIT_CONFIG_ERROR)
+            refuse(EXIT_CONFIG_ERROR, f"posttrain: {e}")
         except StageError as e:  # e.g. pip could not reach an index
-            print(f"posttrain {name}: {e}", file=sys.stderr)
-            sys.exit(1)
+            refuse(1, f"posttrain {name}: {e}")
     t0 = time.time()
     from posttrain.tracking import stage_run
 

@@ -7,6 +7,7 @@ import time
 import psutil
 import pytest
 import yaml
+from conftest import REPO
 
 from posttrain.config import ConfigError, parse_overrides, render_overrides
 from posttrain.dvcrepo import (
@@ -175,3 +176,30 @@ def test_the_next_holder_puts_back_params_a_killed_run_left(checkout):
     path.write_text(own.replace("seed: 0", "seed: 1"))
     with workspace_lock(checkout, "next run", 1):
         assert "seed: 1" in path.read_text()
+
+
+@pytest.mark.slow
+def test_a_stage_refusing_under_plain_dvc_repro_leaves_its_locked_outputs_in_place(tiny_dvc):
+    """Issue 49, finding 8: plain ``dvc repro`` with a misspelled key deleted ``models/rl`` and the git-tracked
+    ``metrics/rl.json`` (DVC removes a stage's outputs before its command runs), then the stage exited 2. Now a
+    refusal before any work puts them back (``runner.refuse`` -> ``dvcrestore``): the cached file and folder from
+    DVC's cache, the uncached metrics file from git's HEAD; ``dvc status`` then lists no deleted output."""
+    repo = tiny_dvc
+    stage = yaml.safe_load((repo / "dvc.yaml").read_text())
+    stage["stages"]["echo"]["cmd"] += " && mkdir -p d/sub && echo 1 > d/a && echo 2 > d/sub/b"
+    stage["stages"]["echo"]["outs"].append("d")
+    (repo / "dvc.yaml").write_text(yaml.safe_dump(stage))
+    _dvc(repo, "repro")
+    _sh(["git", "add", "-A"], repo)
+    _sh(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "ran"], repo)
+    outs = ["out.txt", "m.json", "d/a", "d/sub/b"]
+    before = {p: (repo / p).read_bytes() for p in outs}
+    # the stage becomes a posttrain stage; its params file is not posttrain's (an unknown key: ``msg``)
+    stage["stages"]["echo"]["cmd"] = f"{sys.executable} -m stages.rl --params params.yaml"
+    (repo / "dvc.yaml").write_text(yaml.safe_dump(stage))
+    r = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode != 0 and "exited with 2" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    assert {p: (repo / p).read_bytes() for p in outs if (repo / p).exists()} == before
+    assert "deleted" not in _dvc(repo, "status")
