@@ -165,6 +165,31 @@ def refuse(code: int, line: str) -> NoReturn:
     sys.exit(code)
 
 
+def params_arg(stage: str, argv: list[str]) -> str:
+    """The ``--params`` file of ``python -m stages.<stage> argv`` (default ``params.yaml``; argparse's usage
+    line and exit 2 for anything else)."""
+    ap = argparse.ArgumentParser(prog=f"python -m stages.{stage}")
+    ap.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    return ap.parse_args(argv).params
+
+
+def preflight(name: str, params_file: str, needs: Callable[[Params], Iterable[Path]] | None) -> Params:
+    """The stage's params, validated (exit 2), and its ``needs`` (the inputs an upstream stage writes) looked for
+    (one missing: exit 1): both refusals before any work (``refuse``)."""
+    try:
+        params = load_params(params_file)
+    except ConfigError as e:
+        refuse(EXIT_CONFIG_ERROR, f"posttrain: {e}")
+    try:
+        missing = [str(x) for x in (needs(params) if needs is not None else ()) if not Path(x).exists()]
+    except ConfigError as e:  # e.g. --model naming no evaluate.models key
+        refuse(EXIT_CONFIG_ERROR, f"posttrain: {e}")
+    if missing:
+        refuse(1, f"posttrain {name}: {missing[0]} does not exist: run the stages upstream of {name} first "
+                  f"(`dvc repro {name}` or `posttrain repro`)")
+    return params
+
+
 def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[str] | None = None,
                distributed: bool = False, precheck: Callable[[Params], None] | None = None,
                needs: Callable[[Params], Iterable[Path]] | None = None) -> None:
@@ -181,17 +206,8 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
     size and the cluster); inside a worker it joins the process group, and only rank 0 logs at INFO, shows
     progress and records the MLflow run (the other ranks write nothing)."""
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog=f"python -m stages.{name.split('@')[0]}")
-    ap.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
-    args = ap.parse_args(argv)
-    try:
-        params = load_params(args.params)
-    except ConfigError as e:
-        refuse(EXIT_CONFIG_ERROR, f"posttrain: {e}")
-    missing = [str(x) for x in (needs(params) if needs is not None else ()) if not Path(x).exists()]
-    if missing:
-        refuse(1, f"posttrain {name}: {missing[0]} does not exist: run the stages upstream of {name} first "
-                  f"(`dvc repro {name}` or `posttrain repro`)")
+    params_file = params_arg(name.split("@")[0], argv)
+    params = preflight(name, params_file, needs)
     rank = 0
     if distributed and params.runtime.distributed.launcher == "slurm" and not slurm.inside():
         signal.signal(signal.SIGTERM, _terminated)  # the command stopped: its job is cancelled
@@ -233,7 +249,7 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
 
     signal.signal(signal.SIGTERM, _terminated)  # as Ctrl-C: outputs stay whole, the MLflow run ends KILLED
     try:
-        with stage_run(name, params, Path(args.params).resolve().parent):
+        with stage_run(name, params, Path(params_file).resolve().parent):
             body(params)
     except KeyboardInterrupt as e:
         print(f"posttrain {name}: interrupted; {resume_hint(name, params)}", file=sys.stderr)

@@ -56,6 +56,7 @@ from posttrain.schema import (
     write_text,
 )
 from posttrain.sources import check_usable, read_source, task_of, validate
+from stages.layout import curate as paths
 
 log = logging.getLogger("curate")
 ID_CHUNK = 1 << 18  # duplicates whose ids are looked up in one pass over the id column
@@ -271,12 +272,6 @@ def _sink(path: Path) -> Iterator[Callable[[Problem], None]]:
 
         yield add
         write(batch)
-
-
-def paths(p: Params) -> tuple[dict[str, Any], dict[str, Path]]:
-    """This stage's inputs and outputs, from ``params.paths`` (used by ``main`` and by tests)."""
-    return {}, {"curated_dir": Path(p.paths.curated_dir), "report_dir": Path(p.paths.curate_report_dir),
-                "metrics": Path(p.paths.metrics_dir) / "curate.json"}
 
 
 def main() -> None:

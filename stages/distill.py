@@ -51,6 +51,8 @@ from posttrain.runner import stage_main
 from posttrain.schema import read_problems, write_json
 from posttrain.tools import with_tools
 from posttrain.trainlog import TrainLog
+from stages.layout import NEEDS
+from stages.layout import distill as paths
 
 log = logging.getLogger("distill")
 LOG_FIELDS = ["step", "phase", "loss", "forward_kl", "reverse_kl", "entropy", "response_len", "sample_pass_rate",
@@ -279,19 +281,9 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     return metrics
 
 
-def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
-    """This stage's inputs and outputs, from ``params`` (used by ``main`` and by tests)."""
-    P = p.paths
-    return ({"demos": Path(P.curated_dir) / "sft.parquet", "train": Path(P.curated_dir) / "train.parquet",
-             "teacher": Path(p.distill.teacher)},
-            {"student_sft": Path(P.student_sft_model), "student": Path(P.student_model),
-             "checkpoints": Path(P.distill_checkpoints), "report_dir": Path(P.distill_report_dir),
-             "metrics": Path(P.metrics_dir) / "distill.json"})
-
-
 def main() -> None:
     stage_main("distill", lambda p: run(p, *paths(p)), distributed=True,
-               needs=lambda p: [paths(p)[0]["demos"], paths(p)[0]["train"]])
+               needs=lambda p: NEEDS["distill"](p, None))
 
 
 if __name__ == "__main__":

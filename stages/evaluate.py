@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from posttrain import metrics as M
 from posttrain import modeling
-from posttrain.config import ConfigError, MathTask, Params, Validation
+from posttrain.config import MathTask, Params, Validation
 from posttrain.outputs import as_one_set
 from posttrain.rollout import BACKENDS, Completion, ModelFolder, SamplingParams, chat_prompt_ids, generator
 from posttrain.runner import model_arg, stage_main
@@ -56,6 +56,8 @@ from posttrain.schema import BATCH_ROWS, GENERATION_SCHEMA, Problem, parquet_sin
 from posttrain.sources import check_usable, problems_from
 from posttrain.tasks import get_task, verify_all
 from posttrain.tools import with_tools
+from stages.layout import NEEDS
+from stages.layout import evaluate as paths
 
 log = logging.getLogger("evaluate")
 
@@ -180,25 +182,10 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
     return results
 
 
-def paths(p: Params, name: str) -> tuple[dict[str, Any], dict[str, Path]]:
-    """The inputs and outputs of ``evaluate@<name>``, from ``params`` (used by ``main`` and by tests)."""
-    if name not in p.evaluate.models:
-        raise ConfigError(f"evaluate --model {name!r}: not a key of evaluate.models {list(p.evaluate.models)}")
-    return ({"eval": Path(p.paths.curated_dir) / "eval.parquet", "name": name, "model": p.evaluate.models[name]},
-            {"dir": Path(p.paths.eval_report_dir) / "models" / name,
-             "metrics": Path(p.paths.metrics_dir) / "evaluate" / f"{name}.json"})
-
-
 def main() -> None:
     model, argv = model_arg(sys.argv[1:])
-    stage_main(f"evaluate@{model}", lambda p: run(p, *paths(p, model)), argv, needs=lambda p: _needs(p, model))
-
-
-def _needs(p: Params, model: str) -> list[Path]:
-    """The eval split, and the model when a pipeline stage writes it (a ``paths`` entry; a hub id is not)."""
-    path = p.evaluate.models.get(model)
-    made = {str(Path(v)) for v in p.paths.model_dump().values()}
-    return [Path(p.paths.curated_dir) / "eval.parquet", *([Path(path)] if path and str(Path(path)) in made else [])]
+    stage_main(f"evaluate@{model}", lambda p: run(p, *paths(p, model)), argv,
+               needs=lambda p: NEEDS["evaluate"](p, model))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ from posttrain.errors import StageError
 from posttrain.outputs import as_one_set
 from posttrain.runner import stage_main
 from posttrain.schema import write_json, write_text
+from stages.layout import NEEDS
+from stages.layout import report as paths
 
 log = logging.getLogger("report")
 
@@ -141,18 +143,12 @@ def _stale(lock: Path | None) -> list[str]:
         return []
 
 
-def paths(p: Params) -> tuple[dict[str, Any], dict[str, Path]]:
-    """This stage's inputs and outputs, from ``params`` (used by ``main`` and by tests)."""
-    return ({"models_dir": Path(p.paths.eval_report_dir) / "models"},
-            {"dir": Path(p.paths.eval_report_dir) / "summary", "metrics": Path(p.paths.metrics_dir) / "report.json"})
-
-
 def main() -> None:
     def body(p: Params) -> dict[str, Any]:  # dvc (and a user by hand) runs stages at the repository's root
         inputs, out = paths(p)
         return run(p, {**inputs, "lock": Path("dvc.lock")}, out)
 
-    stage_main("report", body, needs=lambda p: [paths(p)[0]["models_dir"]])
+    stage_main("report", body, needs=lambda p: NEEDS["report"](p, None))
 
 
 if __name__ == "__main__":

@@ -59,6 +59,8 @@ from posttrain.schema import (
     write_text,
 )
 from posttrain.tasks import get_task
+from stages.layout import NEEDS
+from stages.layout import reward as paths
 
 log = logging.getLogger("reward")
 
@@ -287,17 +289,8 @@ def _rates(group: list[dict[str, Any]], a: Audit, seen: list[np.ndarray]) -> lis
     return rates
 
 
-def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
-    """This stage's inputs and outputs, from ``params.paths`` (used by ``main`` and by tests)."""
-    P = p.paths
-    return {"rollouts": Path(P.rollout_dir) / "rollouts.parquet"}, {
-        "rewards": Path(P.reward_dir) / "rewards.parquet", "pass_rates": Path(P.reward_dir) / "pass_rates.parquet",
-        "report_dir": Path(P.reward_report_dir), "metrics": Path(P.metrics_dir) / "reward.json",
-        "judge_cache": Path(P.judge_cache)}
-
-
 def main() -> None:
-    stage_main("reward", lambda p: run(p, *paths(p)), needs=lambda p: paths(p)[0].values())
+    stage_main("reward", lambda p: run(p, *paths(p)), needs=lambda p: NEEDS["reward"](p, None))
 
 
 if __name__ == "__main__":

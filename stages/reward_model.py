@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from posttrain import checkpoint, modeling
-from posttrain.config import ConfigError, Params
+from posttrain.config import Params
 from posttrain.errors import StageError
 from posttrain.outputs import as_one_set, atomic_path
 from posttrain.reward_model import pairs as rm_pairs
@@ -53,6 +53,7 @@ from posttrain.reward_model.train import (
 from posttrain.runner import model_arg, stage_main
 from posttrain.schema import read_columns, write_json, write_jsonl, write_parquet, write_text
 from posttrain.trainlog import TrainLog
+from stages.layout import reward_model as paths
 
 log = logging.getLogger("reward_model")
 
@@ -182,21 +183,6 @@ def report_markdown(name: str, counts: dict[str, Any], stats: dict[str, Any]) ->
         lines.append(f"| {who} | {s['pairs']} | {s['accuracy']:.4f} | [{lo:.4f}, {hi:.4f}] | {s['ties']} | "
                      f"{s['margin']:.4f} |")
     return "\n".join(lines) + "\n"
-
-
-def paths(p: Params, name: str) -> tuple[dict[str, Any], dict[str, Path]]:
-    """The inputs and outputs of ``reward_model@<name>``, from ``params`` (used by ``main`` and by tests)."""
-    if name not in p.reward_model.models:
-        raise ConfigError(f"reward_model --model {name!r}: not a key of reward_model.models "
-                          f"{list(p.reward_model.models)}")
-    P = p.paths
-    return ({"name": name, "source": Path(p.reward_model.models[name]),
-             "rollouts": Path(P.rollout_dir) / "rollouts.parquet", "eval": Path(P.curated_dir) / "eval.parquet",
-             "sft_model": Path(P.sft_model)},
-            {"model": Path(P.reward_model_dir) / name, "data": Path(P.reward_model_data_dir) / name,
-             "checkpoints": Path(P.reward_model_checkpoints) / name,
-             "report_dir": Path(P.reward_model_report_dir) / name,
-             "metrics": Path(P.metrics_dir) / "reward_model" / f"{name}.json"})
 
 
 def main() -> None:

@@ -63,6 +63,8 @@ from posttrain.schema import (
 )
 from posttrain.tools import with_tools
 from posttrain.trainlog import TrainLog
+from stages.layout import NEEDS
+from stages.layout import rl as paths
 
 log = logging.getLogger("rl")
 LOG_FIELDS = ["step", "updated", "reward_mean", "pass_rate", "zero_var_frac", "groups_used", "refill_rounds", "loss",
@@ -271,17 +273,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     return result
 
 
-def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
-    """This stage's inputs and outputs, from ``params.paths`` (used by ``main`` and by tests)."""
-    P = p.paths
-    return ({"train": Path(P.curated_dir) / "train.parquet", "pass_rates": Path(P.reward_dir) / "pass_rates.parquet",
-             "policy": Path(P.sft_model)},
-            {"model": Path(P.rl_model), "rl_dir": Path(P.rl_dir), "checkpoints": Path(P.rl_checkpoints),
-             "report_dir": Path(P.rl_report_dir), "metrics": Path(P.metrics_dir) / "rl.json"})
-
-
 def main() -> None:
-    stage_main("rl", lambda p: run(p, *paths(p)), distributed=True, needs=lambda p: paths(p)[0].values())
+    stage_main("rl", lambda p: run(p, *paths(p)), distributed=True, needs=lambda p: NEEDS["rl"](p, None))
 
 
 if __name__ == "__main__":

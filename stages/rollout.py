@@ -47,6 +47,8 @@ from posttrain.runner import stage_main
 from posttrain.schema import ROLLOUT_SCHEMA, read_columns, with_tool_fields, write_json
 from posttrain.streaming import PartialParquet
 from posttrain.tools import with_tools
+from stages.layout import NEEDS
+from stages.layout import rollout as paths
 
 log = logging.getLogger("rollout")
 
@@ -134,16 +136,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     return metrics
 
 
-def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
-    """This stage's inputs and outputs, from ``params.paths`` (used by ``main`` and by tests)."""
-    P = p.paths
-    return ({"train": Path(P.curated_dir) / "train.parquet", "policy": Path(P.sft_model)},
-            {"rollouts": Path(P.rollout_dir) / "rollouts.parquet", "metrics": Path(P.metrics_dir) / "rollout.json",
-             "checkpoints": Path(P.rollout_checkpoints)})
-
-
 def main() -> None:
-    stage_main("rollout", lambda p: run(p, *paths(p)), needs=lambda p: paths(p)[0].values())
+    stage_main("rollout", lambda p: run(p, *paths(p)), needs=lambda p: NEEDS["rollout"](p, None))
 
 
 if __name__ == "__main__":

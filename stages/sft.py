@@ -39,6 +39,8 @@ from posttrain.outputs import as_one_set, atomic_path
 from posttrain.runner import stage_main
 from posttrain.schema import read_problems, write_json
 from posttrain.trainlog import TrainLog
+from stages.layout import NEEDS
+from stages.layout import sft as paths
 
 log = logging.getLogger("sft")
 
@@ -92,16 +94,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     return metrics
 
 
-def paths(p: Params) -> tuple[dict[str, Path], dict[str, Path]]:
-    """This stage's inputs and outputs, from ``params.paths`` (used by ``main`` and by tests)."""
-    P = p.paths
-    return {"demos": Path(P.curated_dir) / "sft.parquet", "base": Path(P.base_model)}, {
-        "model": Path(P.sft_model), "checkpoints": Path(P.sft_checkpoints),
-        "report_dir": Path(P.sft_report_dir), "metrics": Path(P.metrics_dir) / "sft.json"}
-
-
 def main() -> None:
-    stage_main("sft", lambda p: run(p, *paths(p)), distributed=True, needs=lambda p: paths(p)[0].values())
+    stage_main("sft", lambda p: run(p, *paths(p)), distributed=True, needs=lambda p: NEEDS["sft"](p, None))
 
 
 if __name__ == "__main__":

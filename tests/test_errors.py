@@ -232,3 +232,39 @@ def test_evaluate_of_a_model_no_stage_has_made_yet_refuses_in_one_line(tiny, tmp
     assert e.value.code == 1 and line == (f"posttrain evaluate@rl: {tiny['paths']['rl_model']} does not exist: run "
                                           "the stages upstream of evaluate@rl first (`dvc repro evaluate@rl` or "
                                           "`posttrain repro`)")
+
+
+@pytest.mark.parametrize(("argv", "code", "line"), [
+    (["-m", "stages.rl"], 1, "posttrain rl: {curated}/train.parquet does not exist: run the stages upstream of rl "
+                            "first (`dvc repro rl` or `posttrain repro`)"),
+    (["-m", "stages.evaluate", "--model", "sft"], 1, "posttrain evaluate@sft: {curated}/eval.parquet does not "
+                                                       "exist: run the stages upstream of evaluate@sft first "
+                                                       "(`dvc repro evaluate@sft` or `posttrain repro`)"),
+    (["-m", "stages.evaluate", "--model", "nope"], 2, "posttrain: evaluate --model 'nope': not a key of "
+                                                        "evaluate.models ['base', 'rl', 'sft', 'student', "
+                                                        "'student_sft']"),  # (safe_dump sorts the keys)
+    (["-m", "stages.sft", "--misspelled"], 2, "posttrain: {params}: sft.lerning_rate: unknown key; did you mean "
+                                               "'lr'?"),
+])
+def test_a_refusal_comes_before_the_stage_imports_torch(tiny, tmp_path, argv, code, line):
+    """Issue 46, finding 9: ``python -m stages.rl`` refused a missing upstream only after importing its module
+    (torch, transformers: about 6 s here, 13-14 s on a loaded machine). ``stages/__init__.py`` now runs
+    ``layout.preflight`` first: the same one line and exit code, and torch never imported (``-X importtime``
+    lists every module a run imports)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    if "--misspelled" in argv:
+        argv = argv[:-1]
+        tiny["sft"]["lerning_rate"] = tiny["sft"].pop("lr")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny))
+    r = subprocess.run([sys.executable, "-X", "importtime", *argv, "--params", str(tmp_path / "params.yaml")],
+                       cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    imported = {x.rsplit("|", 1)[1].strip() for x in r.stderr.splitlines() if x.startswith("import time:")}
+    said = [x for x in r.stderr.splitlines() if not x.startswith("import time:")]
+    expected = line.format(curated=tiny["paths"]["curated_dir"], params=tmp_path / "params.yaml")
+    assert r.returncode == code and len(said) == 1 and said[0].startswith(expected), r.stderr[-2000:]
+    assert "stages.layout" in imported and not {"torch", "transformers"} & imported
