@@ -210,7 +210,7 @@ def repro(params: Path = PARAMS, args: list[str] = typer.Argument(None, help="pa
         raise typer.Exit(1) from None
     except ConfigError as e:  # the tracking store refuses this checkout (moved)
         _die(str(e))
-    raise typer.Exit(rc)
+    raise typer.Exit(rc if rc >= 0 else 128 - rc)  # dvc killed by a signal: 128 + its number, as a shell says
 
 
 @app.command()

@@ -383,6 +383,7 @@ def test_sigterm_to_posttrain_repro_reaches_the_stage_and_ends_the_parent_killed
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=120)
     assert marker.read_text() == "1"  # the stage itself got SIGTERM
+    assert proc.returncode == 143  # dvc's death by SIGTERM as a shell says it (128 + 15; it was 241: -15 & 255)
     (parent,) = client.search_runs([client.get_experiment_by_name("t").experiment_id],
                                    "attributes.run_name = 'pipeline'")
     assert parent.info.status == "KILLED"
