@@ -239,8 +239,9 @@ def lineage(target: str = typer.Argument(..., help="a DVC output path (or a file
                                          "or models:/<name>@<alias>"),
             verify: bool = typer.Option(False, "--verify", help="recompute hashes; exit 1 on any mismatch"),
             as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
-            samples: bool = typer.Option(False, "--samples", help="the rl or sft run's sample ledger instead: which "
-                                         "curated rows each step consumed, in order (posttrain/lineage/ledger.py)"),
+            samples: bool = typer.Option(False, "--samples", help="the sample ledger of the stage that trained the "
+                                         "model (rl, sft, distill) instead: which curated rows each step "
+                                         "consumed, in order (posttrain/lineage/ledger.py)"),
             params: Path = PARAMS) -> None:
     """Where TARGET came from: every stage back to the sources, with params, hashes, runs, metrics."""
     import json as _json
@@ -255,24 +256,31 @@ def lineage(target: str = typer.Argument(..., help="a DVC output path (or a file
     p = _params(params)
     root = _repo_root(params)
     if samples:
-        from posttrain.lineage.ledger import ledger, sft_ledger
+        from posttrain.lineage.ledger import distill_ledger, ledger, sft_ledger
 
-        made_by = {(root / m).resolve(): k for k, m in (("rl", p.paths.rl_model), ("sft", p.paths.sft_model))}
-        kind = made_by.get((root / target).resolve())
+        trained = {"rl": p.paths.rl_model, "sft": p.paths.sft_model, "student": p.paths.student_model,
+                   "student_sft": p.paths.student_sft_model}
+        kind = {(root / m).resolve(): k for k, m in trained.items()}.get((root / target).resolve())
         if kind is None:
-            print(f"posttrain lineage: --samples: {target} is neither the rl model ({p.paths.rl_model}) nor the sft "
-                  f"model ({p.paths.sft_model}); only rl and sft record the rows each step consumed", file=sys.stderr)
+            print(f"posttrain lineage: --samples: {target} is none of the trained models ("
+                  + ", ".join(trained.values()) + "); only their stages record the rows each step consumed",
+                  file=sys.stderr)
             raise typer.Exit(2)
-        led = ledger(root, p) if kind == "rl" else sft_ledger(root, p)
+        led = {"rl": lambda: ledger(root, p), "sft": lambda: sft_ledger(root, p),
+               "student": lambda: distill_ledger(root, p), "student_sft": lambda: sft_ledger(root, p, True)}[kind]()
         if as_json:
             typer.echo(_json.dumps(led, indent=2))
         else:
             typer.echo(f"curated split {led['split']['path']} sha256 {led['split']['sha256']}")
             for s in led["steps"]:
-                typer.echo(f"step {s['step']}: {s['samples']} samples, {s['used']} used, prompts "
-                           + " ".join(s["prompts"]) if kind == "rl" else
-                           f"step {s['step']}: " + " ".join(f"{i}:{st}" for i, st in zip(s["ids"], s["styles"],
-                                                                                       strict=True)))
+                if kind == "rl":
+                    typer.echo(f"step {s['step']}: {s['samples']} samples, {s['used']} used, prompts "
+                               + " ".join(s["prompts"]))
+                else:  # sft: id:rendering; distill: its phase, then id:sampler
+                    phase = f" ({s['phase']})" if kind == "student" else ""
+                    tags = s["samplers"] if kind == "student" else s["styles"]
+                    typer.echo(f"step {s['step']}{phase}: " + " ".join(f"{i}:{x}" for i, x in zip(s["ids"], tags,
+                                                                                                strict=True)))
         return
     uri = tracking.store_uri(p, root) if p.tracking.enabled else None
     try:

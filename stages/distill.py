@@ -35,12 +35,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 from tqdm import tqdm
 
 from posttrain import checkpoint, distillation, distributed, modeling, plots, seeds, training
 from posttrain.config import Params, TeacherLayers
 from posttrain.errors import StageError
+from posttrain.lineage.ledger import DISTILL_LEDGER, STUDENT_SFT_LEDGER, write_distill, write_sft
 from posttrain.logprobs import Seq
 from posttrain.outputs import as_one_set, atomic_path
 from posttrain.rewards import RewardPool, is_correct, score_rows
@@ -165,7 +167,9 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
                               *([params.tools] if tools else []))
     d_seed = params.seed + cfg.seed  # distill.seed: seeds of a distillation arm (the cold start stays fixed)
     cursor = select.PromptCursor(len(prompts), seeds.distill_cursor(d_seed))
-    start, restored, cursor.pos = checkpoint.restore_loop_state(out["checkpoints"], fp, student, opt)
+    state: dict[str, Any] = {"ledger": []}  # per step: the prompts drawn and who sampled each (lineage --samples)
+    start, restored, cursor.pos = checkpoint.restore_loop_state(out["checkpoints"], fp, student, opt, extra=state)
+    ledger = state["ledger"]
     train_log = TrainLog(out["report_dir"] / "train_log.csv" if d.main else None,
                          LOG_FIELDS + ["tool_calls"] * tools)  # live: CSV + MLflow
     train_log.resume(restored)
@@ -182,7 +186,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     t_run = time.time()
     for step in tqdm(range(start, len(phases)), initial=start, total=len(phases), desc="distill",
                      disable=not rt.progress):
-        phase, t0 = phases[step], time.time()
+        phase, t0, pos0 = phases[step], time.time(), cursor.pos
+        samplers: list[str] = []  # per prompt drawn (grpo: every one the student's, refills included)
         seed = seeds.distill_step(d_seed, step)
         torch.set_num_threads(rt.generate_threads)
         student.eval()
@@ -215,6 +220,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
             batch = [prompts[i] for i in cursor.take(pc.prompts_per_step)]
             sp = SamplingParams(cfg.temperature, 1.0, cfg.max_new_tokens, seeds.rank(seed, d.rank))
             n_student = 0 if phase == "warmup" else round(cfg.on_policy.student_frac * len(batch))
+            samplers = ["student"] * n_student + ["teacher"] * (len(batch) - n_student)
             rows = []
             t_backend.load_weights(teacher, "teacher")  # an engine that slept at level 2 lost them
             with amp():  # each rank samples and trains on its share of each part: rows are never gathered
@@ -243,12 +249,16 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
                                                            tok.pad_token_id, micro,
                                                            temperature=cfg.temperature, local=True)
                 row.update(m)
+        drawn = prompts.ids.take(pa.array(cursor.between(pos0, cursor.pos), pa.int64())).to_pylist()
+        ledger.append({"step": step + 1, "phase": phase, "ids": drawn,
+                       "samplers": samplers or ["student"] * len(drawn)})
         row["seconds"] = round(time.time() - t0, 3)
         train_log.append({k: (float(f"{row[k]:.5g}") if isinstance(row.get(k), float) else row.get(k))
                           for k in train_log.fields})
         done = step + 1
         if done % cfg.checkpoint_every == 0 and done < len(phases):
-            checkpoint.save_loop_state(out["checkpoints"], done, fp, cursor.pos, student, opt, log_rows)
+            checkpoint.save_loop_state(out["checkpoints"], done, fp, cursor.pos, student, opt, log_rows,
+                                       extra={"ledger": ledger})
     elapsed = time.time() - t_run
 
     student.eval()
@@ -258,6 +268,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     with atomic_path(out["student"]) as tmp:
         modeling.save_checkpoint(final, tok, tmp, params.model.dtype)
     train_log.close()
+    write_distill(ledger, out["report_dir"] / DISTILL_LEDGER)
+    write_sft(res["ledger"], out["report_dir"] / STUDENT_SFT_LEDGER)
     if log_rows:
         plots.training_curves(log_rows, "step", ["reverse_kl", "forward_kl", "entropy", "sample_pass_rate"],
                               "distill (A: warmup, B: on-policy" + (", C: grpo)" if cfg.grpo_steps else ")"),

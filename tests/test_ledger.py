@@ -46,12 +46,31 @@ def test_the_sft_ledger_round_trips_the_steps_the_training_loop_recorded(tmp_pat
     assert led["steps"] == steps and led["split"]["path"].endswith("sft.parquet")
 
 
-def test_samples_of_a_model_other_than_rl_or_sft_is_refused_in_one_line():
+def test_the_distill_ledger_round_trips_and_the_cursor_replays_what_it_handed_out(tmp_path):
+    """Issue 49 #8, distill: per step its phase, the prompts it drew (``PromptCursor.between`` replays the
+    positions a step consumed: exactly what ``take`` returned then, across an epoch's end) and who sampled each."""
+    from posttrain.lineage.ledger import DISTILL_LEDGER, distill_ledger, write_distill
+    from posttrain.rl.select import PromptCursor
+
+    c = PromptCursor(5, seed=3)
+    first, second = c.take(3), c.take(4)  # the second crosses into epoch 1 (positions 3..6 of 5 per epoch)
+    assert c.between(0, 3) == first and c.between(3, 7) == second and c.pos == 7
+    assert sorted(first + second[:2]) == [0, 1, 2, 3, 4]  # epoch 0: each prompt once
+    p = parse_params(tiny_raw(tmp_path))
+    steps = [{"step": 1, "phase": "warmup", "ids": ["p2", "p0"], "samplers": ["teacher", "teacher"]},
+             {"step": 2, "phase": "on_policy", "ids": ["p1", "p4"], "samplers": ["student", "teacher"]}]
+    report = Path(p.paths.distill_report_dir)
+    report.mkdir(parents=True)
+    write_distill(steps, report / DISTILL_LEDGER)
+    assert distill_ledger(tmp_path, p)["steps"] == steps
+
+
+def test_samples_of_a_model_no_training_stage_made_is_refused_in_one_line():
     import subprocess
     import sys
 
     from conftest import REPO
 
-    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "lineage", "models/student", "--samples"], cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "posttrain.cli", "lineage", "models/base", "--samples"], cwd=REPO,
                        capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "only rl and sft record" in r.stderr, r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "only their stages record" in r.stderr, r.stderr

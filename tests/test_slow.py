@@ -146,6 +146,12 @@ def test_distill_sigkill_then_rerun_resumes_to_the_same_student(tmp_path):
     w = {n: load_file(tmp_path / n / "models" / "student" / "model.safetensors") for n in runs}
     for k in w["straight"]:
         torch.testing.assert_close(w["killed"][k], w["straight"][k], rtol=1e-5, atol=1e-6)
+    # the sample ledger alone says so (issue 49 item 8): the same prompts step by step, sampled by the same model
+    from posttrain.config import load_params
+    from posttrain.lineage.ledger import distill_ledger
+
+    led = {n: distill_ledger(tmp_path / n, load_params(tmp_path / n / "params.yaml")) for n in runs}
+    assert len(led["killed"]["steps"]) == 2 + 40 + 2 and led["killed"] == led["straight"]
 
 
 @pytest.mark.slow

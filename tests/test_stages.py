@@ -254,7 +254,7 @@ def test_evaluate_counts_unscorable_gold_out_of_denominators(tiny, tmp_path):
 
 
 @pytest.mark.slow  # over 2 s: out of the fast suite
-def test_rollout_reward_rl_then_evaluate(tiny, monkeypatch):
+def test_rollout_reward_rl_then_evaluate(tiny, monkeypatch, tmp_path):
     tiny["rl"]["save_steps"] = [2]  # an intermediate checkpoint, evaluated beside the final one
     tiny["evaluate"]["models"]["rl_step2"] = str(Path(tiny["paths"]["rl_dir"]) / "checkpoints" / "step_2")
     p = parse_params(tiny)
@@ -309,6 +309,18 @@ def test_rollout_reward_rl_then_evaluate(tiny, monkeypatch):
     assert not Path(P.distill_checkpoints).exists()
     for path in (P.student_sft_model, P.student_model):
         AutoModelForCausalLM.from_pretrained(path)
+    # the sample ledger (issue 49 #8): per step its phase and the train prompts drawn, who sampled each
+    from posttrain.lineage.ledger import distill_ledger, sft_ledger
+
+    led, train_ids = distill_ledger(tmp_path, p)["steps"], {r["id"] for r in read_parquet(_ins(p, "rl")["train"])}
+    assert [s["phase"] for s in led] == ["warmup"] * 2 + ["on_policy"] * 2 + ["grpo"] * 2
+    k, frac = p.distill.on_policy.prompts_per_step, p.distill.on_policy.student_frac
+    for s in led:
+        assert set(s["ids"]) <= train_ids and len(s["samplers"]) == len(s["ids"])
+    assert all(s["samplers"] == ["teacher"] * p.distill.warmup.prompts_per_step for s in led[:2])
+    assert all(s["samplers"] == ["student"] * round(frac * k) + ["teacher"] * (k - round(frac * k)) for s in led[2:4])
+    assert all(set(s["samplers"]) == {"student"} and len(s["ids"]) >= p.rl.prompts_per_step for s in led[4:])
+    assert len(sft_ledger(tmp_path, p, student=True)["steps"]) == p.sft.total_steps
 
     for name in p.evaluate.models:  # evaluate@<name>, then the report over all of them
         evaluate.run(p, *evaluate.paths(p, name))

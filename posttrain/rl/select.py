@@ -41,6 +41,10 @@ class PromptCursor:
             self.pos += 1
         return out
 
+    def between(self, start: int, end: int) -> list[int]:
+        """What ``take`` handed out from position ``start`` to ``end`` (a fresh walk: this cursor is untouched)."""
+        return PromptCursor(self.n, self.seed, start).take(end - start)
+
 
 # ----------------------------------------------------------------------------------- prompt selection
 # Which training prompts RL uses (one signature): fn(pool, rates, cfg: config.RlSelect) -> pool, where ``pool`` is
