@@ -23,6 +23,8 @@ from pathlib import Path
 
 import yaml
 
+from posttrain.runfacts import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
 
@@ -52,7 +54,7 @@ def stage(name: str, params: Path) -> dict:
     if r.returncode:
         raise SystemExit(f"{name} failed:\n{r.stderr[-3000:]}")
     raw = yaml.safe_load(params.read_text())
-    return json.loads((Path(raw["paths"]["metrics_dir"]) / f"{name}.json").read_text())
+    return read_metrics(Path(raw["paths"]["metrics_dir"]) / f"{name}.json")  # with its run facts (timings)
 
 
 def main() -> None:

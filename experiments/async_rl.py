@@ -47,6 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from experiments.overopt import stage, write_params  # noqa: E402
 from experiments.overopt_report import paired  # noqa: E402
+from posttrain.runfacts import read_metrics  # noqa: E402
 
 ARMS = {"sync": None, "k0": 0, "k1": 1, "k2": 2, "k4": 4}  # rl.overlap.max_staleness (None: rl.overlap null)
 
@@ -87,7 +88,7 @@ def run(upstream: Path, root: Path, arm: str, seed: int, steps: int, every: int,
             curve[str(k)] = {"elapsed_s": clock[k], "heldout": per_problem(folder, f"s{k}")}
     else:
         stage(folder, p, "evaluate", "--model", "rl")
-    m = json.loads((folder / "metrics" / "rl.json").read_text())
+    m = read_metrics(folder / "metrics" / "rl.json")
     rec = {"arm": arm, "seed": seed, "rl_s": round(rl_s, 1), "total_s": round(time.time() - t, 1),
            "samples": m["samples"], "staleness": m.get("staleness"), "final_reward": m.get("final_reward"),
            "loop_s": m["seconds"], "curve": curve,

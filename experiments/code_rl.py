@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 from experiments.overopt import stage  # noqa: E402
 from experiments.spread import formats  # noqa: E402
 from posttrain.config.overrides import parse_overrides, render_overrides  # noqa: E402
+from posttrain.runfacts import read_metrics  # noqa: E402
 
 EVAL = ["runtime.progress=false", "evaluate.models={sft: models/sft, rl: models/rl}", "report.compare=[[sft, rl]]",
         "evaluate.benchmarks=[]"]
@@ -55,9 +56,9 @@ def link_copy(src: Path, dst: Path) -> None:
 def evals(folder: Path) -> dict[str, Any]:
     out = {}
     for m in ("sft", "rl"):
-        ev = json.loads((folder / "metrics" / "evaluate" / f"{m}.json").read_text())["eval"]
+        ev = read_metrics(folder / "metrics" / "evaluate" / f"{m}.json")["eval"]
         out[m] = {k: ev.get(k) for k in ("greedy", "pass@1", "pass@16", "len")}
-    paired = json.loads((folder / "metrics" / "report.json").read_text())["eval"]["sft vs rl"]
+    paired = read_metrics(folder / "metrics" / "report.json")["eval"]["sft vs rl"]
     out["rl - sft"] = {k: paired[k] for k in ("greedy", "pass@1", "pass@16")}
     return out
 
@@ -164,7 +165,7 @@ def main() -> None:
                "upstream": str(a.upstream), "seconds": secs, **evals(folder), "by_steps": by_steps(folder),
                "formats": {m: formats(folder, m, p) for m in ("sft", "rl")}}
         if not a.reeval:
-            rl = json.loads((folder / "metrics" / "rl.json").read_text())
+            rl = read_metrics(folder / "metrics" / "rl.json")
             rec["rl_metrics"] = {k: rl.get(k) for k in ("first_reward", "final_reward", "samples",
                                                         "zero_var_frac_mean", "selected_prompts")}
         (folder / "done.json").write_text(json.dumps(rec, indent=1))

@@ -38,10 +38,11 @@ from experiments.code_rl import link_copy  # noqa: E402
 from experiments.overopt import stage  # noqa: E402
 from experiments.spread import ISAS, formats  # noqa: E402  (the base's kernels are named in its folder: seed<S>_<isa>)
 from posttrain.config.overrides import parse_overrides, render_overrides  # noqa: E402
+from posttrain.runfacts import read_metrics  # noqa: E402
 
 
 def scores(folder: Path, model: str) -> dict[str, float]:
-    ev = json.loads((folder / "metrics" / "evaluate" / f"{model}.json").read_text())["eval"]
+    ev = read_metrics(folder / "metrics" / "evaluate" / f"{model}.json")["eval"]
     return {k: ev[k] for k in ("greedy", "pass@1")}
 
 
@@ -113,7 +114,7 @@ def main() -> None:
                 for m in (["student_sft"] if cold_start else []) + ["student"]:
                     secs[f"evaluate@{m}"] = round(stage(folder, p, "evaluate", "--model", m, env=env), 1)
                 (folder / "arm_seconds.json").write_text(json.dumps(secs))
-            distill = json.loads((folder / "metrics" / "distill.json").read_text())
+            distill = read_metrics(folder / "metrics" / "distill.json")
             cold = folder if cold_start else base
             runs[key] = {"student": scores(folder, "student"), "student_sft": scores(cold, "student_sft"),
                          "rl": scores(base, "rl"), "seconds": secs,

@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from experiments.overopt_report import KL, analyse, heldout_mean, plot, table_rows, upsert_rows  # noqa: E402
 from posttrain.config.overrides import parse_overrides, render_overrides  # noqa: E402
+from posttrain.runfacts import read_metrics  # noqa: E402
 
 # proxy models: name -> (N key, members)
 RMS = {"rm_small": ("small", 1), "rm_large": ("large", 1), "ens_large": ("large", 3)}
@@ -96,7 +97,7 @@ def base_run(root: Path, n: dict[str, int], rm_steps: int, common: list[str]) ->
         secs["evaluate@sft"] = round(stage(folder, q, "evaluate", "--model", "sft"), 1)
         log.write_text(json.dumps(secs, indent=1))
     per = json.loads((folder / "reports" / "evaluate" / "models" / "sft" / "per_problem.json").read_text())
-    rms = {rm: json.loads((folder / "metrics" / "reward_model" / f"{rm}.json").read_text()) for rm in RMS}
+    rms = {rm: read_metrics(folder / "metrics" / "reward_model" / f"{rm}.json") for rm in RMS}
     return {"seconds": secs, "reward_models": rms, "n": n, "rm_steps": rm_steps,
             "sft": {pid: {"greedy": r["greedy"], "pass@1": r.get("pass@1")} for pid, r in per["eval"].items()}}
 

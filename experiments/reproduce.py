@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from experiments.grid import DEFAULTS, DIFFICULTY, EXPERIMENTS, SFT_BASE  # noqa: E402
 from posttrain import metrics as M  # noqa: E402
+from posttrain.runfacts import read_metrics  # noqa: E402
 
 RESULTS = REPO / "experiments" / "results"
 
@@ -69,7 +70,7 @@ def run(name: str, overrides: dict[str, Any], target: str, model: str) -> dict[s
     rec = {"name": name, "overrides": overrides, "wall_s": round(wall, 1),
            "stages_run": [ln.split("'")[1] for ln in log.splitlines() if ln.startswith("Running stage '")],
            "summary": json.loads((folder / "summary.json").read_text()), "per_problem": per,
-           "stage_metrics": {s: json.loads((REPO / "metrics" / f"{s}.json").read_text())
+           "stage_metrics": {s: read_metrics(REPO / "metrics" / f"{s}.json")
                              for s in ("rl", "distill") if (REPO / "metrics" / f"{s}.json").is_file()}}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rec))

@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from posttrain.config.overrides import parse_overrides, render_overrides  # noqa: E402
+from posttrain.runfacts import read_metrics  # noqa: E402
 
 ISAS = {"default": {},
         "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
@@ -63,8 +64,8 @@ def run_arm(folder: Path, overrides: list[str], isa: str, chain: list[list[str]]
             key = f.stem if split == "eval" else f"{f.stem}/{split}"
             out[key] = {k: ev.get(k) for k in ("greedy", "pass@1", "len", "pass@16", "pass@64") if k in ev}
     if (folder / "metrics" / "report.json").exists():
-        out["paired"] = json.loads((folder / "metrics" / "report.json").read_text())
-    sft = json.loads((folder / "metrics" / "sft.json").read_text())
+        out["paired"] = read_metrics(folder / "metrics" / "report.json")
+    sft = read_metrics(folder / "metrics" / "sft.json")
     out["sft_final_loss"] = sft["final_loss"]
     out["formats"] = {m: formats(folder, m) for m in ("sft", "rl", "student_sft", "student")
                       if (folder / "reports" / "evaluate" / "models" / m / "generations.parquet").exists()}

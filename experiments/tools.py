@@ -35,6 +35,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from posttrain.runfacts import read_metrics  # noqa: E402
 from posttrain.schema import read_columns  # noqa: E402
 from stages.report import paired  # noqa: E402
 
@@ -90,13 +91,13 @@ def collect(folder: Path) -> dict:
     """One arm's numbers: SFT and RL held-out metrics, the report's SFT -> RL differences, the RL curves."""
     out: dict = {}
     for model in ("sft", "rl"):
-        ev = json.loads((folder / "metrics" / "evaluate" / f"{model}.json").read_text())["eval"]
+        ev = read_metrics(folder / "metrics" / "evaluate" / f"{model}.json")["eval"]
         gens = folder / "reports" / "evaluate" / "models" / model / "generations.parquet"
         cols = columns(gens, ["mode", "completion"])
         sampled = [c for m, c in zip(cols["mode"], cols["completion"], strict=True) if m == "sample"]
         out[model] = {k: ev.get(k) for k in ("greedy", "pass@1", "pass@16", "tool_rate", "tool_calls")}
         out[model]["call_rate"] = round(sum(CALL in c for c in sampled) / max(len(sampled), 1), 4)
-    out["sft_to_rl"] = json.loads((folder / "metrics" / "report.json").read_text())
+    out["sft_to_rl"] = read_metrics(folder / "metrics" / "report.json")
     with open(folder / "reports" / "rl" / "train_log.csv") as f:
         log = list(csv.DictReader(f))
     rates: dict[int, list[bool]] = {}
@@ -165,7 +166,7 @@ def main() -> None:
         write_params(base, a.params, a.sft_seed, {})
         results["seconds"]["curate+sft"] = run_chain(base, BASE_CHAIN)
     else:
-        results["seconds"]["curate+sft"] = json.loads((base / "metrics" / "sft.json").read_text())["seconds"]
+        results["seconds"]["curate+sft"] = read_metrics(base / "metrics" / "sft.json")["seconds"]
     for seed in a.rl_seeds:
         for arm, edit in ARMS.items():
             folder = base.parent / f"rl{seed}" / arm

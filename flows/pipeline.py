@@ -50,6 +50,7 @@ from posttrain import dvcrepo, tracking
 from posttrain.config import ConfigError, Params, load_params, stage_metrics
 from posttrain.config.overrides import parse_overrides, render_overrides
 from posttrain.errors import StageError
+from posttrain.runfacts import read_metrics
 
 STAGE_DEPLOYMENT = "posttrain-stage/gpu"
 _PARENT: list[str] = []  # the MLflow parent run of this process's pipeline invocation
@@ -93,7 +94,7 @@ def publish(stage: str, repo: Path, params: Params, status: str) -> None:
     key = re.sub(r"[^a-z0-9-]", "-", stage.lower())
     if metrics.is_file():
         flat = [{"metric": k, "value": json.dumps(v) if isinstance(v, list) else v}
-                for k, v in tracking.flatten(json.loads(metrics.read_text())).items()]
+                for k, v in tracking.flatten(read_metrics(metrics)).items()]
         create_table_artifact(key=f"{key}-metrics", table=flat,
                               description=f"{stage}: {metrics.relative_to(repo)} ({status})")
     report = repo / params.paths.eval_report_dir / "summary" / "report.md"

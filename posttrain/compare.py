@@ -27,8 +27,7 @@ import yaml
 
 from posttrain import metrics as M
 from posttrain.errors import StageError
-
-TIMING = ("seconds",)
+from posttrain.runfacts import is_run_fact
 
 
 @dataclass
@@ -83,10 +82,6 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _timing(key: str) -> bool:
-    return key.endswith("_s") or key in TIMING
-
-
 def stale_inputs(lock: dict[str, Any]) -> list[str]:
     """Stages of one ``dvc.lock`` whose input is a path another stage outputs, with another md5: built from an
     output this revision no longer holds."""
@@ -134,7 +129,8 @@ def compare(root: Path, a: str, b: str, n_boot: int = 1000, seed: int = 0) -> Co
                                 "(dvc pull, or run it there)")
             continue
         per_a, per_b = json.loads(ta), json.loads(tb)
-        out.paired[name] = {s: M.paired_table(per_a[s], per_b[s], n_boot, seed, _timing) for s in per_a if s in per_b}
+        out.paired[name] = {s: M.paired_table(per_a[s], per_b[s], n_boot, seed, is_run_fact)
+                            for s in per_a if s in per_b}
     return out
 
 

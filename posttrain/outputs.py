@@ -189,9 +189,17 @@ def _fsync_tree(p: Path) -> None:
         _fsync(Path(root))
 
 
+def run_facts_path(metrics: str | Path) -> Path:
+    """Where a stage's run facts (its timings, world size, resume point: ``schema.write_metrics``) go beside its
+    metrics file: ``metrics/rl.json`` -> ``metrics/rl.run.json``."""
+    metrics = Path(metrics)
+    return metrics.with_name(f"{metrics.stem}.run.json")
+
+
 def as_one_set(out: dict[str, Path], name: str, at_once: Sequence[str] = ("checkpoints",)
                ) -> contextlib.AbstractContextManager[None]:
-    """``output_set`` over a stage's ``out`` paths but those under ``at_once`` keys, journaled beside its metrics
-    file. Written at once: resumable checkpoints (a resume reads them) and the report of a stage that can stop
-    on a threshold (reward: the report says why it stopped)."""
-    return output_set([p for k, p in out.items() if k not in at_once], Path(out["metrics"]).parent, name)
+    """``output_set`` over a stage's ``out`` paths (with its metrics file's run facts) but those under
+    ``at_once`` keys, journaled beside its metrics file. Written at once: resumable checkpoints (a resume reads
+    them) and the report of a stage that can stop on a threshold (reward: the report says why it stopped)."""
+    paths = [p for k, p in out.items() if k not in at_once]
+    return output_set([*paths, run_facts_path(out["metrics"])], Path(out["metrics"]).parent, name)

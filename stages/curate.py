@@ -39,6 +39,7 @@ from posttrain.config import Curate, Dedup, Params, SyntheticSource, Validation
 from posttrain.dedup import Texts
 from posttrain.errors import StageError
 from posttrain.outputs import atomic_path
+from posttrain.runfacts import write_metrics
 from posttrain.runner import stage_main
 from posttrain.schema import (
     BATCH_ROWS,
@@ -224,7 +225,7 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
 
     write_json(out["report_dir"] / "decontamination.json", report)
     write_text(out["report_dir"] / "decontamination.md", decontam.report_markdown(report))
-    write_json(out["metrics"], counts)
+    write_metrics(out["metrics"], counts)
     log.info("in=%d kept=%d (train %d, sft %d) quarantined=%d duplicates=%d contaminated=%d eval=%d",
              pool.n_in, n["kept"], n["train"], n["sft"], pool.n_bad, len(dups), len(dc.bad), len(ev))
 

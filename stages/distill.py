@@ -49,8 +49,9 @@ from posttrain.rewards import RewardPool, is_correct, score_rows
 from posttrain.rl import collect, select, update
 from posttrain.rl.prompts import PromptPool, PromptTokens
 from posttrain.rollout import BACKENDS, SamplingParams, generator, sample_rows
+from posttrain.runfacts import write_metrics
 from posttrain.runner import stage_main
-from posttrain.schema import read_problems, write_json
+from posttrain.schema import read_problems
 from posttrain.tools import with_tools
 from posttrain.trainlog import TrainLog
 from stages.layout import NEEDS
@@ -287,7 +288,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
                f"teacher: {generator(params.rollout.backend)}; student: {generator('hf')}"}
     if tools:  # mean tool calls per sampled completion over the steps
         metrics["tool_calls"] = round(float(np.mean([r["tool_calls"] or 0 for r in log_rows])), 4)
-    write_json(out["metrics"], metrics)
+    write_metrics(out["metrics"], metrics)
     shutil.rmtree(out["checkpoints"], ignore_errors=True)
     log.info("student %d params; %d distill steps in %.1fs", metrics["student_params"], len(phases), elapsed)
     return metrics

@@ -51,6 +51,7 @@ from posttrain import modeling
 from posttrain.config import MathTask, Params, Validation
 from posttrain.outputs import as_one_set
 from posttrain.rollout import BACKENDS, Completion, ModelFolder, SamplingParams, chat_prompt_ids, generator
+from posttrain.runfacts import write_metrics
 from posttrain.runner import model_arg, stage_main
 from posttrain.schema import BATCH_ROWS, GENERATION_SCHEMA, Problem, parquet_sink, read_problems, write_json
 from posttrain.sources import check_usable, problems_from
@@ -178,7 +179,7 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
                      r.get("pass@1", float("nan")), r["n"], r["seconds"])
     write_json(out["dir"] / "per_problem.json", per_problem)
     write_json(out["dir"] / "summary.json", results)
-    write_json(out["metrics"], results)
+    write_metrics(out["metrics"], results)
     return results
 
 

@@ -27,8 +27,8 @@ from posttrain.config.model import WHEEL_PREFIX
 from posttrain.digests import cache_dir
 from posttrain.modeling import imports
 from posttrain.outputs import as_one_set, atomic_path
+from posttrain.runfacts import write_metrics
 from posttrain.runner import stage_main
-from posttrain.schema import write_json
 
 log = logging.getLogger("model")
 
@@ -50,7 +50,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
                        "sha256": source.get("wheel_sha256") or source.get("gguf_sha256"),
                        "weights_sha256": manifest["files"].get("model.safetensors"),
                        "load_s": round(loaded, 1), "seconds": round(time.time() - t0, 1)}
-            write_json(out["metrics"], metrics)
+            write_metrics(out["metrics"], metrics)
     log.info("%s: %s params, vocabulary %d, in %.1fs", cfg.base, f"{metrics['params']:,}", metrics["vocab_size"],
              metrics["seconds"])
     return metrics

@@ -29,6 +29,7 @@ from posttrain.compare import stale_inputs
 from posttrain.config import Params
 from posttrain.errors import StageError
 from posttrain.outputs import as_one_set
+from posttrain.runfacts import write_metrics
 from posttrain.runner import stage_main
 from posttrain.schema import write_json, write_text
 from stages.layout import NEEDS
@@ -124,7 +125,7 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
     write_text(out["dir"] / "report.md", report_markdown(results, cfg.ks, cfg.sampling, params.report.compare, diffs,
                                                          stale))
     plots.pass_at_k_curves(results, cfg.ks, out["dir"] / "pass_at_k.png")
-    write_json(out["metrics"], diffs)
+    write_metrics(out["metrics"], diffs)
     for s in splits:
         for a, b in params.report.compare:
             log.info("%s, %s vs %s: %s", s, a, b, crossing(results[s].get(a, {}), results[s].get(b, {}), cfg.ks))

@@ -47,6 +47,7 @@ from posttrain.outputs import as_one_set
 from posttrain.rewards import ERROR_KEY, WHY_KEY, RewardPool, is_learned, pass_rates, score_rows
 from posttrain.rewards.audit_learned import Learned
 from posttrain.rewards.audit_learned import markdown as learned_markdown
+from posttrain.runfacts import write_metrics
 from posttrain.runner import stage_main
 from posttrain.schema import (
     BATCH_ROWS,
@@ -270,7 +271,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     metrics = {k: res[k] for k in ("samples", "unscorable", "unscorable_frac", "reward_mean", "prompts",
                                    "pass_rate_mean", "never_solved", "always_solved")}
     metrics |= res.get("judge", {})
-    write_json(out["metrics"], metrics)
+    write_metrics(out["metrics"], metrics)
     log.info("mean reward %s, mean pass rate %s, unscorable %d", res["reward_mean"], res["pass_rate_mean"],
              res["unscorable"])
     if res["unscorable_frac"] > cfg.max_unscorable_frac:

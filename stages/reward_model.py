@@ -50,8 +50,9 @@ from posttrain.reward_model.train import (
     pairs_seed,
     train_member,
 )
+from posttrain.runfacts import write_metrics
 from posttrain.runner import model_arg, stage_main
-from posttrain.schema import read_columns, write_json, write_jsonl, write_parquet, write_text
+from posttrain.schema import read_columns, write_jsonl, write_parquet, write_text
 from posttrain.trainlog import TrainLog
 from stages.layout import reward_model as paths
 
@@ -131,7 +132,7 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
                "final_loss": {f"member_{k}": m["final_loss"] for k, m in enumerate(member_info)},
                "seconds": round(time.time() - t0, 1)}
     write_text(out["report_dir"] / "report.md", report_markdown(name, counts, stats))
-    write_json(out["metrics"], metrics)
+    write_metrics(out["metrics"], metrics)
     shutil.rmtree(out["checkpoints"], ignore_errors=True)  # finished: the artifact holds every member now
     e = stats["ensemble_mean"]
     log.info("held-out pairwise accuracy %.3f [%.3f, %.3f] on %d pairs (%d members)", e["accuracy"],

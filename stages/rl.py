@@ -54,12 +54,12 @@ from posttrain.rewards import RewardPool
 from posttrain.rl import collect, overlap, select, shards, update
 from posttrain.rl.prompts import PromptPool, PromptTokens, read_rates
 from posttrain.rollout import BACKENDS, generator
+from posttrain.runfacts import write_metrics
 from posttrain.runner import stage_main
 from posttrain.schema import (
     SHARD_SCHEMA,
     with_tool_fields,
     with_version_field,
-    write_json,
 )
 from posttrain.tools import with_tools
 from posttrain.trainlog import TrainLog
@@ -266,7 +266,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
         result |= {"staleness": overlap.histogram(log_rows, ov.max_staleness), "dropped": feed.dropped}
     if tools:  # mean tool calls per completion over the steps
         result["tool_calls"] = round(float(np.mean([r["tool_calls"] for r in log_rows])), 4)
-    write_json(out["metrics"], result)
+    write_metrics(out["metrics"], result)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     log.info("reward %.3f -> %.3f in %d steps (%.1fs)", result["first_reward"] or 0, result["final_reward"] or 0,
              cfg.steps, elapsed)

@@ -43,8 +43,9 @@ from posttrain import checkpoint, modeling
 from posttrain.config import Params
 from posttrain.outputs import as_one_set
 from posttrain.rollout import BACKENDS, ModelFolder, SamplingParams, generator, sample_chunks
+from posttrain.runfacts import write_metrics
 from posttrain.runner import stage_main
-from posttrain.schema import ROLLOUT_SCHEMA, read_columns, with_tool_fields, write_json
+from posttrain.schema import ROLLOUT_SCHEMA, read_columns, with_tool_fields
 from posttrain.streaming import PartialParquet
 from posttrain.tools import with_tools
 from stages.layout import NEEDS
@@ -130,7 +131,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     if params.tools.enabled:  # mean tool calls per completion
         calls = sum(pc.sum(b.column("tool_calls")).as_py() or 0 for b in partial.batches(columns=["tool_calls"]))
         metrics["tool_calls"] = round(calls / max(samples, 1), 4)
-    write_json(out["metrics"], metrics)
+    write_metrics(out["metrics"], metrics)
     log.info("%d samples (%d sampled in this run) in %.1fs (%.0f samples/s)", samples, made, seconds,
              metrics["samples_per_s"])
     return metrics

@@ -36,8 +36,9 @@ from posttrain import checkpoint, distributed, modeling, plots, training
 from posttrain.config import Params
 from posttrain.lineage.ledger import SFT_LEDGER, write_sft
 from posttrain.outputs import as_one_set, atomic_path
+from posttrain.runfacts import write_metrics
 from posttrain.runner import stage_main
-from posttrain.schema import read_problems, write_json
+from posttrain.schema import read_problems
 from posttrain.trainlog import TrainLog
 from stages.layout import NEEDS
 from stages.layout import sft as paths
@@ -88,7 +89,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     train_log.close()
     write_sft(res["ledger"], out["report_dir"] / SFT_LEDGER)  # the demos each step trained on (lineage --samples)
     plots.training_curves(log_rows, "step", ["loss", "lr", "grad_norm"], "sft", out["report_dir"] / "curves.png")
-    write_json(out["metrics"], metrics)
+    write_metrics(out["metrics"], metrics)
     shutil.rmtree(out["checkpoints"], ignore_errors=True)  # finished: the checkpoint is the output now
     log.info("final loss %.4f after %d steps (%.1fs)", metrics["final_loss"], total, elapsed)
     return metrics

@@ -34,6 +34,7 @@ from posttrain import checkpoint, modeling
 from posttrain.config import TinyModel, parse_params
 from posttrain.rewards import score_rows
 from posttrain.rollout import BACKENDS, SamplingParams, sample_rows
+from posttrain.runfacts import read_metrics
 from posttrain.schema import SCORED_SCHEMA, write_parquet
 from posttrain.tasks.arith import make_problem
 
@@ -217,7 +218,7 @@ def test_sft_at_world_size_2_equals_world_size_1_and_a_killed_rank_fails_cleanly
         shutil.copytree(ckpt, tmp_path / name / "checkpoints" / "sft")
     for name, params in runs.items():
         _ok(_stage("sft", params))
-        m = json.loads((tmp_path / name / "metrics" / "sft.json").read_text())
+        m = read_metrics(tmp_path / name / "metrics" / "sft.json")
         assert m["resumed_from_step"] >= killed_at > 0
         diff = _max_diff(_weights(tmp_path / name, "sft"), _weights(tmp_path / "w1", "sft"))
         print(f"killed at step {killed_at} (world size 2, ddp), resumed as {name}: max |dw| vs world size 1 = "

@@ -18,6 +18,8 @@ import pytest
 import yaml
 from conftest import copy_repo, tiny_raw
 
+from posttrain.runfacts import read_metrics
+
 
 def _env(home: Path, api_url: str | None = None) -> dict[str, str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PREFECT_HOME": str(home),
@@ -282,7 +284,7 @@ def test_two_machines_share_only_the_server_and_a_dvc_remote_and_a_killed_worker
         # nothing that had completed before the kill ran again; rl resumed from its checkpoint
         for pool, mt in before.items():
             assert _mtimes(repos[pool], list(mt)) == mt
-        rl = json.loads((repos["gpu"] / "metrics" / "rl.json").read_text())
+        rl = read_metrics(repos["gpu"] / "metrics" / "rl.json")
         assert rl["resumed_from_step"] >= 2 and rl["shards"] == 40
         stages = {"model", "curate", "sft", "rollout", "reward", "rl", "distill", "evaluate@rl", "evaluate@student",
                   "report"}
@@ -411,7 +413,7 @@ def test_two_overlapping_flow_runs_each_run_with_their_own_params(tmp_path):
         # issue 46 #11: a stage DVC skipped ends in a state of its own, not drawn as one that ran
         assert ("Task run 'curate' - Finished in state Skipped(" in again.stderr) == (status == "skipped")
         assert (repo / "params.yaml").read_text() == own
-    assert json.loads((repo / "metrics" / "curate.json").read_text())["eval"] == first  # the restored outputs
+    assert read_metrics(repo / "metrics" / "curate.json")["eval"] == first  # the restored outputs
 
 
 def test_gpu_stage_commands_find_the_gpu_environments_interpreter_first(tmp_path, monkeypatch):

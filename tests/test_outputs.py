@@ -139,3 +139,26 @@ def test_a_journal_names_absolute_paths_so_any_folder_can_complete_it(tmp_path, 
     assert all(Path(x).is_absolute() for pair in json.loads(journal.read_text()) for x in pair)
     monkeypatch.chdir("/")
     assert outputs.finish_commits(tmp_path) == ["t"] and (tmp_path / "model").read_text() == "v2"
+
+
+def test_run_facts_leave_the_metrics_file_and_come_back_merged(tmp_path):
+    """Issue 49, finding 6: timings filled ``dvc exp show --only-changed`` (15 of 17 columns before rl's pass@1).
+    ``write_metrics`` keeps results in the metrics file and moves how the run went (times, throughputs, world
+    size, resume point), nested sections too, to ``<stage>.run.json``; ``read_metrics`` gives back the whole."""
+    import json
+
+    from posttrain.outputs import run_facts_path
+    from posttrain.runfacts import read_metrics, write_metrics
+
+    m = {"steps": 40, "seconds": 35.7, "gen_s": 20.1, "samples_per_s": 9.0, "seconds_per_step": 0.9,
+         "student_sft_seconds": 3.0, "world_size": 2, "resumed_from_step": 10, "final_reward": 0.5,
+         "phase_steps": {"warmup": 2}, "eval": {"greedy": 0.25, "seconds": 4.0}, "timing": {"total_s": 1.0}}
+    f = tmp_path / "metrics" / "rl.json"
+    write_metrics(f, m)
+    assert json.loads(f.read_text()) == {"steps": 40, "final_reward": 0.5, "phase_steps": {"warmup": 2},
+                                         "eval": {"greedy": 0.25}}  # (a section of run facts alone moves whole)
+    assert run_facts_path(f) == tmp_path / "metrics" / "rl.run.json"
+    assert json.loads(run_facts_path(f).read_text()) == {
+        "seconds": 35.7, "gen_s": 20.1, "samples_per_s": 9.0, "seconds_per_step": 0.9, "student_sft_seconds": 3.0,
+        "world_size": 2, "resumed_from_step": 10, "eval": {"seconds": 4.0}, "timing": {"total_s": 1.0}}
+    assert read_metrics(f) == m

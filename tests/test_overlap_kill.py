@@ -3,7 +3,6 @@ checkpoint: no generator outlives the trainer, and the re-run resumes at the che
 (prompt, sample, seed) rows once each, as an uninterrupted run's. What may differ under k > 0 is the version each
 re-sampled step used (timing), hence tokens and weights (docs/async-rl.md says which)."""
 
-import json
 import os
 import shutil
 import signal
@@ -17,6 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from conftest import REPO, tiny_raw
+
+from posttrain.runfacts import read_metrics
 
 pytestmark = pytest.mark.slow
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -88,8 +89,8 @@ def test_async_rl_sigkilled_leaves_no_generator_and_resumes_without_gaps_or_repe
 
     rerun = _stage("rl", killed)
     assert rerun.wait(timeout=900) == 0, _tail(rerun)
-    m = json.loads((tmp_path / "killed" / "metrics" / "rl.json").read_text())
-    ref = json.loads((tmp_path / "straight" / "metrics" / "rl.json").read_text())
+    m = read_metrics(tmp_path / "killed" / "metrics" / "rl.json")
+    ref = read_metrics(tmp_path / "straight" / "metrics" / "rl.json")
     assert m["resumed_from_step"] >= 2 and m["shards"] == 6 and m["samples"] == ref["samples"]
     for step in range(1, 7):
         keys = _keys(tmp_path / "killed", step)

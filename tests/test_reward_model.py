@@ -20,6 +20,7 @@ from posttrain.metrics import wilson_ci
 from posttrain.reward_model import finalize, load_reward_model, read_preference_file, rollout_pairs
 from posttrain.reward_model.pairs import heldout
 from posttrain.reward_model.train import bt_loss, pairwise
+from posttrain.runfacts import read_metrics
 from posttrain.schema import PROBLEM_SCHEMA, REWARD_SCHEMA, ROLLOUT_SCHEMA, read_parquet, write_parquet
 from stages import reward_model as stage
 
@@ -351,7 +352,7 @@ def test_dvc_repro_runs_the_stage_only_when_named_and_tracks_it(tmp_path):
     dvc("repro", "reward_model@prefs")
     lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
     assert "reward_model@prefs" in lock and "rl" not in lock  # its upstream ran, nothing downstream of reward
-    m = json.loads((repo / "metrics" / "reward_model" / "prefs.json").read_text())
+    m = read_metrics(repo / "metrics" / "reward_model" / "prefs.json")
     assert m["members"] == 2 and m["pairs"]["heldout"] > 0
     assert "reward_model@prefs" not in dvc("status")  # up to date: a second repro is a no-op
     from posttrain.tracking import store

@@ -1,7 +1,6 @@
 """Slow end-to-end tests: a real SIGKILL of rl and distill and resume (sft: tests/test_distributed.py). The
 real-model DAG under dvc repro: tests/test_smollm2.py."""
 
-import json
 import os
 import shutil
 import signal
@@ -15,6 +14,8 @@ import torch
 import yaml
 from conftest import REPO, tiny_raw
 from safetensors.torch import load_file
+
+from posttrain.runfacts import read_metrics
 
 pytestmark = pytest.mark.slow
 # dvc.yaml runs `python -m stages.<name>`: the interpreter running the tests must be the `python` on PATH
@@ -74,7 +75,7 @@ def _straight_and_killed(tmp_path: Path, stage: str, upstream: tuple[str, ...], 
         after_kill(tmp_path / "killed", killed_at)
     runs["killed"].write_text(final)
     assert _stage(stage, runs["killed"]).wait() == 0
-    m = {n: json.loads((tmp_path / n / "metrics" / f"{stage}.json").read_text()) for n in runs}
+    m = {n: read_metrics(tmp_path / n / "metrics" / f"{stage}.json") for n in runs}
     assert m["killed"]["resumed_from_step"] >= killed_at
     return m, killed_at
 

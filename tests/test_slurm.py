@@ -5,7 +5,6 @@ re-run, ending at the weights of an uninterrupted job. Debian's build runs one `
 has one node: what two nodes add (torchrun's c10d rendezvous across machines) is not run here."""
 
 import hashlib
-import json
 import os
 import shutil
 import signal
@@ -23,6 +22,7 @@ from posttrain import runner, slurm
 from posttrain.config import ConfigError, parse_params
 from posttrain.errors import StageError
 from posttrain.judge.server import free_port
+from posttrain.runfacts import read_metrics
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
 
@@ -226,7 +226,7 @@ def test_rl_as_a_slurm_job_at_2_ranks_requeued_then_cancelled_then_rerun_ends_as
     p = _stage("rl", broken / "params.yaml", cluster)
     _, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-3000:]
-    m = {r: json.loads((r / "metrics" / "rl.json").read_text()) for r in (straight, broken)}
+    m = {r: read_metrics(r / "metrics" / "rl.json") for r in (straight, broken)}
     assert m[broken]["resumed_from_step"] > restart and m[broken]["world_size"] == 2
     for step in range(1, 9):
         a, b = (r / "data" / "rl" / "shards" / f"step_{step:05d}.parquet" for r in (straight, broken))

@@ -23,6 +23,7 @@ import yaml
 from posttrain import logprobs, modeling
 from posttrain.config import ModelCfg
 from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids
+from posttrain.runfacts import read_metrics
 from tests.conftest import BENCH, REPO
 
 pytestmark = [pytest.mark.realmodel,  # the GSM8K files the tier runs on: $POSTTRAIN_BENCH (conftest)
@@ -203,12 +204,12 @@ def test_model_cfg_of_the_profile_is_the_wheel():
 
 
 def test_the_shortened_profile_runs_every_stage_and_the_lineage_reaches_the_wheel(dag):
-    metrics = {s: json.loads((dag / "metrics" / f"{s}.json").read_text())
+    metrics = {s: read_metrics(dag / "metrics" / f"{s}.json")
                for s in ("model", "curate", "sft", "rollout", "reward", "rl", "distill", "report")}
     assert metrics["model"]["sha256"] == PROFILE["model"]["sha256"] and metrics["model"]["source"] == "wheel"
     assert metrics["distill"]["student_params"] < metrics["sft"]["params"]  # 15 of SmolLM2's 30 layers
     for name in MODELS:
-        ev = json.loads((dag / "metrics" / "evaluate" / f"{name}.json").read_text())
+        ev = read_metrics(dag / "metrics" / "evaluate" / f"{name}.json")
         assert set(ev) >= {"eval", "math500"} and ev["eval"]["n"] == 8, name
     for name in ("sft", "rl", "student_sft", "student"):  # LoRA: merged folders, the adapter beside them
         assert (dag / "models" / name / "adapter" / "adapter_config.json").is_file(), name

@@ -15,6 +15,8 @@ from posttrain import modeling
 from posttrain.config import parse_params
 from posttrain.errors import StageError
 from posttrain.metrics import pass_at_k, wilson_ci
+from posttrain.outputs import run_facts_path
+from posttrain.runfacts import read_metrics
 from posttrain.schema import read_parquet, read_problems
 from stages import curate, distill, evaluate, report, reward, rl, rollout, sft
 from tests.conftest import import_base
@@ -198,7 +200,9 @@ def test_sft_then_evaluate(tiny, monkeypatch, tmp_path):
     for name in ("base", "sft"):  # every reported number follows from the saved generations
         gens = read_parquet(Path(p.paths.eval_report_dir) / "models" / name / "generations.parquet")
         assert len(gens) == 12 * (1 + 4) and {g["model"] for g in gens} == {name}
-        assert json.loads((Path(p.paths.metrics_dir) / "evaluate" / f"{name}.json").read_text()) == res[name]
+        metrics = Path(p.paths.metrics_dir) / "evaluate" / f"{name}.json"  # results; timings beside it
+        assert read_metrics(metrics) == res[name] and "seconds" not in json.loads(metrics.read_text())["eval"]
+        assert json.loads(run_facts_path(metrics).read_text())["eval"]["seconds"] == res[name]["eval"]["seconds"]
         r = res[name]["eval"]
         assert r["n"] == 12 and 0 <= r["greedy"] <= 1
         assert {k for k, v in r.items() if isinstance(v, int | float)} == p.evaluate.metric_names()  # champion's

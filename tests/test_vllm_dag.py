@@ -20,6 +20,8 @@ pytestmark = pytest.mark.vllm
 
 from conftest import copy_repo, tiny_raw  # noqa: E402
 
+from posttrain.runfacts import read_metrics  # noqa: E402
+
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1",
        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
 
@@ -47,7 +49,7 @@ def test_rollout_reward_rl_evaluate_on_the_real_engine(tmp_path):
     out = _run([sys.executable, "-m", "dvc", "repro", "evaluate@rl"], repo)
     assert "Traceback" not in out, out[-3000:]  # found: rl's exit printed one (vLLM's groups outlived torch's)
 
-    metrics = {s: json.loads((repo / "metrics" / f"{s}.json").read_text()) for s in ("rollout", "rl")}
+    metrics = {s: read_metrics(repo / "metrics" / f"{s}.json") for s in ("rollout", "rl")}
     for s in ("rollout", "rl"):
         assert metrics[s]["generator"].startswith("vllm"), metrics[s]["generator"]
     assert metrics["rl"]["steps"] == 5

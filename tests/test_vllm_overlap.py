@@ -11,7 +11,6 @@ version within the bound, named in the rows). Skipped where vLLM is not installe
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -24,6 +23,8 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.extended]  # CI leaves it out (time, ~4 min): make test-extended
 
 from conftest import copy_repo, tiny_raw  # noqa: E402
+
+from posttrain.runfacts import read_metrics  # noqa: E402
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_KVCACHE_SPACE": "1",
        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
@@ -64,7 +65,7 @@ def test_vllm_generators_at_staleness_0_equal_the_synchronous_vllm_loop_and_at_1
         (repo / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
         log = _stage(repo, "rl")
         assert "Traceback" not in log, log[-3000:]
-        m = json.loads((repo / "metrics" / "rl.json").read_text())
+        m = read_metrics(repo / "metrics" / "rl.json")
         assert m["generator"].startswith("vllm") and m["steps"] == 4, m
         shards = {f.name: read_parquet(f) for f in sorted((repo / raw["paths"]["rl_dir"] / "shards").glob("*"))}
         out[arm] = (m, load_file(str(repo / raw["paths"]["rl_model"] / "model.safetensors")), shards)

@@ -29,6 +29,8 @@ from typing import Any
 
 from posttrain import slurm
 from posttrain.config import Params, stage_metrics
+from posttrain.outputs import run_facts_path
+from posttrain.runfacts import read_metrics
 
 log = logging.getLogger("tracking")
 PARENT_ENV = "POSTTRAIN_MLFLOW_PARENT"
@@ -188,11 +190,11 @@ def build_record(stage: str, params: Params, root: Path, start_ms: int, status: 
     seen = {(k, step) for k, _, step in live}
     rec.metrics += live + [m for m in _train_logs(report_outs) if (m[0], m[2]) not in seen]
     per_step = {k for k, _, _ in rec.metrics}
-    if metrics_file.is_file():  # the stage's final numbers; one that shares a per-step key (rl's gen_s: the run's
-        for k, v in flatten(json.loads(metrics_file.read_text())).items():  # total beside each step's) is END/k,
-            if isinstance(v, int | float) and not isinstance(v, bool):  # not a spike at step 0 of that curve
+    if metrics_file.is_file():  # the stage's final numbers, run facts too; one that shares a per-step key (rl's
+        for k, v in flatten(read_metrics(metrics_file)).items():  # gen_s: the run's total beside each step's) is
+            if isinstance(v, int | float) and not isinstance(v, bool):  # END/k, not a spike at step 0 of that curve
                 rec.metrics.append((f"{END}{k}" if k in per_step else k, float(v), 0))
-        rec.artifacts.append(str(metrics_file.resolve()))
+        rec.artifacts += [str(f.resolve()) for f in (metrics_file, run_facts_path(metrics_file)) if f.is_file()]
     rec.artifacts += [str(p.resolve()) for p in report_outs if p.exists()]
     for p, h in deps.items():
         if p.endswith(".parquet") or (root / p).is_dir() and any((root / p).glob("*.parquet")):
