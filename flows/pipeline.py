@@ -34,147 +34,49 @@ import argparse
 import contextlib
 import json
 import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
-from prefect.states import Completed, State
+from prefect.states import State
 
 from flows import pools
+from flows.tasks import (
+    LOCK_ARTIFACT,
+    PARENT,
+    STAGE_PYTHON,
+    dvc,
+    failed,
+    group_name,
+    remote_stage_task,
+    stage_status,
+    stage_task,
+)
 from posttrain import dvcrepo, tracking
-from posttrain.config import ConfigError, Params, load_params, stage_metrics
+from posttrain.config import ConfigError, Params, load_params
 from posttrain.config.overrides import parse_overrides, render_overrides
 from posttrain.errors import StageError
-from posttrain.runfacts import read_metrics
-
-STAGE_DEPLOYMENT = "posttrain-stage/gpu"
-_PARENT: list[str] = []  # the MLflow parent run of this process's pipeline invocation
-_STAGE_PYTHON: list[str] = []  # the interpreter the stage commands run with (gpu stages: prefect.gpu_python)
-
-
-def _env() -> dict[str, str]:
-    """The environment of the ``dvc`` commands: stage commands find the stage interpreter first on PATH (this
-    process's, or ``prefect.gpu_python`` in a gpu stage flow: ``dvcrepo.stage_env``) and the MLflow parent
-    run (``_PARENT``) in ``tracking.PARENT_ENV``."""
-    env = dvcrepo.stage_env(os.environ, _STAGE_PYTHON[0] if _STAGE_PYTHON else None)
-    if _PARENT:
-        env[tracking.PARENT_ENV] = _PARENT[0]
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    return env
-
-
-def _run(cmd: list[str], repo: Path) -> str:
-    """Run ``cmd`` in ``repo``, streaming each output line to the Prefect logger; return the output."""
-    log = get_run_logger()
-    proc = subprocess.Popen(cmd, cwd=repo, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1)
-    lines = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        log.info(line.rstrip())
-    if proc.wait():
-        raise StageError(f"{' '.join(cmd)} exited {proc.returncode}:\n{''.join(lines[-20:])}")
-    return "".join(lines)
-
-
-def dvc(*args: str, repo: Path) -> str:
-    return _run([sys.executable, "-m", "dvc", *args], repo)
-
-
-def publish(stage: str, repo: Path, params: Params, status: str) -> None:
-    """Prefect artifacts of a finished stage: its metrics as a table; the report stage's report.md as Markdown.
-    (Artifact keys allow lowercase letters, digits and dashes: ``evaluate@student_sft`` -> ``evaluate-student-sft``.)"""
-    metrics = repo / stage_metrics(params.paths.metrics_dir, stage)
-    key = re.sub(r"[^a-z0-9-]", "-", stage.lower())
-    if metrics.is_file():
-        flat = [{"metric": k, "value": json.dumps(v) if isinstance(v, list) else v}
-                for k, v in tracking.flatten(read_metrics(metrics)).items()]
-        create_table_artifact(key=f"{key}-metrics", table=flat,
-                              description=f"{stage}: {metrics.relative_to(repo)} ({status})")
-    report = repo / params.paths.eval_report_dir / "summary" / "report.md"
-    if stage == "report" and report.is_file():
-        create_markdown_artifact(key="evaluation-report", markdown=report.read_text(),
-                                 description="report: every model side by side (report.md)")
-
-
-@task(cache_policy=None, persist_result=False)
-def stage_task(stage: str, repo: str) -> str | State:
-    """One DVC stage in this process (the task is renamed to the stage by ``pipeline``): ``dvc repro
-    --single-item <stage>`` unless DVC finds it up to date; returns what DVC said it would do (``dvcrepo.plan``):
-    ran | skipped | restored (outputs checked out of DVC's cache). A skipped stage ends in a completed state
-    named ``Skipped`` (the UI draws it apart from a stage that ran; :func:`stage_status` reads it back)."""
-    root = Path(repo)
-    freed = dvcrepo.clear_stale_locks(root)
-    if freed:
-        get_run_logger().warning("cleared stale DVC locks of a killed run: %s", freed)
-    status = dvcrepo.plan(root, stage)
-    if status != "skipped":
-        dvc("repro", "--single-item", stage, repo=root)
-    publish(stage, root, load_params(root / "params.yaml"), status)
-    return Completed(name="Skipped", message=f"{stage}: up to date, DVC ran nothing") if status == "skipped" else status
-
-
-def stage_status(returned: str | State) -> str:
-    """What :func:`stage_task` returned, as ran | skipped | restored."""
-    return "skipped" if isinstance(returned, State) else returned
-
-
-@task(cache_policy=None, persist_result=False)
-def remote_stage_task(stages: list[str], repo: str, commit: str, mlflow_parent: str | None,
-                      params_text: str | None = None, remote: str | None = None,
-                      job_variables: dict[str, Any] | None = None) -> dict[str, str]:
-    """Consecutive gpu stages as one flow run of the gpu stage deployment, with the pipeline's params.yaml
-    (``params_text``); waits for it, fails if it failed. ``remote``: the worker is in its own checkout, so the
-    handoffs go both ways and the outputs are pulled here. ``job_variables``: the run's (``flows.pools``: the
-    commit's image on a kubernetes or docker pool)."""
-    from prefect.deployments import run_deployment
-
-    root = Path(repo)
-    parameters = {"stages": stages, "commit": commit, "mlflow_parent": mlflow_parent, "params_text": params_text}
-    if remote:
-        parameters["handoff"] = dvcrepo.handoff_of(root, list(dvcrepo.lock_entries(root, None)))
-    else:
-        parameters["repo"] = repo  # workers share this checkout
-    fr = run_deployment(STAGE_DEPLOYMENT, parameters=parameters, flow_run_name=group_name(stages), timeout=None,
-                        as_subflow=True, poll_interval=1, job_variables=job_variables or None)
-    if fr.state is None or not fr.state.is_completed():
-        raise StageError(f"stages {stages}: flow run {fr.id} ended {fr.state.name if fr.state else 'unknown'}")
-    if remote:
-        dvcrepo.receive(root, read_lock_artifact(fr.id))
-        dvc("pull", "--remote", remote, *stages, repo=root)
-    return {s: "remote" for s in stages}
-
-
-LOCK_ARTIFACT = "dvc-lock"
-
-
-def read_lock_artifact(flow_run_id: Any) -> dict[str, Any]:
-    """The ``dvc-lock`` artifact a stage flow run published (its stages' ``handoff``)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
-
-    with get_client(sync_client=True) as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=[LOCK_ARTIFACT]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
-    if not found:
-        raise StageError(f"stage flow run {flow_run_id} published no {LOCK_ARTIFACT} artifact")
-    return dvcrepo.parse_handoff(str(found[0].data))
 
 
 @flow(name="posttrain-stage", log_prints=True)
 def stage_flow(stages: list[str], repo: str | None = None, commit: str | None = None,
                mlflow_parent: str | None = None, params_text: str | None = None,
-               handoff: dict[str, Any] | None = None) -> dict[str, str]:
+               handoff: dict[str, Any] | None = None) -> dict[str, str] | State:
     """Stages on a worker, one task each, at the pipeline's commit and with its params (``params_text``; a
     worker in its own checkout would otherwise run the committed ones); see the module docstring."""
+    try:
+        return _stage_flow(stages, repo, commit, mlflow_parent, params_text, handoff)
+    except (ConfigError, StageError) as e:
+        return failed(e)
+
+
+def _stage_flow(stages: list[str], repo: str | None, commit: str | None, mlflow_parent: str | None,
+                params_text: str | None, handoff: dict[str, Any] | None) -> dict[str, str]:
     root = Path(repo or os.getcwd())
-    _PARENT[:] = [mlflow_parent] if mlflow_parent else []
+    PARENT[:] = [mlflow_parent] if mlflow_parent else []
     head = dvcrepo.git_head(root)
     if commit and head != commit:
         raise StageError(f"worker checkout {root} is at {head[:12] or 'no commit'}, the pipeline at "
@@ -199,12 +101,12 @@ def stage_flow(stages: list[str], repo: str | None = None, commit: str | None = 
             if not python.is_file():
                 raise StageError(f"prefect.gpu_python: {python} not found on this worker (make setup-gpu there)")
             get_run_logger().info("stages %s run with %s", stages, python)
-            _STAGE_PYTHON[:] = [str(python)]
+            STAGE_PYTHON[:] = [str(python)]
         try:
             statuses = {s: stage_status(stage_task.with_options(name=s, task_run_name=s)(s, str(root)))
                         for s in stages}
         finally:
-            _STAGE_PYTHON[:] = []
+            STAGE_PYTHON[:] = []
         if remote:
             dvc("push", "--remote", remote, *stages, repo=root)
             create_markdown_artifact(key=LOCK_ARTIFACT, markdown=dvcrepo.handoff_text(dvcrepo.handoff_of(root, stages)),
@@ -214,15 +116,19 @@ def stage_flow(stages: list[str], repo: str | None = None, commit: str | None = 
 
 @flow(name="posttrain-pipeline", log_prints=True)
 def pipeline(target: str | None = None, overrides: list[str] | None = None, exp_name: str | None = None,
-             route: bool = False, repo: str | None = None) -> dict[str, str]:
-    """Run the DAG (or ``target`` and its upstream) stage by stage through DVC; see the module docstring."""
+             route: bool = False, repo: str | None = None) -> dict[str, str] | State:
+    """Run the DAG (or ``target`` and its upstream) stage by stage through DVC; see the module docstring. A
+    config error or a failed stage ends the run Failed with one line (``tasks.failed``)."""
     root = Path(repo or os.getcwd()).resolve()
     path, overrides = root / "params.yaml", list(overrides or [])
-    wait = parse_overrides(path, overrides)[0].prefect.workspace_wait_s  # a bad override fails before waiting
-    with dvcrepo.workspace_lock(root, f"flow run {flow_run.name!r} with overrides {overrides}", wait):
-        params, edits = parse_overrides(path, overrides)  # the file as the last holder left it
-        with dvcrepo.use_params(root, render_overrides(path.read_text(), edits)):
-            return _pipeline(root, params, target, exp_name, route)
+    try:
+        wait = parse_overrides(path, overrides)[0].prefect.workspace_wait_s  # a bad override fails before waiting
+        with dvcrepo.workspace_lock(root, f"flow run {flow_run.name!r} with overrides {overrides}", wait):
+            params, edits = parse_overrides(path, overrides)  # the file as the last holder left it
+            with dvcrepo.use_params(root, render_overrides(path.read_text(), edits)):
+                return _pipeline(root, params, target, exp_name, route)
+    except (ConfigError, StageError) as e:
+        return failed(e)
 
 
 def _pipeline(root: Path, params: Params, target: str | None, exp_name: str | None, route: bool
@@ -235,7 +141,7 @@ def _pipeline(root: Path, params: Params, target: str | None, exp_name: str | No
     commit = dvcrepo.git_head(root)
     parent = tracking.start_parent(params, root, f"pipeline {flow_run.name}",
                                    {"prefect.flow_run_id": str(flow_run.id), "launcher": "prefect"})
-    _PARENT[:] = [parent] if parent else []
+    PARENT[:] = [parent] if parent else []
     if parent:
         _link_mlflow(params, root, parent)
     statuses: dict[str, str] = {}
@@ -261,12 +167,6 @@ def _pipeline(root: Path, params: Params, target: str | None, exp_name: str | No
     finally:
         tracking.end_parent(params, root, parent, "FINISHED" if ok else "FAILED")
     return statuses
-
-
-def group_name(group: list[str]) -> str:
-    """The task name of a run of gpu stages: ``gpu: rl`` or ``gpu: rl .. evaluate@student (5 stages)`` (the
-    stages joined with ``+`` made names of hundreds of characters the UI cut)."""
-    return f"gpu: {group[0]}" + (f" .. {group[-1]} ({len(group)} stages)" if len(group) > 1 else "")
 
 
 def _groups(stages: list[str], resources: dict[str, str]) -> list[tuple[str, list[str]]]:
@@ -305,14 +205,15 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     try:
         parse_overrides(Path.cwd() / "params.yaml", args.overrides)  # exits 2 in a second, before Prefect starts
-        statuses = pipeline(target=args.target, overrides=args.overrides, exp_name=args.exp_name, route=args.route)
     except ConfigError as e:
         print(f"posttrain: {e}", file=sys.stderr)
         sys.exit(2)
-    except StageError as e:
-        print(f"posttrain: {e}", file=sys.stderr)
+    state = pipeline(target=args.target, overrides=args.overrides, exp_name=args.exp_name, route=args.route,
+                     return_state=True)
+    if not state.is_completed():
+        print(state.message, file=sys.stderr)
         sys.exit(1)
-    print(json.dumps(statuses))
+    print(json.dumps(state.result()))
 
 
 if __name__ == "__main__":

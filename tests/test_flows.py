@@ -18,6 +18,8 @@ import pytest
 import yaml
 from conftest import copy_repo, tiny_raw
 
+from posttrain.config import ConfigError
+from posttrain.errors import StageError
 from posttrain.runfacts import read_metrics
 
 
@@ -417,16 +419,32 @@ def test_two_overlapping_flow_runs_each_run_with_their_own_params(tmp_path):
 
 
 def test_gpu_stage_commands_find_the_gpu_environments_interpreter_first(tmp_path, monkeypatch):
-    from flows import pipeline
+    from flows import tasks
 
     fake = tmp_path / "venv-gpu" / "bin" / "python"  # stands for .venv-gpu/bin/python
     fake.parent.mkdir(parents=True)
     fake.write_text(f'#!/bin/sh\necho gpu-env "$@"\nexec "{sys.executable}" "$@"\n')
     fake.chmod(0o755)
     cmd = "python -c 'import sys; print(sys.prefix)'"  # as DVC runs a stage's cmd: through the shell
-    monkeypatch.setattr(pipeline, "_STAGE_PYTHON", [str(fake)])
-    out = subprocess.run(cmd, shell=True, env=pipeline._env(), capture_output=True, text=True).stdout.split("\n")
+    monkeypatch.setattr(tasks, "STAGE_PYTHON", [str(fake)])
+    out = subprocess.run(cmd, shell=True, env=tasks._env(), capture_output=True, text=True).stdout.split("\n")
     assert out[0] == "gpu-env -c import sys; print(sys.prefix)" and out[1] == sys.prefix  # the venv is kept
-    monkeypatch.setattr(pipeline, "_STAGE_PYTHON", [])
-    out = subprocess.run(cmd, shell=True, env=pipeline._env(), capture_output=True, text=True).stdout
+    monkeypatch.setattr(tasks, "STAGE_PYTHON", [])
+    out = subprocess.run(cmd, shell=True, env=tasks._env(), capture_output=True, text=True).stdout
     assert out.strip() == sys.prefix and "gpu-env" not in out  # cpu stages: this interpreter
+
+
+def test_a_failed_run_ends_with_the_stages_own_line():
+    """Issue 46 #8: a failed deployment run said only ``Failed``; a config error's run logged a traceback. The
+    flows end Failed with one line as the state's message (``tasks.failed``): a stage's own ``posttrain ...`` line
+    out of DVC's output, else the error's first line."""
+    from flows.tasks import one_line
+
+    dvc_out = StageError("python -m dvc repro --single-item rl exited 1:\nRunning stage 'rl':\n> python -m stages.rl\n"
+                         "posttrain rl: data/curated/train.parquet does not exist: run the stages upstream of rl "
+                         "first\nERROR: failed to reproduce 'rl': failed to run: python -m stages.rl, exited with 1\n")
+    assert one_line(dvc_out) == ("posttrain rl: data/curated/train.parquet does not exist: run the stages upstream "
+                                 "of rl first")
+    assert one_line(ConfigError("params.yaml: rl.lerning_rate: unknown key")) == \
+        "posttrain: params.yaml: rl.lerning_rate: unknown key"
+    assert one_line(StageError("")) == "posttrain: StageError"
