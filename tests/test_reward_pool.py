@@ -113,6 +113,16 @@ def slow_loading(samples, seconds=1.5):
     return [1.0] * len(samples)
 
 slow_loading.warm = _load_model
+
+def pid(samples):
+    """A batch verifier: the process that scored each sample."""
+    return [float(os.getpid())] * len(samples)
+
+def learned_pid(samples):
+    """A learned reward (its model would be loaded where it runs): the process that scored each sample."""
+    return [float(os.getpid())] * len(samples)
+
+learned_pid.learned = True
 '''
 
 
@@ -458,3 +468,22 @@ def test_a_per_sample_reward_that_raises_fails_that_sample_alone(plugin):
 def test_a_one_sample_plugin_is_refused_at_load_with_the_hint(plugin):
     with pytest.raises(ConfigError, match=r"reward.rewards\[0\].kwargs: .*takes one Sample.*per_sample"):
         parse_params(_params_with([{"name": f"{plugin}:one_sample"}]))
+
+
+@pytest.mark.slow
+def test_a_learned_reward_is_scored_once_in_the_calling_process_not_in_each_worker(plugin):
+    """Issue 50 item 4: each pool worker loaded its own copy of a reward model (``reward.workers`` copies per
+    rank). Learned rewards are now scored in the calling process (the rank, on its own device), the verifiers in
+    the workers; the totals and the components in the specs' order are what one ``combine`` gives."""
+    specs = [Spec(f"{plugin}:pid", 1.0, {}), Spec(f"{plugin}:learned_pid", 2.0, {})]
+    samples = [Sample("x", "5", "arith", 5, 80)] * 6
+    with RewardPool(2, timeout_s=30, warm=specs) as pool:
+        assert [s.name for s in pool.warm] == [f"{plugin}:pid"]  # the workers never load the learned one
+        got = pool.score(samples, specs)
+    me = float(os.getpid())
+    for total, parts in got:
+        assert list(parts) == [f"{plugin}:pid", f"{plugin}:learned_pid"]
+        assert parts[f"{plugin}:learned_pid"] == me and parts[f"{plugin}:pid"] != me  # here / in a worker
+        assert total == parts[f"{plugin}:pid"] + 2 * me
+    with RewardPool(2, timeout_s=30) as pool:  # learned alone: no worker is asked anything
+        assert pool.score(samples, specs[1:]) == [(2 * me, {f"{plugin}:learned_pid": me})] * 6

@@ -15,6 +15,11 @@ runs in each worker's main thread, where its own ``signal.alarm`` timeouts work.
 with the stage, also when it is SIGKILLed (``_init_worker``); the pool stops when its ``with`` block ends, also
 on SIGTERM of the stage (turned into ``SystemExit`` while the pool is open, when nothing else handles SIGTERM).
 
+Learned rewards (``scoring.is_learned``: a reward model, the LLM judge) are scored in the calling process, once
+per batch, never in the workers: one copy of a reward model per rank, on the rank's own device
+(``learned.rank_device``), instead of one per worker (``reward.workers`` copies of its weights per rank); a model's
+forward needs no per-sample timeout. The workers warm and score the verifiers alone.
+
 ``workers`` 0 or 1 scores in the calling thread with one ``combine`` of the whole batch: the same function the
 workers run on their chunks, so results are identical for per-sample rewards (tests/test_reward_pool.py checks
 it; a model reward's scores may differ in the last bits with what shares its forward: padding).
@@ -42,7 +47,7 @@ from typing import Any
 from pebble import ProcessExpired, ProcessPool
 
 from posttrain.rewards.builtin import Sample
-from posttrain.rewards.scoring import Spec, combine, failed, specs_of, warm
+from posttrain.rewards.scoring import Spec, combine, failed, is_learned, merge, specs_of, warm
 
 EXIT_SIGTERM = 128 + signal.SIGTERM
 MAX_CHUNK = 16  # samples sent to a worker at once (fewer when there are few: every worker gets work)
@@ -101,7 +106,8 @@ class RewardPool:
     stage's pool."""
 
     def __init__(self, workers: int = 0, timeout_s: float = 30.0, warm: Sequence[Any] = ()) -> None:
-        self.workers, self.timeout_s, self.warm = workers, timeout_s, specs_of(warm)
+        self.workers, self.timeout_s = workers, timeout_s
+        self.warm = tuple(s for s in specs_of(warm) if not is_learned(s.name))  # learned: scored here, not there
         self._pool: ProcessPool | None = None
         self._old_sigterm: Any = None
 
@@ -146,6 +152,12 @@ class RewardPool:
         plain = specs_of(specs)
         if self._pool is None:
             return combine(samples, plain)
+        learned = tuple(s for s in plain if is_learned(s.name))
+        if learned:  # in this process, one forward per batch; the verifiers in the workers
+            checked = self.score(samples, [s for s in plain if s not in learned]) if len(learned) < len(plain) \
+                else [(0.0, {})] * len(samples)
+            names = [s.name for s in plain]
+            return [merge(a, b, names) for a, b in zip(checked, combine(samples, learned), strict=True)]
         # Chunks amortise the per-task cost (a few ms of pipes and threads). A chunk of n samples gets n samples'
         # time: one that runs past it, or loses its worker, is redone a sample at a time, so a sample is
         # unscorable only when it alone runs out of time (or kills its worker).

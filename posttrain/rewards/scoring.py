@@ -63,8 +63,14 @@ def warm(specs: Sequence[Spec]) -> None:
 
 def is_learned(name: str) -> bool:
     """Whether a reward is a model's judgement rather than a verifier's (the audit's learned section): a
-    ``LEARNED_REWARDS`` name, or a plug-in whose function sets ``learned = True``."""
-    return name in LEARNED_REWARDS or bool(getattr(resolve(name), "learned", False))
+    ``LEARNED_REWARDS`` name, or a plug-in whose function sets ``learned = True``. A plug-in that does not import
+    is not (its samples fail where it is called, each with the reason)."""
+    if name in LEARNED_REWARDS:
+        return True
+    try:
+        return bool(getattr(resolve(name), "learned", False))
+    except Exception:
+        return False
 
 
 def _checked(name: str, v: Any) -> tuple[float | None, str | None, str | None]:
@@ -127,6 +133,21 @@ def combine(samples: Sequence[Sample], specs: Sequence[Any]) -> list[tuple[float
             parts[WHY_KEY] = notes
         out.append((total, parts))
     return out
+
+
+def merge(a: tuple[float | None, dict[str, Any]], b: tuple[float | None, dict[str, Any]], order: Sequence[str]
+          ) -> tuple[float | None, dict[str, Any]]:
+    """One sample's ``combine`` over two disjoint sets of specs, as one ``combine`` over both: totals summed
+    (None if either is), components in ``order`` (the specs' names), the first error, the notes of both."""
+    (ta, pa), (tb, pb) = a, b
+    parts: dict[str, Any] = {n: pa[n] if n in pa else pb.get(n) for n in order}
+    error = pa.get(ERROR_KEY) or pb.get(ERROR_KEY)
+    if error is not None:
+        parts[ERROR_KEY] = error
+    notes = {**pa.get(WHY_KEY, {}), **pb.get(WHY_KEY, {})}
+    if notes:
+        parts[WHY_KEY] = notes
+    return (None if ta is None or tb is None else ta + tb), parts
 
 
 def failed(specs: Sequence[Any], why: str) -> tuple[None, dict[str, Any]]:
