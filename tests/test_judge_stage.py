@@ -107,20 +107,11 @@ def test_judge_params_that_work_and_the_verdict_names():
     parse_params(_with_judge({"base_url": "http://h/v1", "model": "m", "rubrics": {"arith": "r"}, "verdict": "binary"}))
 
 
-def test_a_pool_timeout_shorter_than_a_judge_requests_retries_is_refused_at_load():
-    """Found by the review: with workers >= 2 a sample redone alone gets reward.timeout_s (30 s by default), while
-    one llm_judge request may take (retries + 1) x timeout_s + backoff: the pool cut it off mid-retry."""
-    kw = {"base_url": "http://h/v1", "model": "m", "rubric": "r"}  # timeout_s 60, retries 2 (the defaults)
-    raw = _with_judge(kw)
+def test_a_judge_beside_a_reward_pool_is_accepted_it_is_scored_in_the_rank_not_in_a_worker():
+    """A pool's per-sample timeout (reward.timeout_s, 30 s by default) once cut an llm_judge request off mid-retry
+    ((retries + 1) x timeout_s + backoff: 181.5 s by default), so such params were refused at load. Learned
+    rewards are now scored in the rank's process (tests/test_reward_pool.py), outside any pool timeout: the
+    params that were refused load."""
+    raw = _with_judge({"base_url": "http://h/v1", "model": "m", "rubric": "r"})  # timeout_s 60, retries 2
     raw["reward"]["workers"] = 4
-    # 3 tries x 60 s + backoff 0.5 s + 1 s = 181.5 s > 30 s
-    with pytest.raises(ConfigError, match=r"reward.timeout_s: (Value error, )?30 s with workers 4 .* \(181.5 s"):
-        parse_params(raw)
-    raw["reward"]["timeout_s"] = 181.5  # enough
-    parse_params(raw)
-    raw = _with_judge({**kw, "timeout_s": 5, "retries": 4})  # 5 tries x 5 s + 0.5 + 1 + 2 + 4 = 32.5 s
-    raw["reward"]["workers"] = 2
-    with pytest.raises(ConfigError, match=r"\(32.5 s"):
-        parse_params(raw)
-    raw["reward"]["workers"] = 0  # in-process: no pool timeout
     parse_params(raw)

@@ -86,12 +86,6 @@ class LlmJudgeKwargs(Section):
                                  "cache key (a commit, a hash); null: the served folder's hash with judge.serve, "
                                  "else the server's model id and root")
 
-    def worst_case_s(self) -> float:
-        """Seconds one request may take before it is failed: every try runs to ``timeout_s``, with the client's
-        backoff between tries (0.5 s doubling, at most 8 s; ``openai``'s, without its jitter, which only
-        shortens it). A lower bound: a server's ``Retry-After`` (the client honours up to 60 s) and a process's
-        first ``/v1/models`` lookup (when no digest names the judge) are not counted."""
-        return (self.retries + 1) * self.timeout_s + sum(min(0.5 * 2**i, 8.0) for i in range(self.retries))
 
     @field_validator("verdict")
     @classmethod

@@ -141,23 +141,9 @@ class Reward(Section):
                          "own): 0 or 1 = in this process, each reward once over the "
                          "batch (no timeout beyond math-verify's own); >= 2 = a process pool of batches of up to 16 "
                          "samples (results equal to in-process unless a sample times out; a learned reward's may "
-                         "differ in the last bits, its batches padded differently). A learned reward's model is "
-                         "loaded in each worker as it starts (outside the timeout; memory x workers: prefer 0 for "
-                         "reward_model)")
+                         "differ in the last bits, its batches padded differently). Learned rewards (reward_model, "
+                         "llm_judge) are scored in this process either way: one model copy per rank")
     timeout_s: float = Field(30.0, gt=0, le=3600, json_schema_extra=NOT_RESULT,
                              description="with workers >= 2: seconds one sample may take; a sample past it (or "
                              "whose worker dies) is unscorable, its worker killed and replaced")
     audit_examples: int = Field(3, ge=0, le=1000, description="scored completions shown per reward bucket in the audit")
-
-    @model_validator(mode="after")
-    def _judge_fits_the_timeout(self) -> Reward:
-        """In a pool a sample redone alone gets ``timeout_s``: an ``llm_judge`` request that may retry for longer
-        would be cut off while its retries were still due (unscorable after a wait, never what the judge said)."""
-        if self.workers < 2:
-            return self
-        for s in self.rewards:
-            if s.name == "llm_judge" and (w := LlmJudgeKwargs.model_validate(s.kwargs).worst_case_s()) > self.timeout_s:
-                raise Refusal("timeout_s", f"{self.timeout_s:g} s with workers {self.workers} is less than one "
-                              f"llm_judge request may take ({w:g} s: retries + 1 tries of its timeout_s, and backoff): "
-                              "raise it, lower the judge's timeout_s or retries, or score in-process (workers 0)")
-        return self
