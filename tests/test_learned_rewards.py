@@ -244,3 +244,36 @@ def test_reward_stage_audits_a_learned_reward(rm, tmp_path):
     md = (out["report_dir"] / "audit.md").read_text()
     assert "## Learned reward `reward_model`" in md and "hacks" in md
     assert (out["report_dir"] / "learned_scores.png").stat().st_size > 1000
+
+
+def test_pack_holds_only_where_every_prefix_is_the_body_cut_plus_the_tail():
+    from posttrain.reward_model.scorer import pack
+
+    # the prefixes [1, 2 | 9] and [1, 2, 3, 4 | 9] (tail: the end token 9) -> body [1, 2, 3, 4], cuts 2 and 4
+    assert pack([[1, 2, 9], [1, 2, 3, 4, 9]], 1) == ([1, 2, 3, 4], [9], [2, 4])
+    assert pack([[1, 5, 9], [1, 2, 3, 4, 9]], 1) is None  # a tokenizer merged across the step's boundary
+    assert pack([[1, 2, 8], [1, 2, 3, 4, 9]], 1) is None  # another tail
+    assert pack([[9], [1, 9]], 1) is None and pack([[1, 9]], 0) is None  # an empty prefix; no tail known
+
+
+def test_a_texts_prefixes_share_one_forward_and_each_scores_as_it_does_alone(rm):
+    """Issue 50 item 4: per-step (PRM-style) scoring read every prefix in a forward of its own: S steps of a
+    text of n tokens, about S x n / 2 tokens. A text's prefixes now share one forward (the text once, then its
+    end-of-turn tail once per step, each copy seeing only its own prefix: a 4D mask), and each prefix scores
+    what its own forward gives (fp32: within 1e-5)."""
+    from posttrain.reward_model import load_reward_model
+    from posttrain.reward_model.scorer import encode
+
+    scorer = load_reward_model(rm)
+    completion = ";".join(f"{i}*3={3 * i}" for i in range(1, 11))  # 10 steps
+    prefixes = [encode(scorer.tok, "12*3=", completion[:e]) for e in step_ends(completion, ";")]
+    assert len(prefixes) == 10 and scorer.tail >= 1
+    alone = scorer.score_seqs(prefixes)  # [10, K]: a forward per prefix
+    before = scorer.forwarded
+    (packed,) = scorer.score_prefixes([prefixes])
+    np.testing.assert_allclose(packed, alone, atol=1e-5)
+    n, t = len(prefixes[-1]), scorer.tail
+    assert scorer.forwarded - before == scorer.k * (n - t + 10 * t)  # the body once, a tail per step
+    assert scorer.k * sum(map(len, prefixes)) > 4 * (scorer.forwarded - before)  # what a forward per prefix read
+    (unpacked,) = scorer.score_prefixes([prefixes], packed=False)
+    np.testing.assert_array_equal(unpacked, alone)

@@ -97,6 +97,53 @@ def score_ids(model: torch.nn.Module, seqs: Sequence[list[int]], pad: int) -> to
     return out.logits[:, 0].float()
 
 
+def pack(prefixes: Sequence[list[int]], end: int) -> tuple[list[int], list[int], list[int]] | None:
+    """``prefixes`` (the token ids of a text's prefixes, each with the text's ``end`` end-of-turn tokens, the
+    whole text last) as one pack ``(body, tail, cuts)``: the whole text without its tail, the tail, and each
+    prefix's length without it; None unless every prefix is exactly ``body[:cut] + tail`` (a tokenizer may merge
+    across a step's boundary: that text is then scored prefix by prefix)."""
+    whole = prefixes[-1]
+    if end <= 0 or len(whole) <= end:
+        return None
+    body, tail = whole[:-end], whole[-end:]
+    cuts = [len(x) - end for x in prefixes]
+    if any(c <= 0 or x[-end:] != tail or x[:-end] != body[:c] for x, c in zip(prefixes, cuts, strict=True)):
+        return None
+    return body, tail, cuts
+
+
+def score_packed(model: torch.nn.Module, packs: Sequence[tuple[list[int], list[int], list[int]]], pad: int
+                 ) -> list[torch.Tensor]:
+    """Each pack's prefix scores (``[len(cuts)]``) in one forward of ``len(body) + len(cuts) x len(tail)``
+    tokens, not the ``sum(cuts) + len(cuts) x len(tail)`` of a forward per prefix: the body once, then a copy of
+    the tail per prefix, copy j at the positions prefix j's own text has it and seeing only ``body[:cuts[j]]`` and
+    itself (a 4D mask), so the head at its last token reads what prefix j's own forward reads there."""
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    width = max(len(b) + len(c) * len(t) for b, t, c in packs)
+    ids = torch.full((len(packs), width), pad, dtype=torch.long)
+    pos = torch.zeros((len(packs), width), dtype=torch.long)
+    seen = torch.zeros((len(packs), 1, width, width), dtype=torch.bool)
+    reads = []
+    for i, (body, tail, cuts) in enumerate(packs):
+        n, k = len(body), len(tail)
+        ids[i, :n], pos[i, :n] = torch.tensor(body), torch.arange(n)
+        seen[i, 0, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+        for j, c in enumerate(cuts):
+            a = n + j * k
+            ids[i, a : a + k], pos[i, a : a + k] = torch.tensor(tail), torch.arange(c, c + k)
+            seen[i, 0, a : a + k, :c] = True
+            seen[i, 0, a : a + k, a : a + k] = torch.ones(k, k, dtype=torch.bool).tril()
+        used = n + len(cuts) * k
+        seen[i, 0, range(used, width), range(used, width)] = True  # padding sees itself (no empty softmax row)
+        reads.append([n + (j + 1) * k - 1 for j in range(len(cuts))])
+    mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, torch.finfo(dtype).min)
+    hidden = model.base_model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                              position_ids=pos.to(device)).last_hidden_state
+    scores = model.score(hidden)[..., 0].float()  # [B, width]: the head at every position
+    return [scores[i, r] for i, r in enumerate(reads)]
+
+
 class RewardScorer:
     """K members of one reward model; ``scorer(prompts, completions) -> np.ndarray [B, K]`` (float32)."""
 
@@ -106,6 +153,9 @@ class RewardScorer:
         self.pad = pad_id(tok)
         self.context = int(getattr(members[0].config, "max_position_embeddings", 0) or 0) or None
         self.truncated = 0
+        self.forwarded = 0  # tokens read by the members' forwards (each member's), for benchmarks and tests
+        probe = [encode(tok, "q", c) for c in ("a", "b b")]  # the end-of-turn tokens: their common tail
+        self.tail = next((i for i in range(min(map(len, probe))) if probe[0][-1 - i] != probe[1][-1 - i]), 0)
 
     @property
     def k(self) -> int:
@@ -130,8 +180,32 @@ class RewardScorer:
         for i in range(0, len(seqs), self.batch_size):
             idx = order[i : i + self.batch_size]
             chunk = [seqs[j] for j in idx]
+            self.forwarded += self.k * sum(map(len, chunk))
             for k, m in enumerate(self.members):
                 out[idx, k] = score_ids(m, chunk, self.pad).cpu().numpy()
+        return out
+
+    @torch.no_grad()
+    def score_prefixes(self, texts: Sequence[Sequence[list[int]]], packed: bool = True) -> list[np.ndarray]:
+        """``[S_i, K]`` scores of each text's prefixes (token ids, each with its end tokens, the whole text last),
+        the same as ``score_seqs`` of every prefix: ``packed``, a text's prefixes share one forward
+        (``score_packed``: tokens linear in the steps, where a forward per prefix reads quadratically many); a
+        text the packing does not hold for (``pack``) is scored prefix by prefix."""
+        packs = {i: p for i, t in enumerate(texts) if packed and len(t) > 1 and (p := pack(t, self.tail))}
+        rest = [i for i in range(len(texts)) if i not in packs]
+        flat = [x for i in rest for x in texts[i]]
+        scored = self.score_seqs(flat) if flat else np.zeros((0, self.k), dtype=np.float32)
+        out: list[np.ndarray] = [np.zeros((0, self.k), dtype=np.float32)] * len(texts)
+        at = 0
+        for i in rest:
+            out[i], at = scored[at : at + len(texts[i])], at + len(texts[i])
+        order = sorted(packs, key=lambda i: len(packs[i][0]))
+        for a in range(0, len(order), self.batch_size):
+            chunk = order[a : a + self.batch_size]
+            self.forwarded += self.k * sum(len(packs[i][0]) + len(packs[i][2]) * len(packs[i][1]) for i in chunk)
+            got = [score_packed(m, [packs[i] for i in chunk], self.pad) for m in self.members]
+            for j, i in enumerate(chunk):
+                out[i] = torch.stack([g[j] for g in got], dim=1).cpu().numpy()
         return out
 
 

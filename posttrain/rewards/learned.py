@@ -68,23 +68,27 @@ def reward_model(samples: Sequence[Sample], path: str, combine: str = "mean", la
     """A Bradley-Terry reward model's score of each (prompt, completion): its members combined by ``combine``
     (``mean``; ``wco``: the minimum; ``uwo``: mean - ``lam`` x variance; ``uwo_std``: mean - ``lam`` x std), of
     the whole completion (``steps: off``) or, per step (``step_sep``-separated; the summed step rewards of
-    ``raw``, ``clip`` (``min(s - eta, 0)``) or ``delta``), of each prefix. None when the text is longer than the
+    ``raw``, ``clip`` (``min(s - eta, 0)``) or ``delta``), of each prefix: a text's prefixes in one forward (the
+    text once, an end-of-turn tail per step: tokens linear in the steps). None when the text is longer than the
     model's context. ``dtype``: the members' weights (float32, bfloat16, float16); ``device``: ``rank_device``."""
     from posttrain.reward_model.scorer import encode
 
     scorer = scorer_for(path, device, dtype)
     scorer.batch_size = batch_size
-    seqs: list[list[int]] = []
-    spans: list[tuple[int, int] | None] = []  # each sample's rows of seqs; None: unscorable
+    texts: list[list[list[int]]] = []  # each scorable sample's prefixes (one: the whole text, steps off)
+    spans: list[tuple[int, int] | None] = []  # each sample's rows of the scores; None: unscorable
+    at = 0
     for s in samples:
         ends = [len(s.completion)] if steps == "off" else step_ends(s.completion, step_sep)
         ids = [encode(scorer.tok, s.prompt, s.completion[:e]) for e in ends]
         if scorer.context is not None and max(len(x) for x in ids) > scorer.context:
             spans.append(None)
             continue
-        spans.append((len(seqs), len(seqs) + len(ids)))
-        seqs += ids
-    member = scorer.score_seqs(seqs).astype(np.float64) if seqs else np.zeros((0, scorer.k))  # [N, K]
+        spans.append((at, at + len(ids)))
+        texts.append(ids)
+        at += len(ids)
+    # [N, K]: a text's prefixes share one forward (scorer.score_prefixes: linear in its steps)
+    member = np.concatenate(scorer.score_prefixes(texts)).astype(np.float64) if texts else np.zeros((0, scorer.k))
     combined = COMBINES[combine](member, lam)  # [N]
     out: list[float | None] = []
     for span in spans:
