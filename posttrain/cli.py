@@ -9,7 +9,7 @@ from typing import NoReturn
 import typer
 
 from posttrain import __version__
-from posttrain.config import EXIT_CONFIG_ERROR, ConfigError, Params, load_params
+from posttrain.config import EXIT_CONFIG_ERROR, ConfigError, Params, load_params, repo_root
 
 app = typer.Typer(help="posttrain: a reproducible, versioned pipeline for LLM reasoning post-training.",
                   no_args_is_help=True, add_completion=False)
@@ -29,17 +29,9 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
     """posttrain: a reproducible, versioned pipeline for LLM reasoning post-training."""
 
 
-def _repo_root(params: Path) -> Path:
-    """The pipeline's repository: the nearest folder holding ``dvc.yaml`` from the params file's folder up (a
-    profile under ``profiles/`` belongs to the repository above it, wherever the command runs from); the params
-    file's folder if none."""
-    here = params.resolve().parent
-    return next((d for d in (here, *here.parents) if (d / "dvc.yaml").is_file()), here)
-
-
 def _params(path: Path, root: Path | None = None, need_model: bool = True) -> Params:
     """The validated params, with every ``paths.*`` inside the repository (``root``; default the one holding
-    the params file, :func:`_repo_root`) and ``model.base`` importable here (``config.model.unavailable``);
+    the params file, :func:`config.repo_root`) and ``model.base`` importable here (``config.model.unavailable``);
     else one line and exit 2."""
     try:
         p = load_params(path)
@@ -48,7 +40,7 @@ def _params(path: Path, root: Path | None = None, need_model: bool = True) -> Pa
         raise typer.Exit(EXIT_CONFIG_ERROR) from None
     from posttrain.config.model import unavailable
 
-    root = root or _repo_root(path)
+    root = root or repo_root(path)
     if bad := p.paths.outside(root) or (need_model and unavailable(p.model.base, p.model.revision, root)):
         print(f"posttrain: {path}: {bad}", file=sys.stderr)
         raise typer.Exit(EXIT_CONFIG_ERROR)
@@ -108,7 +100,7 @@ def tracking_sync(params: Path = PARAMS) -> None:
     from posttrain import tracking
 
     p = _params(params)
-    root = _repo_root(params)
+    root = repo_root(params)
     box = tracking.outbox_dir(p, root)
     sent, left, refused = tracking.sync(box, tracking.store_uri(p, root), root)
     typer.echo(f"sent {sent} run(s); {left} left in {box}" + (f"; {refused} refused by the store, kept with their "
@@ -177,7 +169,7 @@ def repro(params: Path = PARAMS, args: list[str] = typer.Argument(None, help="pa
     from posttrain.dvcrepo import clear_stale_locks, use_params, workspace_lock
     from posttrain.errors import StageError
 
-    root = _repo_root(params)
+    root = repo_root(params)
     p = _params(params, root)
     own = (root / "params.yaml").resolve() == params.resolve()
     try:
@@ -254,7 +246,7 @@ def lineage(target: str = typer.Argument(..., help="a DVC output path (or a file
     from posttrain.lineage.check import verify as verify_tree
 
     p = _params(params)
-    root = _repo_root(params)
+    root = repo_root(params)
     if samples:
         from posttrain.lineage.ledger import distill_ledger, ledger, sft_ledger
 

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from posttrain import seeds, slurm
-from posttrain.config import EXIT_CONFIG_ERROR, ConfigError, Params, load_params
+from posttrain.config import EXIT_CONFIG_ERROR, ConfigError, Params, load_params, repo_root
 from posttrain.config.sandbox import ENV as SANDBOX_ENV
 from posttrain.dvcrestore import restore_outputs
 from posttrain.errors import StageError
@@ -249,7 +249,7 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
 
     signal.signal(signal.SIGTERM, _terminated)  # as Ctrl-C: outputs stay whole, the MLflow run ends KILLED
     try:
-        with stage_run(name, params, Path(params_file).resolve().parent):
+        with stage_run(name, params, repo_root(params_file)):  # profiles/x.yaml: the repository above it
             body(params)
     except KeyboardInterrupt as e:
         print(f"posttrain {name}: interrupted; {resume_hint(name, params)}", file=sys.stderr)

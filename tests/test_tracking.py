@@ -701,3 +701,28 @@ def test_a_moved_checkout_refuses_its_old_stores_artifact_folder_in_one_line(tmp
     linked.mkdir()
     (linked / "mlflow.db").symlink_to(old / "mlflow.db")  # a checkout whose mlflow.db links to another's
     store.open_run(f"sqlite:///{(linked / 'mlflow.db').resolve()}", "posttrain", "sft", 0, None, linked)
+
+
+@pytest.mark.slow  # over 2 s: out of the fast suite
+def test_a_stage_run_with_a_profiles_params_tracks_in_the_repository_not_beside_the_profile(tmp_path):
+    """Found while checking issue 50 on SmolLM2: ``python -m stages.model --params profiles/x.yaml`` created
+    ``profiles/mlflow.db`` (the store went beside the params file). A stage's store and git state are now the
+    repository's above it (``config.repo_root``: the nearest folder with a ``dvc.yaml``), as ``posttrain repro
+    -p`` already had them."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+    from conftest import REPO
+
+    repo = tmp_path / "repo"
+    (repo / "profiles").mkdir(parents=True)
+    (repo / "dvc.yaml").write_text("stages: {}\n")
+    raw = tiny_raw(None)  # paths relative: under the repository, where the stage runs
+    raw["tracking"] = {"enabled": True, "experiment": "t"}  # the default store: <repository>/mlflow.db
+    (repo / "profiles" / "p.yaml").write_text(yaml.safe_dump(raw))
+    r = subprocess.run([sys.executable, "-m", "stages.curate", "--params", "profiles/p.yaml"], cwd=repo,
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (repo / "mlflow.db").is_file() and not (repo / "profiles" / "mlflow.db").exists()

@@ -24,7 +24,7 @@ from posttrain.config.evaluate import Evaluate, Report
 from posttrain.config.judge import Judge, LlmJudgeKwargs
 from posttrain.config.model import LoraCfg, ModelCfg, PromptCfg, TinyModel
 from posttrain.config.overrides import Edit, parse_overrides, render_overrides
-from posttrain.config.params import Params, load_params, parse_params, read_yaml, stage_metrics
+from posttrain.config.params import Params, load_params, parse_params, read_yaml, repo_root, stage_metrics
 from posttrain.config.paths import Paths
 from posttrain.config.prefect import PrefectCfg
 from posttrain.config.reward import Reward, RewardSpec
@@ -48,5 +48,5 @@ __all__ = [
     "SandboxCfg", "Section", "Sft", "SftPhase", "SourceSpec", "SyntheticSource", "TaskSpec", "TeacherLayers", "Tis",
     "TinyModel",
     "ToolsCfg", "TrackingCfg", "VLLMOptions", "Validation", "load_params", "parse_overrides", "parse_params",
-    "read_yaml", "render_overrides", "stage_metrics",
+    "read_yaml", "render_overrides", "repo_root", "stage_metrics",
 ]

@@ -99,6 +99,14 @@ class Params(Section):
                               "(LoRA's frozen base needs no sharding of gradients or optimizer state)")
         return self
 
+def repo_root(params_file: str | Path) -> Path:
+    """The pipeline's repository of a params file: the nearest folder holding ``dvc.yaml`` from the file's folder
+    up (a profile under ``profiles/`` belongs to the repository above it, wherever the command runs from); the
+    file's folder if none. Where a run's MLflow store (``mlflow.db``) and git state are."""
+    here = Path(params_file).resolve().parent
+    return next((d for d in (here, *here.parents) if (d / "dvc.yaml").is_file()), here)
+
+
 def stage_metrics(metrics_dir: str | Path, stage: str) -> Path:
     """A stage's metrics file: ``metrics/<stage>.json``; of one foreach instance ``metrics/<stage>/<key>.json``
     (``evaluate@sft`` -> ``metrics/evaluate/sft.json``)."""
