@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     state = pipeline(target=args.target, overrides=args.overrides, exp_name=args.exp_name, route=args.route,
                      return_state=True)
     if not state.is_completed():
-        print(state.message, file=sys.stderr)
+        print(state.message or f"posttrain: the pipeline's flow run ended {state.name}", file=sys.stderr)
         sys.exit(1)
     print(json.dumps(state.result()))
 

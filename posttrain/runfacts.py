@@ -32,14 +32,14 @@ def split_run_facts(metrics: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
     results: dict[str, Any] = {}
     facts: dict[str, Any] = {}
     for k, v in metrics.items():
-        if isinstance(v, dict):
+        if is_run_fact(str(k)):  # (a section named like one, say a timing breakdown, moves whole)
+            facts[k] = v
+        elif isinstance(v, dict):
             r, f = split_run_facts(v)
             if r or not f:
                 results[k] = r
             if f:
                 facts[k] = f
-        elif is_run_fact(str(k)):
-            facts[k] = v
         else:
             results[k] = v
     return results, facts

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import faulthandler
 import logging
 import os
 import random
@@ -111,6 +112,7 @@ def _torchrun(name: str, cmd: list[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     print(f"posttrain {name}: torchrun {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # the launcher's stacks too (the ranks': dist.init)
     try:
         run(parse_args(cmd[3:]))
     except ChildFailedError as e:

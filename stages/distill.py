@@ -171,6 +171,9 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     state: dict[str, Any] = {"ledger": []}  # per step: the prompts drawn and who sampled each (lineage --samples)
     start, restored, cursor.pos = checkpoint.restore_loop_state(out["checkpoints"], fp, student, opt, extra=state)
     ledger = state["ledger"]
+    if start and not ledger:  # a checkpoint from before the ledger: what it consumed is not known
+        log.warning("resumed at step %d from a checkpoint without a sample ledger: the ledger lists steps %d on",
+                    start, start + 1)
     train_log = TrainLog(out["report_dir"] / "train_log.csv" if d.main else None,
                          LOG_FIELDS + ["tool_calls"] * tools)  # live: CSV + MLflow
     train_log.resume(restored)

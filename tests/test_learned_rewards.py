@@ -249,11 +249,13 @@ def test_reward_stage_audits_a_learned_reward(rm, tmp_path):
 def test_pack_holds_only_where_every_prefix_is_the_body_cut_plus_the_tail():
     from posttrain.reward_model.scorer import pack
 
-    # the prefixes [1, 2 | 9] and [1, 2, 3, 4 | 9] (tail: the end token 9) -> body [1, 2, 3, 4], cuts 2 and 4
-    assert pack([[1, 2, 9], [1, 2, 3, 4, 9]], 1) == ([1, 2, 3, 4], [9], [2, 4])
-    assert pack([[1, 5, 9], [1, 2, 3, 4, 9]], 1) is None  # a tokenizer merged across the step's boundary
-    assert pack([[1, 2, 8], [1, 2, 3, 4, 9]], 1) is None  # another tail
-    assert pack([[9], [1, 9]], 1) is None and pack([[1, 9]], 0) is None  # an empty prefix; no tail known
+    # the prefixes [1, 2 | 9] and [1, 2, 3, 4 | 9] (tail: the end token 9; pad 0) -> body [1, 2, 3, 4], cuts 2, 4
+    assert pack([[1, 2, 9], [1, 2, 3, 4, 9]], 1, 0) == ([1, 2, 3, 4], [9], [2, 4])
+    assert pack([[1, 5, 9], [1, 2, 3, 4, 9]], 1, 0) is None  # a tokenizer merged across the step's boundary
+    assert pack([[1, 2, 8], [1, 2, 3, 4, 9]], 1, 0) is None  # another tail
+    assert pack([[9], [1, 9]], 1, 0) is None and pack([[1, 9]], 0, 0) is None  # an empty prefix; no tail known
+    # pad = the end token (a tokenizer without a pad): the head reads the token before it, not the packed tail
+    assert pack([[1, 2, 9], [1, 2, 3, 4, 9]], 1, 9) is None
 
 
 def test_a_texts_prefixes_share_one_forward_and_each_scores_as_it_does_alone(rm):
@@ -277,3 +279,6 @@ def test_a_texts_prefixes_share_one_forward_and_each_scores_as_it_does_alone(rm)
     assert scorer.k * sum(map(len, prefixes)) > 4 * (scorer.forwarded - before)  # what a forward per prefix read
     (unpacked,) = scorer.score_prefixes([prefixes], packed=False)
     np.testing.assert_array_equal(unpacked, alone)
+    scorer.mask_budget = 1  # a mask over budget: each text its own forward (never none), the same scores
+    (small,) = scorer.score_prefixes([prefixes])
+    np.testing.assert_allclose(small, alone, atol=1e-5)

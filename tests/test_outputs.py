@@ -152,7 +152,8 @@ def test_run_facts_leave_the_metrics_file_and_come_back_merged(tmp_path):
 
     m = {"steps": 40, "seconds": 35.7, "gen_s": 20.1, "samples_per_s": 9.0, "seconds_per_step": 0.9,
          "student_sft_seconds": 3.0, "world_size": 2, "resumed_from_step": 10, "final_reward": 0.5,
-         "phase_steps": {"warmup": 2}, "eval": {"greedy": 0.25, "seconds": 4.0}, "timing": {"total_s": 1.0}}
+         "phase_steps": {"warmup": 2}, "eval": {"greedy": 0.25, "seconds": 4.0}, "timing": {"total_s": 1.0},
+         "update_s": {"p50": 0.2, "n": 3}}
     f = tmp_path / "metrics" / "rl.json"
     write_metrics(f, m)
     assert json.loads(f.read_text()) == {"steps": 40, "final_reward": 0.5, "phase_steps": {"warmup": 2},
@@ -160,5 +161,6 @@ def test_run_facts_leave_the_metrics_file_and_come_back_merged(tmp_path):
     assert run_facts_path(f) == tmp_path / "metrics" / "rl.run.json"
     assert json.loads(run_facts_path(f).read_text()) == {
         "seconds": 35.7, "gen_s": 20.1, "samples_per_s": 9.0, "seconds_per_step": 0.9, "student_sft_seconds": 3.0,
-        "world_size": 2, "resumed_from_step": 10, "eval": {"seconds": 4.0}, "timing": {"total_s": 1.0}}
+        "world_size": 2, "resumed_from_step": 10, "eval": {"seconds": 4.0}, "timing": {"total_s": 1.0},
+        "update_s": {"p50": 0.2, "n": 3}}  # a section named like a run fact moves whole
     assert read_metrics(f) == m

@@ -97,19 +97,29 @@ def score_ids(model: torch.nn.Module, seqs: Sequence[list[int]], pad: int) -> to
     return out.logits[:, 0].float()
 
 
-def pack(prefixes: Sequence[list[int]], end: int) -> tuple[list[int], list[int], list[int]] | None:
+def pack(prefixes: Sequence[list[int]], end: int, pad: int) -> tuple[list[int], list[int], list[int]] | None:
     """``prefixes`` (the token ids of a text's prefixes, each with the text's ``end`` end-of-turn tokens, the
     whole text last) as one pack ``(body, tail, cuts)``: the whole text without its tail, the tail, and each
     prefix's length without it; None unless every prefix is exactly ``body[:cut] + tail`` (a tokenizer may merge
-    across a step's boundary: that text is then scored prefix by prefix)."""
+    across a step's boundary: that text is then scored prefix by prefix), and None when the tail holds ``pad``
+    (the head reads a text's last token that is not pad: a template ending in the end token a tokenizer also
+    pads with is read before it, which the packed read-out does not follow)."""
     whole = prefixes[-1]
     if end <= 0 or len(whole) <= end:
         return None
     body, tail = whole[:-end], whole[-end:]
+    if pad in tail:
+        return None
     cuts = [len(x) - end for x in prefixes]
     if any(c <= 0 or x[-end:] != tail or x[:-end] != body[:c] for x, c in zip(prefixes, cuts, strict=True)):
         return None
     return body, tail, cuts
+
+
+def _width(p: tuple[list[int], list[int], list[int]]) -> int:
+    """The tokens of a pack's forward: its body, and its tail once per prefix."""
+    body, tail, cuts = p
+    return len(body) + len(cuts) * len(tail)
 
 
 def score_packed(model: torch.nn.Module, packs: Sequence[tuple[list[int], list[int], list[int]]], pad: int
@@ -120,7 +130,7 @@ def score_packed(model: torch.nn.Module, packs: Sequence[tuple[list[int], list[i
     itself (a 4D mask), so the head at its last token reads what prefix j's own forward reads there."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    width = max(len(b) + len(c) * len(t) for b, t, c in packs)
+    width = max(map(_width, packs))
     ids = torch.full((len(packs), width), pad, dtype=torch.long)
     pos = torch.zeros((len(packs), width), dtype=torch.long)
     seen = torch.zeros((len(packs), 1, width, width), dtype=torch.bool)
@@ -156,6 +166,10 @@ class RewardScorer:
         self.forwarded = 0  # tokens read by the members' forwards (each member's), for benchmarks and tests
         probe = [encode(tok, "q", c) for c in ("a", "b b")]  # the end-of-turn tokens: their common tail
         self.tail = next((i for i in range(min(map(len, probe))) if probe[0][-1 - i] != probe[1][-1 - i]), 0)
+        cfg = members[0].config  # packing needs the head apart from the trunk, and full attention
+        self.packs = all(hasattr(m, "score") and hasattr(m, "base_model") for m in members) and \
+            not getattr(cfg, "sliding_window", None)
+        self.mask_budget = 2**27  # mask elements (B x width^2) a packed forward may hold: 256 MiB in bf16
 
     @property
     def k(self) -> int:
@@ -190,8 +204,10 @@ class RewardScorer:
         """``[S_i, K]`` scores of each text's prefixes (token ids, each with its end tokens, the whole text last),
         the same as ``score_seqs`` of every prefix: ``packed``, a text's prefixes share one forward
         (``score_packed``: tokens linear in the steps, where a forward per prefix reads quadratically many); a
-        text the packing does not hold for (``pack``) is scored prefix by prefix."""
-        packs = {i: p for i, t in enumerate(texts) if packed and len(t) > 1 and (p := pack(t, self.tail))}
+        text the packing does not hold for (``pack``), and every text of a model with sliding-window attention (a
+        custom mask bypasses the window) or without a separate head, is scored prefix by prefix."""
+        packs = {i: p for i, t in enumerate(texts)
+                 if packed and self.packs and len(t) > 1 and (p := pack(t, self.tail, self.pad))}
         rest = [i for i in range(len(texts)) if i not in packs]
         flat = [x for i in rest for x in texts[i]]
         scored = self.score_seqs(flat) if flat else np.zeros((0, self.k), dtype=np.float32)
@@ -199,10 +215,15 @@ class RewardScorer:
         at = 0
         for i in rest:
             out[i], at = scored[at : at + len(texts[i])], at + len(texts[i])
-        order = sorted(packs, key=lambda i: len(packs[i][0]))
-        for a in range(0, len(order), self.batch_size):
-            chunk = order[a : a + self.batch_size]
-            self.forwarded += self.k * sum(len(packs[i][0]) + len(packs[i][2]) * len(packs[i][1]) for i in chunk)
+        chunks: list[list[int]] = []  # batch_size texts a forward at most, the mask within mask_budget
+        for i in sorted(packs, key=lambda i: _width(packs[i])):
+            if chunks and len(chunks[-1]) < self.batch_size \
+                    and (len(chunks[-1]) + 1) * _width(packs[i]) ** 2 <= self.mask_budget:
+                chunks[-1].append(i)
+            else:
+                chunks.append([i])
+        for chunk in chunks:
+            self.forwarded += self.k * sum(_width(packs[i]) for i in chunk)
             got = [score_packed(m, [packs[i] for i in chunk], self.pad) for m in self.members]
             for j, i in enumerate(chunk):
                 out[i] = torch.stack([g[j] for g in got], dim=1).cpu().numpy()
