@@ -4,7 +4,9 @@
 differ in their timings: 15 of 17 columns before rl's pass@1 were times (issue 49, finding 6). So a stage's
 metrics are written as two files (``write_metrics``): the results, DVC's metrics file, and the run facts (how
 the run went: seconds, throughputs, world size, where it resumed) in ``metrics/<stage>.run.json``, a DVC output
-(git-tracked, replaced with the stage's other outputs) that is not a metric. ``read_metrics`` joins them, as the
+that is not a metric, replaced with the stage's other outputs. It is cached by DVC, not git-tracked: DVC keeps a
+stage whose output is ``cache: false`` (and neither a metric nor a plot) out of its run-cache (``Stage.run``'s
+``no_cache_outs``), which would end restoring a value tried before. ``read_metrics`` joins the two files, as the
 stage's ``run`` returned them; MLflow gets both (``tracking.records``).
 """
 

@@ -168,3 +168,14 @@ def test_the_tests_that_read_benchmark_files_pass_in_a_clone_with_nothing_beside
     assert r.returncode == 0, r.stdout[-4000:]
     skips = [line for line in r.stdout.splitlines() if line.startswith("SKIPPED") and "vllm" not in line]
     assert skips and all("POSTTRAIN_BENCH" in line for line in skips), skips
+
+
+def test_no_stage_output_is_uncached_unless_a_metric_or_a_plot():
+    """DVC leaves a stage with an uncached output that is neither a metric nor a plot out of its run-cache
+    (``Stage.run``: ``no_cache_outs``), so a value tried before runs again instead of being restored: the run facts
+    (metrics/<stage>.run.json) first went in as ``cache: false`` outs and the flows' run-cache test failed."""
+    for name, stage in DVC.items():
+        for out in stage.get("outs", []):
+            if isinstance(out, dict):
+                (path, opts), = out.items()
+                assert opts.get("cache", True), f"dvc.yaml stage {name!r}: {path} is cache: false outside metrics/plots"
