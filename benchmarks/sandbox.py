@@ -2,7 +2,9 @@
 and on HumanEval's canonical solutions run against their own tests (all 164 must pass), at 1 and 2 workers;
 the baseline ("bare"): the same interpreter running ``print(1)`` as a plain subprocess, no sandbox; and
 "trivial-nocg": the trivial programs with no memory cgroup around the tree (the sandbox before the cgroup;
-where no cgroup can be made, "trivial" is that too).
+where no cgroup can be made, "trivial" is that too). "hung": two programs that hang (one asleep, one
+deadlocked) ahead of ``--trivial`` trivial ones at 2 workers, under the default limits with the idle watch
+(``idle_s``, posttrain/sandbox/idle.py) and without it ("hung-noidle": ``wall_s`` alone, the pool before it).
 
 Arms alternate within the run (w1, w2, w1, w2, ...) so machine noise hits both; every repeat is reported.
 Each program gets a fresh sandbox (bwrap: new namespaces, a fresh scratch tmpfs, a Python start-up).
@@ -54,8 +56,12 @@ def _memory_cgroup(on: bool) -> Iterator[None]:
         cgroup.make = make
 
 
-def arm(workers: int, programs: list[Program], memory_cgroup: bool = True) -> tuple[dict, list]:
-    cfg = SandboxCfg(workers=workers)
+HUNG = [Program("import time\ntime.sleep(1000)"),
+        Program("import threading\nlock = threading.Lock()\nlock.acquire()\nlock.acquire()")]
+
+
+def arm(workers: int, programs: list[Program], memory_cgroup: bool = True, **limits: object) -> tuple[dict, list]:
+    cfg = SandboxCfg(workers=workers, **limits)
     with _memory_cgroup(memory_cgroup), SandboxPool(cfg) as pool:
         t = time.perf_counter()
         results = pool.map(programs)
@@ -90,6 +96,7 @@ def main() -> None:
     ap.add_argument("--trivial", type=int, default=100, help="trivial programs per repeat")
     ap.add_argument("--repeats", type=int, default=3, help="alternating repeats of the trivial arms")
     ap.add_argument("--humaneval-repeats", type=int, default=1, help="alternating repeats of the HumanEval arms")
+    ap.add_argument("--hung-repeats", type=int, default=2, help="alternating repeats of the hung arms")
     args = ap.parse_args()
 
     rows, failures = [], {}
@@ -102,6 +109,10 @@ def main() -> None:
             row, _ = arm(w, trivial, memory_cgroup=False)
             rows.append({"suite": "trivial-nocg", "repeat": rep, **row})
             rows.append({"suite": "bare", "repeat": rep, **bare(w, args.trivial, python)})
+    for rep in range(args.hung_repeats):
+        for suite, limits in (("hung", {}), ("hung-noidle", {"idle_s": None})):
+            row, _ = arm(2, HUNG + trivial, **limits)
+            rows.append({"suite": suite, "repeat": rep, **row})
     ids, progs = humaneval_programs(HUMANEVAL)
     for rep in range(args.humaneval_repeats):
         for w in (1, 2):

@@ -688,7 +688,7 @@ def test_a_caller_killed_by_sigkill_takes_its_sandboxes_with_it(sb):
     """The stage running the sandbox dies (SIGKILL, no cleanup): bwrap gets SIGKILL with it (--die-with-parent),
     then the launcher, then the PID namespace: the program's background process does not survive."""
     code = ("from posttrain.config import SandboxCfg\nfrom posttrain.sandbox import Sandbox\n"
-            "Sandbox(SandboxCfg(wall_s=60)).run(\"import subprocess, time\\n"
+            "Sandbox(SandboxCfg(wall_s=60, idle_s=None)).run(\"import subprocess, time\\n"
             "subprocess.Popen(['sleep', '876543'])\\ntime.sleep(60)\")\n")
     caller = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)})
     deadline = time.monotonic() + 20
@@ -701,3 +701,28 @@ def test_a_caller_killed_by_sigkill_takes_its_sandboxes_with_it(sb):
     while _host_procs("sleep 876543") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _host_procs("sleep 876543") == []
+
+
+def test_hung_programs_free_their_workers_after_idle_s_not_wall_s():
+    """Issue 49, sandbox: two hung programs (asleep, deadlocked) held both of the 2-worker pool's workers for
+    ``wall_s`` each, and everything queued behind them waited. A tree that uses no CPU for ``idle_s`` is now
+    killed (``timeout``, detail ``idle``); a busy program and a short sleep are left alone."""
+    cfg = SandboxCfg(cpu_s=5, wall_s=30, idle_s=1)
+    try:
+        pool = SandboxPool(cfg)
+    except SandboxUnavailable as e:
+        pytest.skip(str(e))
+    hung = ["import time\ntime.sleep(100)",
+            "import threading\nlock = threading.Lock()\nlock.acquire()\nlock.acquire()",
+            "import os, time\nif os.fork() == 0:\n    time.sleep(100)\nos.wait()"]  # the tree idles, not one process
+    alive = ["x = 0\nfor i in range(4 * 10**6):\n    x += i\nprint('busy')",  # ~0.3-1 CPU-s: not idle
+             "import time\ntime.sleep(0.3)\nprint('napped')", "print('quick')"]
+    t = time.monotonic()
+    with pool:
+        results = pool.map(hung + alive)
+    took = time.monotonic() - t
+    for r in results:
+        print(r.status, r.wall_s, r.detail, r.stdout.strip())
+    assert [(r.status, "idle" in r.detail) for r in results[:3]] == [("timeout", True)] * 3
+    assert [(r.status, r.stdout) for r in results[3:]] == [("ok", "busy\n"), ("ok", "napped\n"), ("ok", "quick\n")]
+    assert all(r.wall_s < 5 for r in results[:3]) and took < 15  # before: 30 s each, 60 s in all

@@ -22,6 +22,10 @@ class SandboxCfg(Section):
                          "(RLIMIT_CPU, rounded up to whole seconds): past it the process is killed (status timeout)")
     wall_s: float = Field(20.0, gt=0, le=3600, description="wall-clock seconds of the whole run, start-up "
                           "included: past it the whole process tree is killed (status timeout)")
+    idle_s: float | None = Field(5.0, gt=0, le=3600, description="seconds the whole process tree may go "
+                                 "without using the CPU (under 2% of one core over the window: asleep, blocked, "
+                                 "deadlocked) before it is killed (status timeout, detail 'idle'): a hung program "
+                                 "frees its worker instead of holding it until wall_s; null: wall_s alone")
     memory_mb: int = Field(256, ge=32, le=1_048_576, description="address space of each process in MiB "
                            "(RLIMIT_AS): an allocation past it fails (MemoryError: status memory)")
     max_procs: int = Field(16, ge=1, le=4096, description="processes and threads the program may have at once "

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from posttrain.config.sandbox import SandboxCfg
-from posttrain.sandbox import bwrap, cgroup, outcome, seccomp
+from posttrain.sandbox import bwrap, cgroup, idle, outcome, seccomp
 from posttrain.sandbox.result import Result
 
 READ = 65536
@@ -118,7 +118,9 @@ def _run(cfg: SandboxCfg, bwrap_path: str, python: str, source: str, stdin: str 
             finally:
                 os.close(block_w)
         data = stdin.encode() if isinstance(stdin, str) else stdin
-        out, err, why = _communicate(proc, data if placed else b"", t0 + cfg.wall_s, cfg.max_output_kb * 1024)
+        watch = idle.IdleWatch(proc.pid, cfg.idle_s, t0) if cfg.idle_s and idle.supported() else None
+        out, err, why = _communicate(proc, data if placed else b"", t0 + cfg.wall_s, cfg.max_output_kb * 1024,
+                                     watch)
         why, ended = why if placed else "unplaced", time.monotonic()  # (the teardown below is not the program's)
     finally:
         early += _read_ready(status_r)  # bwrap's child-pid line, written at set-up
@@ -188,9 +190,11 @@ class _Capped:
         self.over = self.over or len(chunk) > room
 
 
-def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, cap: int) -> tuple[_Capped, _Capped, str]:
-    """Feed stdin, read stdout and stderr up to ``cap`` each until both close, the deadline passes (``'wall'``)
-    or the cap is exceeded (``'output'``); then wait for bwrap to exit. Returns (out, err, why-killed-or-'')."""
+def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, cap: int,
+                 watch: idle.IdleWatch | None = None) -> tuple[_Capped, _Capped, str]:
+    """Feed stdin, read stdout and stderr up to ``cap`` each until both close, the deadline passes (``'wall'``),
+    the cap is exceeded (``'output'``) or ``watch`` finds the tree idle (its detail line, ``'idle: ...'``); then
+    wait for bwrap to exit (under the same deadline and watch). Returns (out, err, why-killed-or-'')."""
     assert proc.stdin and proc.stdout and proc.stderr
     out, err = _Capped(cap), _Capped(cap)
     sel = selectors.DefaultSelector()
@@ -204,10 +208,12 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, cap: int
         proc.stdin.close()
     try:
         while sel.get_map():
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 return out, err, "wall"
-            for key, _ in sel.select(left):
+            if watch is not None and watch.idle(now):
+                return out, err, watch.detail()
+            for key, _ in sel.select(min(deadline - now, watch.tick) if watch else deadline - now):
                 if key.data is None:  # stdin writable
                     try:
                         view = view[os.write(key.fd, view[:READ]):]
@@ -224,11 +230,17 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, cap: int
                 key.data.add(chunk)
                 if key.data.over:
                     return out, err, "output"
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            return out, err, "wall"
-        return out, err, ""
+        while True:  # both pipes closed (a program may close them and go on)
+            now = time.monotonic()
+            if now >= deadline:
+                return out, err, "wall"
+            if watch is not None and watch.idle(now):
+                return out, err, watch.detail()
+            try:
+                proc.wait(min(deadline - now, watch.tick) if watch else deadline - now)
+                return out, err, ""
+            except subprocess.TimeoutExpired:
+                continue
     finally:
         sel.close()
 

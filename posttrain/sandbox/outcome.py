@@ -63,6 +63,8 @@ def classify(cfg: SandboxCfg, returncode: int, status: dict[str, int], report: t
                                       f"kernel's OOM killer ended {oom} of its processes (memory cgroup)")
     if why == "wall":
         return result("timeout", None, "wall-clock limit: the process tree was killed")
+    if why.startswith("idle"):  # the parent's idle watch (posttrain/sandbox/idle.py): its own audit line
+        return result("timeout", None, why)
     if why == "output":
         return result("output_limit", None, "output past max_output_kb: the process tree was killed")
     if report is None:
