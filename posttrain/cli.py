@@ -289,6 +289,11 @@ def lineage(target: str = typer.Argument(..., help="a DVC output path (or a file
         con = Console()
         from posttrain.lineage.render import tree_view
 
+        if tree.at is not None:
+            from posttrain.revisions import describe
+
+            con.print(f"traced in the dvc.lock of {describe(root, tree.at)}, not the workspace's: "
+                      "--verify checks the bytes DVC's cache (and git) keep for it")
         con.print(tree_view(tree, verify))
         if used_by:
             con.print(f"consumed by (downstream of {target}): {', '.join(used_by)}")

@@ -17,7 +17,6 @@ Files are read at each revision without a checkout: git-tracked ones with ``git 
 from __future__ import annotations
 
 import json
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import yaml
 
 from posttrain import metrics as M
 from posttrain.errors import StageError
+from posttrain.revisions import dvc_file, git_file, resolve
 from posttrain.runfacts import is_run_fact
 
 
@@ -40,37 +40,6 @@ class Comparison:
     params: dict[str, list[Any]] = field(default_factory=dict)
     stages: dict[str, list[str]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-
-
-def _git(root: Path, *args: str) -> str | None:
-    r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
-    return r.stdout if r.returncode == 0 else None
-
-
-def resolve(root: Path, name: str) -> str:
-    """The commit of a git revision or of a DVC experiment named ``name``; a ``StageError`` naming it if neither."""
-    sha = _git(root, "rev-parse", "--verify", "--quiet", f"{name}^{{commit}}")
-    if sha:
-        return sha.strip()
-    refs = _git(root, "for-each-ref", "--format=%(refname) %(objectname)", "refs/exps") or ""
-    hits = [line.split()[1] for line in refs.splitlines() if line.split()[0].rsplit("/", 1)[-1] == name]
-    if len(hits) == 1:
-        return hits[0]
-    raise StageError(f"{name!r} is neither a git revision nor a DVC experiment of {root}"
-                     + (f" ({len(hits)} experiments have that name)" if hits else ""))
-
-
-def _git_file(root: Path, rev: str, path: str) -> str | None:
-    return _git(root, "show", f"{rev}:{path}")
-
-
-def _dvc_file(root: Path, rev: str, path: str) -> str | None:
-    import dvc.api
-
-    try:
-        return dvc.api.read(path, repo=str(root), rev=rev)
-    except Exception:  # noqa: BLE001 - not tracked at that revision, or not in the local cache: no such file
-        return None
 
 
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -100,14 +69,14 @@ def compare(root: Path, a: str, b: str, n_boot: int = 1000, seed: int = 0) -> Co
     """Compare revisions ``a`` and ``b`` of the repository at ``root`` (see the module docstring)."""
     revs = {a: resolve(root, a), b: resolve(root, b)}
     ra, rb = revs[a], revs[b]
-    texts = {r: _git_file(root, r, "params.yaml") for r in (ra, rb)}
+    texts = {r: git_file(root, r, "params.yaml") for r in (ra, rb)}
     if any(t is None for t in texts.values()):
         raise StageError(f"no params.yaml at {a if texts[ra] is None else b}")
     pa, pb = (yaml.safe_load(texts[r]) or {} for r in (ra, rb))
     out = Comparison(revs)
     fa, fb = _flat(pa), _flat(pb)
     out.params = {k: [fa.get(k), fb.get(k)] for k in sorted(set(fa) | set(fb)) if fa.get(k) != fb.get(k)}
-    locks = {r: yaml.safe_load(_git_file(root, r, "dvc.lock") or "{}") or {} for r in (ra, rb)}
+    locks = {r: yaml.safe_load(git_file(root, r, "dvc.lock") or "{}") or {} for r in (ra, rb)}
     sa, sb = locks[ra].get("stages", {}), locks[rb].get("stages", {})
     for name in sorted(set(sa) | set(sb)):
         oa = {o["path"]: o.get("md5") for o in sa.get(name, {}).get("outs", [])}
@@ -122,8 +91,8 @@ def compare(root: Path, a: str, b: str, n_boot: int = 1000, seed: int = 0) -> Co
     dir_a = (pa.get("paths") or {}).get("eval_report_dir", "reports/evaluate")
     dir_b = (pb.get("paths") or {}).get("eval_report_dir", "reports/evaluate")
     for name in [m for m in models_a if m in models_b]:
-        ta = _dvc_file(root, ra, f"{dir_a}/models/{name}/per_problem.json")
-        tb = _dvc_file(root, rb, f"{dir_b}/models/{name}/per_problem.json")
+        ta = dvc_file(root, ra, f"{dir_a}/models/{name}/per_problem.json")
+        tb = dvc_file(root, rb, f"{dir_b}/models/{name}/per_problem.json")
         if ta is None or tb is None:
             out.warnings.append(f"{name}: no evaluation at {a if ta is None else b} in the local cache "
                                 "(dvc pull, or run it there)")

@@ -34,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from posttrain import revisions
 from posttrain.config import stage_metrics
 from posttrain.errors import StageError
 
@@ -61,6 +62,7 @@ class Node:
     refs: dict[str, str] = field(default_factory=dict)  # params naming another stage's output: key -> path
     ran_as: dict[str, str] = field(default_factory=dict)  # the run's slurm.* tags (job id, nodes, restarts,
     # version), container.* tags (the image) and its CUDA version: where the stage ran, when a job or an image
+    at: str | None = None  # the commit whose dvc.lock this node comes from; None: the workspace's
 
     def to_dict(self, _seen: frozenset[str] = frozenset()) -> dict[str, Any]:
         """The tree as JSON; a stage already on the path from the root is ``{"stage": s, "above": true}`` (params
@@ -71,7 +73,7 @@ class Node:
         return {"stage": self.stage, "outs": [o.__dict__ for o in self.outs], "params_digest": self.params_digest,
                 "metrics": self.metrics, "mlflow_run_id": self.run_id, "commit": self.commit,
                 "decontamination": self.verdict, "origin": self.origin, "sources": self.sources, "pins": self.pins,
-                "refs": self.refs, "ran_as": self.ran_as,
+                "refs": self.refs, "ran_as": self.ran_as, "at": self.at,
                 "parents": [p.to_dict(seen) for p in self.parents]}
 
 
@@ -145,10 +147,6 @@ def load_lock(root: Path) -> dict[str, Any]:
     return yaml.safe_load(lock.read_text())["stages"]
 
 
-def _md5(entry: dict[str, Any]) -> str:
-    return entry.get("md5") or entry.get("hash") or ""
-
-
 def _under(path: str, out: str) -> bool:
     return path == out or path.startswith(out.rstrip("/") + "/")
 
@@ -165,15 +163,18 @@ def producer(lock: dict[str, Any], path: str) -> tuple[str, str] | None:
 MODEL_REF = "models:/<name>/<version> or models:/<name>@<alias>"
 
 
-def resolve(root: Path, target: str, lock: dict[str, Any], tracking_uri: str | None) -> str:
-    """A workspace path relative to ``root``; ``models:/name/version`` or ``models:/name@alias`` via MLflow.
+def resolve(root: Path, target: str, lock: dict[str, Any], tracking_uri: str | None) -> tuple[str, str | None]:
+    """(path relative to ``root``, commit) of ``target``: a workspace path (commit None: the workspace's
+    ``dvc.lock``); ``models:/name/version`` or ``models:/name@alias`` via MLflow, to the output whose hash the
+    version carries, in the workspace's ``lock`` (commit None) or else in the newest commit of any ref whose
+    ``dvc.lock`` holds it (an earlier pipeline state, a ``dvc exp run`` experiment's commit under ``refs/exps``).
     Anything else (a path outside the repo, a malformed or unknown model reference) is a :class:`StageError`."""
     if not target.startswith("models:/"):
         p = Path(target)
         if not p.is_absolute():
-            return str(p)
+            return str(p), None
         try:
-            return str(p.resolve().relative_to(root.resolve()))
+            return str(p.resolve().relative_to(root.resolve())), None
         except ValueError:
             raise StageError(f"{target}: outside the repository {root.resolve()}") from None
     ref = target.removeprefix("models:/")
@@ -193,19 +194,41 @@ def resolve(root: Path, target: str, lock: dict[str, Any], tracking_uri: str | N
         raise StageError(f"{target}: not in the model registry at {tracking_uri} "
                          f"({str(e).splitlines()[0][:160]})") from None
     md5 = mv.tags.get("dvc_md5", "")
-    for e in lock.values():
-        for o in e.get("outs", []):
-            if _md5(o) == md5:
-                return o["path"]
-    raise StageError(f"{target}: its dvc_md5 {md5!r} is not an output in this dvc.lock (an older pipeline "
-                     f"state: check out the commit of its run {mv.run_id}, tag git.commit)")
+    if md5 and (path := _out_with(lock, md5)) is not None:
+        return path, None
+    rev = revisions.lock_holding(root, md5) if md5 else None
+    if rev is not None and (path := _out_with(revisions.lock_at(root, rev), md5)) is not None:
+        return path, rev
+    raise StageError(f"{target}: its dvc_md5 {md5!r} is an output of no dvc.lock in this repository, workspace, "
+                     f"branches or experiments (its run {mv.run_id} ran in another clone, or the commit is gone)")
 
 
-def _key_metrics(root: Path, stage: str, metrics_dir: str) -> dict[str, Any]:
-    f = root / stage_metrics(metrics_dir, stage)
-    if not f.is_file():
+def _out_with(lock: dict[str, Any], md5: str) -> str | None:
+    return next((o["path"] for e in lock.values() for o in e.get("outs", []) if revisions.out_md5(o) == md5), None)
+
+
+class Files:
+    """Reads the files of one pipeline state: the workspace (``rev`` None), or commit ``rev`` without a checkout:
+    git-tracked files from git, files inside a DVC-cached output from the local cache (``out_hash``)."""
+
+    def __init__(self, root: Path, rev: str | None) -> None:
+        self.root, self.rev = root, rev
+
+    def text(self, path: str, out_hash: str = "", rel: str = "") -> str | None:
+        """``path`` (git-tracked), or ``rel`` inside the output ``path`` whose hash is ``out_hash``."""
+        if self.rev is None:
+            f = self.root / path / rel if rel else self.root / path
+            return f.read_text() if f.is_file() else None
+        if rel:
+            return revisions.cached_file(self.root, out_hash, rel)
+        return revisions.git_file(self.root, self.rev, path)
+
+
+def _key_metrics(files: Files, stage: str, metrics_dir: str) -> dict[str, Any]:
+    text = files.text(str(stage_metrics(metrics_dir, stage)))
+    if text is None:
         return {}
-    data = json.loads(f.read_text())
+    data = json.loads(text)
     if stage.startswith("evaluate@"):  # {split: summary} of one model
         return {split: {k: v.get(k) for k in ("greedy", "pass@1", "generator") if k in v}
                 for split, v in data.items() if isinstance(v, dict)}
@@ -213,23 +236,21 @@ def _key_metrics(root: Path, stage: str, metrics_dir: str) -> dict[str, Any]:
     return {"generator": data["generator"], **keep} if isinstance(data.get("generator"), str) else keep
 
 
-def _verdict(root: Path, lock_entry: dict[str, Any]) -> str | None:
+def _verdict(files: Files, lock_entry: dict[str, Any]) -> str | None:
     for o in lock_entry.get("outs", []):
-        f = root / o["path"] / "decontamination.json"
-        if f.is_file():
-            d = json.loads(f.read_text())
+        if (text := files.text(o["path"], revisions.out_md5(o), "decontamination.json")) is not None:
+            d = json.loads(text)
             bench = ", ".join(d.get("benchmarks", {})) or "none"
             return (f"{d.get('contaminated_rows', '?')} of {d.get('rows_checked', '?')} rows dropped as contaminated "
                     f"({d.get('ngram')}-gram overlap >= {d.get('threshold')}; against: {bench}); report: {o['path']}")
     return None
 
 
-def _origin(root: Path, lock_entry: dict[str, Any]) -> dict[str, Any] | None:
+def _origin(files: Files, lock_entry: dict[str, Any]) -> dict[str, Any] | None:
     """The ``source`` record of a model folder's ``manifest.json`` (the model stage writes one), if any out has it."""
     for o in lock_entry.get("outs", []):
-        f = root / o["path"] / "manifest.json"
-        if f.is_file():
-            src = json.loads(f.read_text()).get("source")
+        if (text := files.text(o["path"], revisions.out_md5(o), "manifest.json")) is not None:
+            src = json.loads(text).get("source")
             return src if isinstance(src, dict) else None
     return None
 
@@ -282,7 +303,10 @@ class Runs:
 def trace(root: Path, target: str, metrics_dir: str = "metrics", tracking_uri: str | None = None) -> Node:
     """The lineage tree of ``target`` (see module docstring)."""
     lock = load_lock(root)
-    path = resolve(root, target, lock, tracking_uri)
+    path, rev = resolve(root, target, lock, tracking_uri)
+    if rev is not None:
+        lock = revisions.lock_at(root, rev)
+    files = Files(root, rev)
     hit = producer(lock, path)
     if hit is None:
         raise StageError(f"{path}: not an output of any stage in dvc.lock")
@@ -293,10 +317,10 @@ def trace(root: Path, target: str, metrics_dir: str = "metrics", tracking_uri: s
         if stage in seen:
             return seen[stage]
         e = lock[stage]
-        outs = [Out(o["path"], _md5(o)) for o in e.get("outs", [])]
+        outs = [Out(o["path"], revisions.out_md5(o)) for o in e.get("outs", [])]
         params = json.dumps(e.get("params", {}), sort_keys=True)
-        n = Node(stage, outs, hashlib.sha256(params.encode()).hexdigest()[:12], _key_metrics(root, stage, metrics_dir),
-                 verdict=_verdict(root, e), origin=_origin(root, e),
+        n = Node(stage, outs, hashlib.sha256(params.encode()).hexdigest()[:12], _key_metrics(files, stage, metrics_dir),
+                 verdict=_verdict(files, e), origin=_origin(files, e), at=rev,
                  pins={k: v for file in e.get("params", {}).values() for k, v in pins(file).items()})  # per params file
         run = runs.find(stage, outs)
         if run is not None:

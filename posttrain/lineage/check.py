@@ -1,6 +1,8 @@
 """``verify``: recompute the hash of every output of a lineage tree (``posttrain.lineage.trace``) and compare it
 with ``dvc.lock``: a file's md5, or for a folder each file's md5 against DVC's ``.dir`` manifest in the cache, so
-a mismatch names the changed, missing or extra file (without the manifest, DVC's folder hash as a whole)."""
+a mismatch names the changed, missing or extra file (without the manifest, DVC's folder hash as a whole). A tree
+traced at another commit (a registered version from an experiment or an earlier state) is checked against the
+bytes kept for it: DVC's local cache, or git for ``cache: false`` outputs."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 
 from posttrain.digests import sha256_file, wheel_cache
 from posttrain.lineage import Node, Out
+from posttrain.revisions import cache_object, git_bytes
 
 
 def _file_md5(p: Path) -> str:
@@ -29,7 +32,7 @@ def verify_out(root: Path, out: Out) -> str | None:
     if not out.md5.endswith(".dir"):
         got = _file_md5(p)
         return None if got == out.md5 else f"{out.path}: md5 {got} != {out.md5} in dvc.lock"
-    manifest = root / ".dvc" / "cache" / "files" / "md5" / out.md5[:2] / out.md5[2:]
+    manifest = cache_object(root, out.md5)
     if manifest.is_file():
         want = {e["relpath"]: e["md5"] for e in json.loads(manifest.read_text())}
         have = {str(f.relative_to(p)): f for f in sorted(p.rglob("*")) if f.is_file()}
@@ -49,6 +52,30 @@ def verify_out(root: Path, out: Out) -> str | None:
     return None
 
 
+def verify_at(root: Path, rev: str, out: Out) -> str | None:
+    """None when the bytes ``dvc.lock`` at commit ``rev`` records for ``out`` are still here: a cached output's
+    objects in DVC's local cache (each file of a folder re-hashed against its manifest), a git-tracked one
+    (``cache: false``) in git at ``rev``; otherwise what is missing or differs, naming the file."""
+    obj = cache_object(root, out.md5)
+    if not obj.is_file():
+        raw = git_bytes(root, rev, out.path)
+        if raw is None:
+            return f"{out.path}: {out.md5} is neither in the local DVC cache nor in git at {rev[:10]} (dvc pull)"
+        got = hashlib.md5(raw).hexdigest()
+        return None if got == out.md5 else f"{out.path}: md5 {got} != {out.md5} in git at {rev[:10]}"
+    if not out.md5.endswith(".dir"):
+        got = _file_md5(obj)
+        return None if got == out.md5 else f"{out.path}: cache object md5 {got} != {out.md5}"
+    problems = []
+    for e in json.loads(obj.read_text()):
+        f = cache_object(root, e["md5"])
+        if not f.is_file():
+            problems.append(f"{out.path}/{e['relpath']}: not in the local DVC cache (dvc pull)")
+        elif (got := _file_md5(f)) != e["md5"]:
+            problems.append(f"{out.path}/{e['relpath']}: cache object changed (md5 {got} != {e['md5']})")
+    return "; ".join(problems) or None
+
+
 def verify_origin(src: dict[str, Any] | None) -> str | None:
     """A wheel the manifest names, re-hashed where this machine's cache holds it (``imports.cache_dir``): None when
     it matches (or is not cached here: DVC's hash of the folder still covers the manifest that names it)."""
@@ -62,7 +89,8 @@ def verify_origin(src: dict[str, Any] | None) -> str | None:
 
 
 def verify(root: Path, tree: Node) -> list[str]:
-    """Check every output of every node; sets ``Out.problem``; returns the problems."""
+    """Check every output of every node (in the workspace; for a tree traced at a commit, :func:`verify_at`);
+    sets ``Out.problem``; returns the problems."""
     problems, done = [], set()
 
     def walk(n: Node) -> None:
@@ -70,7 +98,7 @@ def verify(root: Path, tree: Node) -> list[str]:
             return
         done.add(n.stage)
         for o in n.outs:
-            o.problem = verify_out(root, o)
+            o.problem = verify_out(root, o) if n.at is None else verify_at(root, n.at, o)
             if o.problem:
                 problems.append(o.problem)
         if (bad := verify_origin(n.origin)) is not None:
