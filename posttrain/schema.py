@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from posttrain.errors import StageError
@@ -73,8 +72,9 @@ ROLLOUT_SCHEMA = pa.schema(
         ("answer", pa.string()),
         ("task", pa.string()),
         ("completion", pa.string()),
-        ("token_ids", pa.list_(pa.int32())),
-        ("logprobs", pa.list_(pa.float32())),  # sampler log-prob of each token in token_ids
+        ("token_ids", pa.list_(pa.int32())),  # null where not kept: rollout.keep_tokens, rl.shard_tokens
+        ("logprobs", pa.list_(pa.float32())),  # sampler log-prob of each token in token_ids (null: as token_ids)
+        ("num_tokens", pa.int32()),  # len(token_ids), kept either way: what lengths are read from
         ("finish_reason", pa.string()),
         ("policy", pa.string()),  # digest of the weights that sampled it (+ "@step<N>" inside rl)
         ("temperature", pa.float32()),
@@ -92,6 +92,8 @@ REWARD_SCHEMA = pa.schema([("prompt_id", pa.string()), ("sample", pa.int32()),
 SHARD_SCHEMA = (SCORED_SCHEMA.append(pa.field("step", pa.int32())).append(pa.field("advantage", pa.float32()))
                 .append(pa.field("used", pa.bool_())))  # used = entered the update (not skipped/unscorable)
 
+PER_TOKEN = ("token_ids", "logprobs", "loss_mask")  # left null where per-token data is not kept (rollout.keep_tokens,
+# rl.shard_tokens): num_tokens, the text, the rewards stay
 TOOL_FIELDS = [pa.field("loss_mask", pa.list_(pa.int8())),  # 1: a model token of token_ids, 0: an observation's
                pa.field("tool_calls", pa.int32()),  # tool calls the completion made
                pa.field("model_text", pa.string()),  # the model's turns alone: what rewards score
@@ -193,22 +195,15 @@ def batches(f: pq.ParquetFile, batch_rows: int, columns: Sequence[str] | None = 
         yield from f.iter_batches(batch_size=batch_rows, columns=columns, row_groups=[rg])
 
 
-def iter_rows(path: str | Path, columns: Sequence[str] | None = None, batch_rows: int = BATCH_ROWS,
-              lengths: dict[str, str] | None = None) -> Iterator[list[dict[str, Any]]]:
+def iter_rows(path: str | Path, columns: Sequence[str] | None = None,
+              batch_rows: int = BATCH_ROWS) -> Iterator[list[dict[str, Any]]]:
     """The rows of a Parquet file (only ``columns``; None: all), a record batch of ``batch_rows`` at a time, as
-    lists of dicts: what a stage that streams a dataset converts, one batch alive at a time. ``lengths`` (list
-    column -> name): those columns are read as their lengths only, under the new name (``{"token_ids":
-    "num_tokens"}``: a reader that counts tokens never turns a token id into a Python int)."""
+    lists of dicts: what a stage that streams a dataset converts, one batch alive at a time."""
     f = parquet_file(path)
-    lengths = lengths or {}
-    missing = sorted((set(columns or ()) | set(lengths)) - set(f.schema_arrow.names))
+    missing = sorted(set(columns or ()) - set(f.schema_arrow.names))
     if missing:
         raise StageError(f"{path}: missing columns {missing}")
-    read = [*columns, *lengths] if columns else None
-    for batch in batches(f, batch_rows, read):
-        for col, name in lengths.items():
-            i = batch.schema.get_field_index(col)
-            batch = batch.set_column(i, name, pc.list_value_length(batch.column(i)))
+    for batch in batches(f, batch_rows, columns):
         yield batch.to_pylist()
 
 

@@ -205,9 +205,8 @@ def audit_markdown(a: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-READ = ("prompt_id", "sample", "prompt", "answer", "task", "completion", "max_new_tokens",
-        "finish_reason")  # what scoring and the audit read of rollouts.parquet (not the log-probs) ...
-LENGTHS = {"token_ids": "num_tokens"}  # ... and the completions' lengths (never the token ids themselves)
+READ = ("prompt_id", "sample", "prompt", "answer", "task", "completion", "max_new_tokens", "finish_reason",
+        "num_tokens")  # what scoring and the audit read of rollouts.parquet (not the token ids or log-probs)
 # (and ``tool_calls``, ``model_text``, ``model_tokens`` where the rollouts have them: tools.enabled; what
 # ``tool_cost`` reads and what a reward scores of a multi-turn completion)
 
@@ -225,7 +224,7 @@ def score_batches(rollouts: Path, specs: Sequence[Any], batch_rows: int, pool: R
     ``score_rows`` call per batch, scored in ``pool`` (None: in this thread)."""
     names = parquet_file(rollouts).schema_arrow.names
     tools = tuple(c for c in ("tool_calls", "model_text", "model_tokens") if c in names)  # multi-turn rows
-    for rows in iter_rows(rollouts, READ + tools, batch_rows, LENGTHS):
+    for rows in iter_rows(rollouts, READ + tools, batch_rows):
         yield score_rows(rows, specs, pool)
 
 

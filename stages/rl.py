@@ -200,7 +200,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
                                  "(rl.max_idle_steps)")
 
         shards.write_shard(shard_tmp / f"step_{step + 1:05d}.parquet", sb, adv, step + 1,
-                           with_version_field(with_tool_fields(SHARD_SCHEMA, tools), ov is not None))  # rank 0
+                           with_version_field(with_tool_fields(SHARD_SCHEMA, tools), ov is not None),
+                           cfg.shard_tokens)  # rank 0 writes
         first = sb.first_round().numpy()  # [B * G, 3]: the step's on-policy sample of the prompt set
         reward, scorable = first[:, collect.REWARD], ~np.isnan(first[:, collect.REWARD])
         n_samples = sb.stats.shape[0] * g  # every completion sampled this step: refills and prior extras too

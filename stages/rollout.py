@@ -45,7 +45,7 @@ from posttrain.outputs import as_one_set
 from posttrain.rollout import BACKENDS, ModelFolder, SamplingParams, generator, sample_chunks
 from posttrain.runfacts import write_metrics
 from posttrain.runner import stage_main
-from posttrain.schema import ROLLOUT_SCHEMA, read_columns, with_tool_fields
+from posttrain.schema import PER_TOKEN, ROLLOUT_SCHEMA, read_columns, with_tool_fields
 from posttrain.streaming import PartialParquet
 from posttrain.tools import with_tools
 from stages.layout import NEEDS
@@ -113,16 +113,16 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
         t0 = time.time()
         try:
             for c, rows in sample_chunks(backend, tok, chunks, g, sp, policy, bar):
-                partial.write(c, rows)
-                made, made_tokens = made + len(rows), made_tokens + sum(len(r["token_ids"]) for r in rows)
+                partial.write(c, rows if cfg.keep_tokens else [{**r, **dict.fromkeys(PER_TOKEN)} for r in rows])
+                made, made_tokens = made + len(rows), made_tokens + sum(r["num_tokens"] for r in rows)
         finally:  # an error (not a kill) keeps what was sampled
             partial.flush()
         bar.close()
     seconds = max(time.time() - t0, 1e-9)
     samples = partial.assemble(out["rollouts"])
     tokens = truncated = 0
-    for b in partial.batches(columns=["token_ids", "finish_reason"]):
-        tokens += pc.sum(pc.list_value_length(b.column("token_ids"))).as_py() or 0
+    for b in partial.batches(columns=["num_tokens", "finish_reason"]):
+        tokens += pc.sum(b.column("num_tokens")).as_py() or 0
         truncated += pc.sum(pc.equal(b.column("finish_reason"), "length")).as_py() or 0
     metrics = {"prompts": len(order), "train_prompts": n_train, "samples": samples, "seconds": round(seconds, 2),
                "samples_per_s": round(made / seconds, 1), "tokens_per_s": round(made_tokens / seconds, 1),

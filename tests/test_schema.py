@@ -84,15 +84,3 @@ def test_batched_writes_are_the_bytes_of_one_table_and_reads_stream(tmp_path, mo
     assert schema.read_problems(tmp_path / "a.parquet") == rows
     with pytest.raises(StageError, match=r"missing columns \['nope'\]"):
         schema.read_columns(tmp_path / "a.parquet", ["id", "nope"])
-
-
-def test_list_columns_can_be_read_as_their_lengths_only(tmp_path):
-    """The reward stage counts completion tokens: ``lengths`` reads ``token_ids`` as its lengths (3, 0, 2 here)
-    under ``num_tokens``, and no row carries the ids."""
-    rows = [{"id": "a", "token_ids": [1, 2, 3]}, {"id": "b", "token_ids": []}, {"id": "c", "token_ids": [7, 8]}]
-    import pyarrow as pa
-
-    sch = pa.schema([("id", pa.string()), ("token_ids", pa.list_(pa.int32()))])
-    schema.write_parquet(tmp_path / "r.parquet", rows, sch)
-    got = [r for b in schema.iter_rows(tmp_path / "r.parquet", ["id"], 2, {"token_ids": "num_tokens"}) for r in b]
-    assert got == [{"id": "a", "num_tokens": 3}, {"id": "b", "num_tokens": 0}, {"id": "c", "num_tokens": 2}]

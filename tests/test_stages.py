@@ -272,7 +272,9 @@ def test_rollout_reward_rl_then_evaluate(tiny, monkeypatch, tmp_path):
     rows = read_parquet(o["rollout"]["rollouts"])
     assert m["samples"] == len(rows) == 8 * 4
     assert {r["sample"] for r in rows} == {0, 1, 2, 3}
-    assert all(len(r["token_ids"]) == len(r["logprobs"]) for r in rows)
+    # rollout.keep_tokens false (issue 50, storage): no token ids or log-probs, which no stage reads; lengths kept
+    assert all(r["token_ids"] is None and r["logprobs"] is None and r["num_tokens"] > 0 for r in rows)
+    assert m["mean_len"] == pytest.approx(sum(r["num_tokens"] for r in rows) / len(rows), abs=0.01)
     assert len({r["policy"] for r in rows}) == 1 and len(rows[0]["policy"]) == 16  # weight digest
 
     m = reward.run(p, {"rollouts": o["rollout"]["rollouts"]}, o["reward"])
@@ -338,8 +340,8 @@ def test_reward_stage_fails_on_unscorable_share(tiny, tmp_path):
 
     p = parse_params(tiny)
     row = {"prompt_id": "x:0", "sample": 0, "prompt": "12*3=", "answer": "n/a", "task": "arith",
-           "completion": "answer: 36", "token_ids": [1, 2], "logprobs": [-0.1, -0.2], "finish_reason": "stop",
-           "policy": "p", "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 24, "seed": 0}
+           "completion": "answer: 36", "token_ids": [1, 2], "logprobs": [-0.1, -0.2], "num_tokens": 2,
+           "finish_reason": "stop", "policy": "p", "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 24, "seed": 0}
     write_parquet(tmp_path / "r.parquet", [row], ROLLOUT_SCHEMA)
     with pytest.raises(StageError, match="unscorable share 1.000"):
         reward.run(p, {"rollouts": tmp_path / "r.parquet"}, _outs(p)["reward"])
@@ -354,8 +356,8 @@ def test_reward_stage_streams_batches_with_groups_across_their_edges(tiny, tmp_p
     p = parse_params(tiny)
     rows = [{"prompt_id": f"x:{i}", "sample": j, "prompt": f"1{i}*3=", "answer": str(3 * (10 + i)), "task": "arith",
              "completion": f"answer: {3 * (10 + i) + (j % 2) * (i % 3)}", "token_ids": [1] * (j + 2),
-             "logprobs": [-0.1] * (j + 2), "finish_reason": "stop", "policy": "p", "temperature": 1.0, "top_p": 1.0,
-             "max_new_tokens": 24, "seed": 0} for i in range(5) for j in range(4)]
+             "logprobs": [-0.1] * (j + 2), "num_tokens": j + 2, "finish_reason": "stop", "policy": "p",
+             "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 24, "seed": 0} for i in range(5) for j in range(4)]
     write_parquet(tmp_path / "r.parquet", rows, ROLLOUT_SCHEMA)
     outs = {}
     for n in (8192, 3):

@@ -146,6 +146,15 @@ def test_a_multi_turn_step_replays_from_its_shard(tmp_path, char_format):
     assert all(torch.allclose(x, y, atol=1e-7) for x, y in zip(g_live, g_replay, strict=True))
     assert m_replay["loss"] == pytest.approx(m_live["loss"], abs=1e-7)
 
+    # rl.shard_tokens: false (issue 50, storage): the per-token columns null, every other column as written above
+    shards.write_shard(tmp_path / "lean.parquet", sb, adv, 1, with_tool_fields(SHARD_SCHEMA, True), tokens=False)
+    lean = read_parquet(tmp_path / "lean.parquet")
+    assert all(r[k] is None for r in lean for k in ("token_ids", "logprobs", "loss_mask"))
+    assert [r["num_tokens"] for r in lean] == [len(r["token_ids"]) for r in rows]
+    per_token = {"token_ids", "logprobs", "loss_mask"}
+    assert [{k: v for k, v in r.items() if k not in per_token} for r in lean] == [
+        {k: v for k, v in r.items() if k not in per_token} for r in rows]
+
 
 @pytest.mark.slow  # over 2 s: out of the fast suite
 def test_rollout_rl_and_evaluate_stages_run_tool_rollouts(tiny, char_format):
@@ -154,6 +163,7 @@ def test_rollout_rl_and_evaluate_stages_run_tool_rollouts(tiny, char_format):
     from stages import curate, evaluate, reward, rl, rollout, sft
 
     tiny["tools"].update(enabled=True, names=["calc"])
+    tiny["rollout"]["keep_tokens"] = True  # the per-token columns (loss masks among them) kept for the audit below
     for phase in ("warmup", "on_policy"):
         tiny["distill"][phase]["steps"] = 0
     tiny["distill"]["grpo_steps"] = 0
@@ -164,7 +174,7 @@ def test_rollout_rl_and_evaluate_stages_run_tool_rollouts(tiny, char_format):
     sft.run(p, *sft.paths(p))
     rollout.run(p, *rollout.paths(p))
     rows = read_parquet(rollout.paths(p)[1]["rollouts"])
-    assert all(len(r["loss_mask"]) == len(r["token_ids"]) for r in rows)
+    assert all(len(r["loss_mask"]) == len(r["token_ids"]) == r["num_tokens"] for r in rows)
     assert sum(r["tool_calls"] for r in rows) > 0 and any(0 in r["loss_mask"] for r in rows)
     reward.run(p, *reward.paths(p))
     m = rl.run(p, *rl.paths(p))

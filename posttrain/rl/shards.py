@@ -19,7 +19,7 @@ import torch
 from posttrain import distributed
 from posttrain.outputs import atomic_path
 from posttrain.rl.collect import StepBatch
-from posttrain.schema import SHARD_SCHEMA
+from posttrain.schema import PER_TOKEN, SHARD_SCHEMA
 
 
 def _ipc(table: pa.Table) -> bytes:
@@ -29,15 +29,18 @@ def _ipc(table: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def write_shard(path: Path, sb: StepBatch, adv: torch.Tensor, step: int, schema: pa.Schema = SHARD_SCHEMA) -> None:
+def write_shard(path: Path, sb: StepBatch, adv: torch.Tensor, step: int, schema: pa.Schema = SHARD_SCHEMA,
+                tokens: bool = True) -> None:
     """Write the step's rows to ``path`` (rank 0; every rank must call it). ``adv``: the advantages
     [len(sb.used), G] of ``update.update_from_groups``; rows of groups not used get none. ``schema``: with
-    ``schema.with_tool_fields`` the rows' loss masks and tool-call counts too (multi-turn tool rollouts)."""
+    ``schema.with_tool_fields`` the rows' loss masks and tool-call counts too (multi-turn tool rollouts).
+    ``tokens`` (``rl.shard_tokens``): False leaves the per-token columns (``PER_TOKEN``) null, ``num_tokens`` kept."""
     d = distributed.current()
     pos = {i: k for k, i in enumerate(sb.used)}
+    drop = {} if tokens else dict.fromkeys(PER_TOKEN)
     tables = []
     for lo, hi in sb.segments:
-        rows = [{**row, "step": step, "advantage": float(adv[pos[i], j]) if i in pos else None,
+        rows = [{**row, **drop, "step": step, "advantage": float(adv[pos[i], j]) if i in pos else None,
                  "used": i in pos and row["reward"] is not None}
                 for i in range(lo, hi) for j, row in enumerate(sb.rows.get(i, []))]
         for payload in d.stream_to_main(_ipc(pa.Table.from_pylist(rows, schema=schema))):

@@ -113,7 +113,8 @@ def sample_chunks(backend: RolloutBackend, tokenizer: PreTrainedTokenizerBase,
             for j, comp in enumerate(group):
                 rows.append({"prompt_id": p["id"], "sample": j, "prompt": p["prompt"], "answer": p["answer"],
                              "task": p["task"], "completion": comp.text, "token_ids": comp.token_ids,
-                             "logprobs": comp.logprobs, "finish_reason": comp.finish_reason, "policy": policy,
+                             "logprobs": comp.logprobs, "num_tokens": len(comp.token_ids),
+                             "finish_reason": comp.finish_reason, "policy": policy,
                              "temperature": sp.temperature, "top_p": sp.top_p, "max_new_tokens": sp.max_new_tokens,
                              "seed": sp.seed})
                 if comp.loss_mask is not None:  # a multi-turn tool rollout (schema.with_tool_fields)
