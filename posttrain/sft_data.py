@@ -47,6 +47,7 @@ from transformers import PreTrainedTokenizerBase
 
 from posttrain import distributed, logprobs
 from posttrain.config import ToolsCfg
+from posttrain.demos import Demos, as_table
 from posttrain.tasks import get_task
 from posttrain.tools.demos import demo_turn
 
@@ -133,7 +134,7 @@ def features(tool: bool) -> datasets.Features:
                               **({TOOL: ids, "tool_obs": ids} if tool else {})})
 
 
-def digest(tok: PreTrainedTokenizerBase, demos: Sequence[dict[str, Any]], tools: ToolsCfg | None = None) -> str:
+def digest(tok: PreTrainedTokenizerBase, demos: Demos, tools: ToolsCfg | None = None) -> str:
     """What the tokenized demos depend on: the demos, the tokenizer (its vocabulary and rules), its chat
     template and special tokens, ``ENCODING_VERSION``, and the tools section when tool demos are made."""
     h = hashlib.sha256(f"v{ENCODING_VERSION}".encode())
@@ -142,12 +143,14 @@ def digest(tok: PreTrainedTokenizerBase, demos: Sequence[dict[str, Any]], tools:
     backend = getattr(tok, "backend_tokenizer", None)
     h.update((backend.to_str() if backend is not None else json.dumps(tok.get_vocab(), sort_keys=True)).encode())
     h.update(json.dumps([tok.chat_template, tok.special_tokens_map], sort_keys=True, default=str).encode())
-    for x in demos:
-        h.update(json.dumps([x["prompt"], x["answer"], x.get("solution"), x["task"]]).encode())
+    for batch in as_table(demos).to_batches(max_chunksize=10_000):  # Python objects for one batch at a time
+        cols = [batch.column(c).to_pylist() for c in ("prompt", "answer", "solution", "task")]
+        for row in zip(*cols, strict=True):
+            h.update(json.dumps(list(row)).encode())
     return h.hexdigest()[:16]
 
 
-def tokenize(tok: PreTrainedTokenizerBase, demos: Sequence[dict[str, Any]], cache_dir: Path,
+def tokenize(tok: PreTrainedTokenizerBase, demos: Demos, cache_dir: Path,
              batch_size: int = 1000, progress: bool = True, tools: ToolsCfg | None = None) -> datasets.Dataset:
     """The demos tokenized (columns ``prompt_len``, ``cot``, ``direct``, in the demos' order; with ``tools``
     also ``tool`` and ``tool_obs``: the tool-use rendering, in ``tools.format``), from
@@ -155,6 +158,7 @@ def tokenize(tok: PreTrainedTokenizerBase, demos: Sequence[dict[str, Any]], cach
     each rank tokenizes only its contiguous shard into its own file; after a barrier every rank memory-maps
     all shards' files."""
     d = distributed.current()
+    demos = as_table(demos)
     key = digest(tok, demos, tools)
 
     def shard_file(rank: int) -> Path:
@@ -162,8 +166,7 @@ def tokenize(tok: PreTrainedTokenizerBase, demos: Sequence[dict[str, Any]], cach
 
     Path(cache_dir).mkdir(parents=True, exist_ok=True)
     cols = ("prompt", "answer", "solution", "task")
-    src = datasets.Dataset.from_dict({c: [x.get(c) for x in demos] for c in cols},
-                                     features=datasets.Features({c: datasets.Value("string") for c in cols}))
+    src = datasets.Dataset(demos.select(list(cols)))  # the Arrow table itself: no copy through Python
     quiet = not progress and not datasets.are_progress_bars_disabled()
     if quiet:
         datasets.disable_progress_bars()

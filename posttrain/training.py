@@ -21,12 +21,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
+import pyarrow as pa
 import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_cosine_schedule_with_warmup
 
 from posttrain import checkpoint, distributed, logprobs, modeling, seeds, sft_data
 from posttrain.config import ConfigError, ToolsCfg
+from posttrain.demos import Demos, as_table
 from posttrain.sft_data import IGNORE
 from posttrain.trainlog import TrainLog
 
@@ -177,7 +179,7 @@ def step_batch(seed: int, step: int, n_examples: int, batch_size: int, cot_frac:
 SFT_LOG_FIELDS = ["step", "phase", "loss", "lr", "grad_norm", "cot_frac"]
 
 
-def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Sequence[dict[str, Any]], cfg: Any,
+def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Demos, cfg: Any,
               seed: int, ckpt_dir: Path, fp: str, progress: bool = True, desc: str = "sft",
               log_to: TrainLog | None = None, tools: ToolsCfg | None = None) -> dict[str, Any]:
     """Supervised fine-tuning on demonstrations with the phases of ``cfg`` (``config.Sft``), resumable.
@@ -203,6 +205,8 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
     """
     d = distributed.current()
     device = next(model.parameters()).device
+    demos = as_table(demos)  # Arrow: the stages read it so, on every rank
+    demo_ids = demos.column("id")
     log_to = log_to if log_to is not None else TrainLog(None, SFT_LOG_FIELDS)
     model.train()
     total = cfg.total_steps
@@ -227,7 +231,8 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Seque
         idx, styles = step_batch(seed, step, len(data), cfg.batch_size, spec.cot_frac, spec.tool_frac)
         examples = [data.example(i, str(st)) for i, st in zip(idx, styles, strict=True)]
         kept = [int(data.keep[i]) for i in idx]  # rows of ``demos``
-        ledger.append({"step": step + 1, "ids": [str(demos[k].get("id", k)) for k in kept],
+        ids = demo_ids.take(pa.array(kept, pa.int64())).to_pylist()
+        ledger.append({"step": step + 1, "ids": [str(k if i is None else i) for i, k in zip(ids, kept, strict=True)],
                        "styles": [str(st) for st in styles]})
         if cfg.batching == "grouped":  # similar lengths share a micro-batch; exact: the loss is order-free
             examples = sft_data.group_by_length(examples, d.world)

@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from posttrain import checkpoint, distillation, distributed, modeling, plots, seeds, training
 from posttrain.config import Params, TeacherLayers
+from posttrain.demos import read_demos
 from posttrain.errors import StageError
 from posttrain.lineage.ledger import DISTILL_LEDGER, STUDENT_SFT_LEDGER, write_distill, write_sft
 from posttrain.logprobs import Seq
@@ -51,7 +52,6 @@ from posttrain.rl.prompts import PromptPool, PromptTokens
 from posttrain.rollout import BACKENDS, SamplingParams, generator, sample_rows
 from posttrain.runfacts import write_metrics
 from posttrain.runner import stage_main
-from posttrain.schema import read_problems
 from posttrain.tools import with_tools
 from posttrain.trainlog import TrainLog
 from stages.layout import NEEDS
@@ -140,7 +140,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     student = d.wrap(student, params.model.dtype)  # the training handle (the model itself in one process)
 
     # 0. the student's cold start: the teacher's own SFT recipe
-    demos = read_problems(inputs["demos"])
+    demos = read_demos(inputs["demos"])  # Arrow, as the sft stage reads it
     torch.set_num_threads(rt.train_threads)
     fp0 = checkpoint.fingerprint("student-sft", params.sft, cfg.student, cfg.student_revision, params.model.lora,
                                params.seed, checkpoint.file_digest(inputs["demos"]),

@@ -34,11 +34,11 @@ from typing import Any
 
 from posttrain import checkpoint, distributed, modeling, plots, training
 from posttrain.config import Params
+from posttrain.demos import read_demos
 from posttrain.lineage.ledger import SFT_LEDGER, write_sft
 from posttrain.outputs import as_one_set, atomic_path
 from posttrain.runfacts import write_metrics
 from posttrain.runner import stage_main
-from posttrain.schema import read_problems
 from posttrain.trainlog import TrainLog
 from stages.layout import NEEDS
 from stages.layout import sft as paths
@@ -56,9 +56,7 @@ def run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[s
 def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[str, Any]:
     d = distributed.current()
     device = modeling.resolve_device(params.runtime.device)
-    demos = read_problems(inputs["demos"])
-    if not demos:
-        raise ValueError(f"{inputs['demos']}: no demonstrations")
+    demos = read_demos(inputs["demos"])  # Arrow on every rank, never a dict per demo
     model, tok = modeling.load_base(str(inputs["base"]), params.model, meta=d.loads_on_meta)  # FSDP2: rank 0 reads
     model = modeling.make_trainable(model, params.model.lora, params.model.gradient_checkpointing)
     model = d.wrap((model if d.loads_on_meta else model.to(device)).train(), params.model.dtype)  # meta: wrap fills it
@@ -77,7 +75,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path]) -> dict[
     metrics = {
         "final_loss": log_rows[-1]["loss"],
         "steps": total, "resumed_from_step": start, "params": modeling.num_params(final),
-        "demos": len(demos), "seconds": round(elapsed, 1),
+        "demos": demos.num_rows, "seconds": round(elapsed, 1),
         "seconds_per_step": round(elapsed / max(total - start, 1), 4),
         "tokens_per_s": round(res["tokens"] / elapsed, 1) if elapsed > 0 else math.nan, "world_size": d.world,
         **res["data"],  # sft.max_seq_len: demos dropped / truncated (and tokens cut); padding_frac of the input

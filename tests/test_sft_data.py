@@ -214,3 +214,34 @@ def test_bad_sft_data_keys_name_the_key(key, value, expected):
     with pytest.raises(ConfigError, match=expected):
         parse_params(raw)
 
+
+
+def test_sft_trains_on_the_arrow_table_the_stages_read_as_on_its_rows(tmp_path):
+    """Issue 50, storage: the sft and distill stages held every demo as a Python dict on every rank
+    (``read_problems``); they now pass the Arrow table ``read_demos`` reads from sft.parquet. The same weights,
+    log and ledger either way; a demo without an id is named by its row. An empty file is one line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from posttrain.demos import read_demos
+    from posttrain.errors import StageError
+
+    rows = [{"id": f"d{a}", **_demo(f"{a}*3=", str(a * 3), None)} for a in range(10, 18)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "sft.parquet")
+    table = read_demos(tmp_path / "sft.parquet")
+    assert isinstance(table, pa.Table) and table.num_rows == 8
+    runs = []
+    for name, demos in (("rows", rows), ("table", table)):
+        model, tok = _model()
+        res = training.sft_train(model, tok, demos, _cfg(), 0, tmp_path / name, "fp", progress=False)
+        runs.append((model.state_dict(), [r["loss"] for r in res["log"]], res["ledger"]))
+    (w_rows, loss_rows, led_rows), (w_tab, loss_tab, led_tab) = runs
+    assert loss_tab == loss_rows and led_tab == led_rows and led_tab[0]["ids"][0].startswith("d")
+    assert all(torch.equal(w_tab[k], w_rows[k]) for k in w_rows)
+    no_ids = training.sft_train(_model()[0], tok, table.drop_columns(["id"]), _cfg(), 0, tmp_path / "n", "fp",
+                                progress=False)["ledger"]
+    assert no_ids[0]["ids"] == [str(int(i[1:]) - 10) for i in led_tab[0]["ids"]]  # row k of the file
+
+    pq.write_table(pa.Table.from_pylist(rows).slice(0, 0), tmp_path / "empty.parquet")
+    with pytest.raises(StageError, match="empty.parquet: no demonstrations"):
+        read_demos(tmp_path / "empty.parquet")

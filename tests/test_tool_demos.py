@@ -142,6 +142,7 @@ def test_sft_on_tool_demos_then_rollouts_call_the_calculator(tiny):
     tiny["sft"].update(phases=[{"steps": 150, "cot_frac": 0.0, "tool_frac": 1.0}], batch_size=16,
                        micro_batch_size=16, lr=1e-2)
     tiny["rollout"]["sampling"]["max_new_tokens"] = 48
+    tiny["rollout"]["keep_tokens"] = True  # the token ids and loss masks, read below
     for phase in ("warmup", "on_policy"):
         tiny["distill"][phase]["steps"] = 0
     tiny["distill"]["grpo_steps"] = 0
