@@ -25,6 +25,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -166,8 +167,11 @@ def measure(config: Any, params: Any, shape: Shape, d: Dist, student: Any = None
         frozen, _ = placement.fsdp2(frozen.requires_grad_(False), d.main, torch.device("cpu"), False, d.mesh, m.dtype,
                                     with_copy=False)
     wrapped = d.wrap(model.train(), m.dtype)
-    if shape.stage != "sft":
-        d.plain(wrapped)  # the hf backend generates with it; the vllm backend's weights are copied from it
+    if shape.stage != "sft":  # the weights the generation backend gets, as the stage hands them over: the hf
+        # backend's full copy (resident from here on), or the vllm engine's stream (one gathered tensor at a time)
+        weights = d.for_generation(wrapped, SimpleNamespace(samples_with_module=shape.engine_frac == 0))
+        for _ in () if isinstance(weights, torch.nn.Module) else weights:
+            pass
     opt = training.adamw(wrapped, 1e-6, 0.0, training.ONLINE_BETAS)
     items = list(range(shape.seqs * d.world))  # one micro-batch per rank: the tracker follows one forward a step
     runs = wrapped if d.active else placement.Forward(wrapped)  # DDP's module: one root per step, as FSDP2's

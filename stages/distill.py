@@ -195,7 +195,8 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
         seed = seeds.distill_step(d_seed, step)
         torch.set_num_threads(rt.generate_threads)
         student.eval()
-        s_backend.load_weights(d.plain(student), f"student@{step}")  # FSDP2 copy refreshed / vLLM synced
+        # FSDP2: the hf backend's copy refreshed, or the weights streamed into vLLM's engine
+        s_backend.load_weights(d.for_generation(student, s_backend), f"student@{step}")
         row: dict[str, Any] = {"step": step + 1, "phase": phase}
         if phase == "grpo":
             for g in opt.param_groups:

@@ -152,7 +152,7 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
             nonlocal backend
             backend = backend or make_backend()  # built only if a step is ever dropped
             model.eval()
-            backend.load_weights(d.plain(model), collect.policy_name(policy0, s))
+            backend.load_weights(d.for_generation(model, backend), collect.policy_name(policy0, s))
             sb = overlap.sample_step(backend, tok, spec, s, s, pool)
             backend.release()  # vLLM: its memory back to the trainer
             model.train()
@@ -166,9 +166,9 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
         if feed is None:
             torch.set_num_threads(rt.generate_threads)
             model.eval()
-            # the generation engine samples from this step's weights: FSDP2's full copy is refreshed from the
-            # shards, vLLM's engine gets them copied in (the hf backend samples with the model itself: nothing to do)
-            backend.load_weights(d.plain(model), collect.policy_name(policy0, step))
+            # the generation engine samples from this step's weights: under FSDP2 the hf backend's full copy is
+            # refreshed from the shards, vLLM's engine gets them streamed in, one gathered parameter at a time
+            backend.load_weights(d.for_generation(model, backend), collect.policy_name(policy0, step))
             with amp():
                 sb = collect.collect_step(backend, tok, prompts, cursor, cfg, params.reward.rewards, seed,
                                           policy=collect.policy_name(policy0, step), prior=prior, pool=pool)

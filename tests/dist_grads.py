@@ -8,7 +8,9 @@ after the first micro-batch's backward (inside the second micro-batch's loss, be
 gradient it holds: the sharded ``.grad`` of each parameter (its local shard) and any unsharded gradient FSDP2
 keeps on an unsharded parameter (its ``.grad``, or ``FSDPParam.unsharded_accumulated_grad`` under a reduce
 dtype: what a micro-batch run with ``set_requires_gradient_sync(False)`` leaves). It saves them, the parameter
-bytes (local shards and the whole model) and the full-weight copy's bytes (``Dist.plain``'s) to ``OUT.<rank>``.
+bytes (local shards and the whole model) and the full-weight copy's bytes (``Dist.plain``'s) to ``OUT.<rank>``;
+before that copy is made, the weights as ``Dist.for_generation`` streams them to a weight-copying backend (vLLM),
+compared with the copy afterwards.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ def grad_bytes(wrapped: torch.nn.Module) -> dict[str, int]:
     return {"sharded_grad": sharded, "unsharded_grad": unsharded}
 
 
+class Engine:
+    """Stands in for the vLLM backend's one trait ``Dist.for_generation`` reads: it copies weights in."""
+
+    samples_with_module = False
+
+
 def main(folder: str, out: str, dtype: str = "float32") -> None:
     d = distributed.init("gloo", "fsdp2", 120)
     torch.manual_seed(0)
@@ -67,14 +75,19 @@ def main(folder: str, out: str, dtype: str = "float32") -> None:
 
     training.accumulate(wrapped, opt, seqs, 2, loss_of_batch, 1e9)
     copy_ = d._copies.get(id(wrapped))
+    streamed = list(d.for_generation(wrapped, Engine()))  # what vLLM's load_weights pulls: one gather a tensor
     allocated = sum(p.numel() * p.element_size() for p in copy_.parameters() if not p.is_meta) if copy_ else 0
     plain = d.plain(wrapped)
+    full = plain.state_dict()
     res = {"gathered_dtype": sorted(set(gathered)), "copy_bytes_before_plain": allocated,
            "copy_dtype": sorted({str(p.dtype) for p in plain.parameters()}), "world": d.world,
            "whole_param_bytes": whole,
            "local_param_bytes": sum(_bytes(p) for p in wrapped.parameters()),
            "after_first_backward": seen[1], "after_second_backward": seen[2],
-           "full_copy_bytes": sum(p.numel() * p.element_size() for p in plain.parameters())}
+           "full_copy_bytes": sum(p.numel() * p.element_size() for p in plain.parameters()),
+           "stream_names_are_the_copys": [n for n, _ in streamed] == list(full),
+           "stream_equals_the_copy": all(torch.equal(t, full[n]) for n, t in streamed),
+           "stream_dtype": sorted({str(t.dtype) for n, t in streamed if t.is_floating_point()})}
     with open(f"{out}.{d.rank}", "w") as f:
         json.dump(res, f)
     distributed.shutdown()

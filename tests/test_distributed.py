@@ -391,7 +391,9 @@ def test_fsdp2_keeps_gradients_sharded_between_micro_batches(tmp_path, dtype):
     Finding 2: the full-weight copy (``Dist.plain``) was a deepcopy made at ``wrap``, in fp32, through every SFT
     step (watched fail: 354,560 bytes before any ``plain`` call); it is allocated at the first ``plain`` now, in
     ``model.dtype``. Finding 3: with ``model.dtype`` bf16 FSDP2 all-gathers in bf16 (MixedPrecisionPolicy; it
-    gathered fp32), the gradients still reduce into fp32 shards."""
+    gathered fp32), the gradients still reduce into fp32 shards. Item 1: a weight-copying backend (vLLM) takes the
+    weights streamed (``Dist.for_generation``; watched fail: no such method), equal to the copy's and in its
+    dtype, and the copy stays unallocated through it (``copy_bytes_before_plain`` is read after the stream)."""
     tok = modeling.build_char_tokenizer()
     model = modeling.build_tiny_model(TinyModel(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128),
                                       tok, 0)
@@ -406,3 +408,6 @@ def test_fsdp2_keeps_gradients_sharded_between_micro_batches(tmp_path, dtype):
             assert m[when] == {"sharded_grad": m["local_param_bytes"], "unsharded_grad": 0}, (when, m)
         assert m["copy_bytes_before_plain"] == 0 and m["gathered_dtype"] == m["copy_dtype"] == [f"torch.{dtype}"]
         assert m["full_copy_bytes"] == m["whole_param_bytes"] // (1 if dtype == "float32" else 2)
+        # item 1: vLLM's engine takes the weights streamed, equal to the copy's, with no copy allocated for them
+        assert m["stream_names_are_the_copys"] and m["stream_equals_the_copy"]
+        assert m["stream_dtype"] == m["copy_dtype"]

@@ -166,3 +166,26 @@ def test_backend_generate_wakes_the_engine_and_converts_its_outputs(monkeypatch)
     assert group[0].token_ids == [3, 2] and math.isclose(group[0].logprobs[1], -0.1)
 
 
+
+
+def test_backend_takes_the_weights_as_a_stream_and_pulls_it_only_for_a_new_version():
+    """Issue 50, item 1: under FSDP2 the engine was synced from ``Dist.plain``'s full copy of the model on every
+    rank (a whole model in ``model.dtype`` beside the shards and the engine's own weights). The backend now says
+    it copies weights (``samples_with_module`` False) and takes ``Dist.for_generation``'s stream of named
+    tensors, one all-gathered parameter at a time; a version it already serves pulls nothing (no rank
+    all-gathers: every rank skips alike)."""
+    eng = FakeEngine()
+    backend = VLLMBackend(eng, [0])
+    pulled: list[str] = []
+
+    def stream():
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            pulled.append(name)
+            yield name, torch.full((2, 3), float(len(pulled)))
+
+    assert VLLMBackend.samples_with_module is False
+    backend.load_weights(stream(), "step1")
+    assert pulled == ["model.embed_tokens.weight", "lm_head.weight"]
+    assert eng.weights["lm_head.weight"].tolist() == [[2.0] * 3] * 2
+    backend.load_weights(stream(), "step1")
+    assert len(pulled) == 2 and eng.calls.count("reload_weights") == 1

@@ -248,6 +248,18 @@ class Dist:
             return wrapped.module.model
         return placement.refresh(self._copies[id(wrapped)], wrapped, self.comm_device)
 
+    def for_generation(self, wrapped: torch.nn.Module, backend: Any) -> Any:
+        """What ``backend.load_weights`` gets this step: ``plain``'s model for a backend that samples with it
+        (hf); for one that copies weights into its own engine (vLLM: ``samples_with_module`` False) under FSDP2,
+        the stream of ``placement.full_weights`` (one all-gathered parameter at a time, in ``model.dtype``; a
+        collective the backend consumes on every rank), so no full copy is ever allocated (a LoRA policy under
+        FSDP2 still goes through the copy: its merge needs the adapters' full weights beside the base's)."""
+        if getattr(backend, "samples_with_module", True) or not (self.active and self.strategy == "fsdp2"):
+            return self.plain(wrapped)
+        if any(".lora_" in name for name, _ in wrapped.named_parameters()):
+            return self.plain(wrapped)
+        return placement.full_weights(wrapped, self._copies[id(wrapped)])
+
     @contextlib.contextmanager
     def grad_sync(self, model: torch.nn.Module, sync: bool) -> Iterator[None]:
         """Inside: under DDP, backward all-reduces gradients only if ``sync`` (the last micro-batch of a step).

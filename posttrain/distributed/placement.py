@@ -15,6 +15,7 @@ rank 0 and only fills DTensors or same-device tensors).
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -111,6 +112,19 @@ def refresh(full: torch.nn.Module, wrapped: torch.nn.Module, device: torch.devic
         for name, b in wrapped.named_buffers():  # FSDP2 leaves buffers whole on every rank
             bufs[name.removeprefix(PREFIX)].copy_(b)
     return full
+
+
+def full_weights(wrapped: torch.nn.Module, like: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The current full weights of the FSDP2 module ``wrapped`` as checkpoint-named tensors (its state dict's
+    order and names, tied ones under each name), each in the dtype of its namesake in ``like`` (``fsdp2``'s
+    skeleton: ``model.dtype``, what the engine holds). A parameter is all-gathered (``full_tensor``) only when the
+    consumer asks for it, and is the consumer's to drop: the full model never exists on a rank (:func:`refresh`
+    fills a whole copy). A collective: every rank consumes the whole stream, in the same order."""
+    dtypes = {k: t.dtype for k, t in like.state_dict(keep_vars=True).items()}  # the skeleton: no bytes read
+    for name, t in wrapped.state_dict().items():  # FSDP2: local shards as DTensors, nothing gathered yet
+        key, t = name.removeprefix(PREFIX), t.detach()
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        yield key, full.to(dtypes.get(key, full.dtype))
 
 
 def broadcast_module(module: torch.nn.Module, comm_device: str) -> None:

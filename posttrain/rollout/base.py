@@ -56,6 +56,9 @@ class Completion:
 
 
 class RolloutBackend(Protocol):
+    samples_with_module: bool  # True: samples with the trainer's model itself (hf); False: copies the weights into
+    # its own engine (vllm), so under FSDP2 it takes them streamed (``Dist.for_generation``), never a full copy
+
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
         ...
 

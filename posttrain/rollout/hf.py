@@ -124,6 +124,8 @@ def growing_cache(config: object) -> DynamicCache:
 
 
 class HFBackend:
+    samples_with_module = True  # generates with the trainer's model itself (under FSDP2: Dist.plain's copy)
+
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_size: int = 256):
         self.model, self.tok, self.batch_size = model, tokenizer, batch_size
         self.pad_id = tokenizer.pad_token_id

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -84,6 +84,8 @@ def to_completions(outputs: Sequence[Any], n: int) -> list[list[Completion]]:
 class VLLMBackend:
     """``RolloutBackend`` over a vLLM engine (see module docstring)."""
 
+    samples_with_module = False  # the engine holds its own weights: FSDP2 streams them in (Dist.for_generation)
+
     def __init__(self, engine: Engine, stop_token_ids: list[int], stop_strings: list[str] | None = None,
                  sleep_level: int = 0) -> None:
         self.engine = engine
@@ -114,10 +116,11 @@ class VLLMBackend:
                 c.text = cut_before(c.text, self.stop_strings)
         return groups
 
-    def load_weights(self, model: torch.nn.Module, version: str) -> None:
-        """The trainer's current weights into the engine (a LoRA policy's merged, streamed per tensor; the
-        stream is lazy: nothing is computed when the engine already serves ``version``)."""
-        self.sync.load(merged_weights(model), version)
+    def load_weights(self, model: torch.nn.Module | Iterable[tuple[str, torch.Tensor]], version: str) -> None:
+        """The trainer's current weights into the engine: a model (a LoRA policy's merged, streamed per tensor)
+        or named tensors (FSDP2's ``Dist.for_generation`` stream). Lazy either way: nothing is computed, and no
+        rank all-gathers, when the engine already serves ``version``."""
+        self.sync.load(merged_weights(model) if isinstance(model, torch.nn.Module) else model, version)
 
     def release(self) -> None:
         self.sync.release()

@@ -117,6 +117,10 @@ class ToolBackend:
             self.parse = lambda text: [c] if (c := fmt.parse(text)) is not None else []
             self.render, self.stop = lambda outs: fmt.render(outs[0]), (fmt.stop,)
 
+    @property
+    def samples_with_module(self) -> bool:
+        return getattr(self.inner, "samples_with_module", True)
+
     def load_weights(self, model: Any, version: str) -> None:
         self.inner.load_weights(model, version)
 
