@@ -223,6 +223,27 @@ def test_one_engine_per_rank_under_torchrun_with_external_launcher(folder, tmp_p
     assert (ranks[0]["tokens"], ranks[0]["logprobs"]) != (ranks[1]["tokens"], ranks[1]["logprobs"])
 
 
+def test_fsdp2_streams_the_weights_into_each_ranks_engine_without_the_full_copy(folder, tmp_path):
+    """Issue 50, item 1: under FSDP2 each rank's engine was synced from ``Dist.plain``'s full copy of the policy.
+    ``tests/vllm_fsdp2.py`` (2 ranks, gloo): each rank holds half the weights, takes an AdamW step, syncs its
+    engine from ``Dist.for_generation``'s stream; the copy is still unallocated after the sync, and the engine
+    samples from the new weights (log-prob gap < 1e-4) and not the old ones (gap > 1e-3)."""
+    import json
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        str(repo / "tests" / "vllm_fsdp2.py"), str(folder), str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, cwd=repo)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    print(ranks)
+    for x in ranks:
+        assert x["world"] == 2 and x["local_params"] < x["params"] and x["copy_bytes_after_sync"] == 0
+        assert x["gap_new"] < 1e-4 < 1e-3 < x["gap_old"], x
+
+
 def _teach(model: torch.nn.Module, tok, transcripts: dict[str, str], steps: int = 200) -> torch.nn.Module:
     """A copy of ``model`` trained (AdamW, completion tokens only) to write each prompt's transcript, tool call
     and observation included: a policy that calls tools, as the SFT stage's tool demos teach one."""
