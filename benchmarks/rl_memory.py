@@ -63,7 +63,8 @@ def synth_rows(d, n_prompts: int, g: int, tokens: int) -> list[dict]:
     lo, hi = d.rank * n_prompts // d.world, (d.rank + 1) * n_prompts // d.world
     return [{"prompt_id": f"p{i}", "sample": j, "prompt": f"{i}*7=", "answer": str(7 * i), "task": "arith",
              "completion": "x" * tokens, "token_ids": [rng.randrange(3, 60) for _ in range(tokens)],
-             "logprobs": [-rng.random() for _ in range(tokens)], "finish_reason": "length", "policy": "p@1",
+             "logprobs": [-rng.random() for _ in range(tokens)], "num_tokens": tokens, "finish_reason": "length",
+             "policy": "p@1",
              "temperature": 1.0, "top_p": 1.0, "max_new_tokens": tokens, "seed": 0, "reward": float((i + j) % 2),
              "rewards": json.dumps({"correct": float((i + j) % 2)})} for i in range(lo, hi) for j in range(g)]
 

@@ -94,7 +94,8 @@ def stage(repo: Path, name: str, params_file: Path, timeout: float) -> dict[str,
 SCHEMA = pa.schema([("prompt_id", pa.string()), ("sample", pa.int32()), ("prompt", pa.string()),
                     ("answer", pa.string()), ("task", pa.string()), ("completion", pa.string()),
                     ("token_ids", pa.list_(pa.int32())), ("logprobs", pa.list_(pa.float32())),
-                    ("finish_reason", pa.string()), ("policy", pa.string()), ("temperature", pa.float32()),
+                    ("num_tokens", pa.int32()), ("finish_reason", pa.string()), ("policy", pa.string()),
+                    ("temperature", pa.float32()),
                     ("top_p", pa.float32()), ("max_new_tokens", pa.int32()), ("seed", pa.int64())])  # ROLLOUT_SCHEMA
 
 
@@ -107,8 +108,8 @@ def synthetic_rows(start: int, stop: int) -> list[dict[str, Any]]:
         k = 12 + i % 5
         rows.append({"prompt_id": f"arith:{i}", "sample": 0, "prompt": f"{a}*{b}=", "answer": str(a * b),
                      "task": "arith", "completion": f"answer: {a * b + i % 2}", "token_ids": [7] * k,
-                     "logprobs": [-0.5] * k, "finish_reason": "stop", "policy": "synthetic", "temperature": 1.0,
-                     "top_p": 1.0, "max_new_tokens": 16, "seed": 0})
+                     "logprobs": [-0.5] * k, "num_tokens": k, "finish_reason": "stop", "policy": "synthetic",
+                     "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 16, "seed": 0})
     return rows
 
 

@@ -26,7 +26,7 @@ import yaml
 
 from posttrain import metrics as M
 from posttrain.errors import StageError
-from posttrain.revisions import dvc_file, git_file, resolve
+from posttrain.revisions import commit_of, dvc_file, git_file
 from posttrain.runfacts import is_run_fact
 
 
@@ -67,7 +67,7 @@ def stale_inputs(lock: dict[str, Any]) -> list[str]:
 
 def compare(root: Path, a: str, b: str, n_boot: int = 1000, seed: int = 0) -> Comparison:
     """Compare revisions ``a`` and ``b`` of the repository at ``root`` (see the module docstring)."""
-    revs = {a: resolve(root, a), b: resolve(root, b)}
+    revs = {a: commit_of(root, a), b: commit_of(root, b)}
     ra, rb = revs[a], revs[b]
     texts = {r: git_file(root, r, "params.yaml") for r in (ra, rb)}
     if any(t is None for t in texts.values()):

@@ -22,9 +22,13 @@ Demos = pa.Table | Sequence[dict[str, Any]]
 def as_table(demos: Demos) -> pa.Table:
     """The demos as an Arrow table of ``DEMO_COLUMNS``, strings (a column they lack: null): what the sft and
     distill stages read from ``sft.parquet`` (``schema.read_columns``: no Python object per demo on any rank,
-    10^6 demos are their strings' bytes); a list of dicts (tests, small callers) is converted."""
+    10^6 demos are their strings' bytes); a list of dicts (tests, small callers) is converted. ``id`` and
+    ``solution`` may be missing (null); a prompt, an answer or a task may not."""
     t = demos if isinstance(demos, pa.Table) else pa.Table.from_pylist(
-        [{c: x.get(c) for c in DEMO_COLUMNS} for x in demos])
+        [{c: x.get(c) for c in DEMO_COLUMNS if c in x} for x in demos])
+    lacking = [c for c in ("prompt", "answer", "task") if c not in t.column_names]
+    if lacking and t.num_rows:
+        raise ValueError(f"demos without {lacking}: every demo needs a prompt, an answer and a task")
     return pa.table({c: t.column(c).cast(pa.string()) if c in t.column_names else pa.nulls(t.num_rows, pa.string())
                      for c in DEMO_COLUMNS})
 

@@ -33,6 +33,7 @@ import torch.distributed as tdist
 
 from posttrain import distributed, logprobs, modeling, training
 from posttrain.distributed import Dist, forward, placement
+from posttrain.rollout import ModelFolder, policy_source
 
 GiB = 2**30
 STAGES = ("sft", "rl", "distill")
@@ -167,9 +168,11 @@ def measure(config: Any, params: Any, shape: Shape, d: Dist, student: Any = None
         frozen, _ = placement.fsdp2(frozen.requires_grad_(False), d.main, torch.device("cpu"), False, d.mesh, m.dtype,
                                     with_copy=False)
     wrapped = d.wrap(model.train(), m.dtype)
-    if shape.stage != "sft":  # the weights the generation backend gets, as the stage hands them over: the hf
-        # backend's full copy (resident from here on), or the vllm engine's stream (one gathered tensor at a time)
-        weights = d.for_generation(wrapped, SimpleNamespace(samples_with_module=shape.engine_frac == 0))
+    if shape.stage != "sft":  # the backend built and synced as the stage does: the hf backend's full copy
+        # (resident from here on), or the vllm engine's folder and its stream (one gathered tensor at a time)
+        name = "vllm" if shape.engine_frac else "hf"
+        policy_source(name, lambda: d.plain(wrapped), ModelFolder("(planned)"))
+        weights = d.for_generation(wrapped, SimpleNamespace(samples_with_module=name == "hf"))
         for _ in () if isinstance(weights, torch.nn.Module) else weights:
             pass
     opt = training.adamw(wrapped, 1e-6, 0.0, training.ONLINE_BETAS)

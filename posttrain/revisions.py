@@ -10,6 +10,7 @@ nobody ran ``dvc gc``).
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 from pathlib import Path
@@ -26,7 +27,7 @@ def git(root: Path, *args: str) -> str | None:
     return r.stdout if r.returncode == 0 else None
 
 
-def resolve(root: Path, name: str) -> str:
+def commit_of(root: Path, name: str) -> str:
     """The commit of a git revision or of a DVC experiment named ``name``; a ``StageError`` naming it if neither."""
     sha = git(root, "rev-parse", "--verify", "--quiet", f"{name}^{{commit}}")
     if sha:
@@ -83,7 +84,7 @@ def lock_holding(root: Path, md5: str) -> str | None:
     commits = (git(root, "rev-list", "--all", "--", "dvc.lock") or "").split()
     for i in range(0, len(commits), 256):  # git grep the candidates, then parse the hits in rev-list order
         chunk = commits[i:i + 256]
-        hits = {line.split(":", 1)[0] for line in (git(root, "grep", "-l", "-F", md5, *chunk, "--", "dvc.lock")
+        hits = {line.split(":", 1)[0] for line in (git(root, "grep", "-l", "-F", "-e", md5, *chunk, "--", "dvc.lock")
                                                    or "").splitlines()}
         for sha in (c for c in chunk if c in hits):
             if any(out_md5(o) == md5 for e in lock_at(root, sha).values() for o in e.get("outs", [])):
@@ -91,9 +92,18 @@ def lock_holding(root: Path, md5: str) -> str | None:
     return None
 
 
+@functools.cache
+def _cache_root(root: Path) -> Path:
+    """DVC's local cache for md5 objects, as the repository's config sets it (``cache.dir``)."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        return Path(repo.cache.local.path)
+
+
 def cache_object(root: Path, md5: str) -> Path:
     """Where DVC's local cache keeps the object with hash ``md5`` (a file, or a folder's ``.dir`` manifest)."""
-    return root / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]
+    return _cache_root(root.resolve()) / md5[:2] / md5[2:]
 
 
 def cached_file(root: Path, out_hash: str, rel: str) -> str | None:
@@ -105,3 +115,20 @@ def cached_file(root: Path, out_hash: str, rel: str) -> str | None:
     md5 = {e["relpath"]: e["md5"] for e in json.loads(manifest.read_text())}.get(rel)
     obj = cache_object(root, md5) if md5 else None
     return obj.read_text() if obj is not None and obj.is_file() else None
+
+
+class Files:
+    """Reads the files of one pipeline state: the workspace (``rev`` None), or commit ``rev`` without a checkout:
+    git-tracked files from git, files inside a DVC-cached output from the local cache (``out_hash``)."""
+
+    def __init__(self, root: Path, rev: str | None) -> None:
+        self.root, self.rev = root, rev
+
+    def text(self, path: str, out_hash: str = "", rel: str = "") -> str | None:
+        """``path`` (git-tracked), or ``rel`` inside the output ``path`` whose hash is ``out_hash``."""
+        if self.rev is None:
+            f = self.root / path / rel if rel else self.root / path
+            return f.read_text() if f.is_file() else None
+        if rel:
+            return cached_file(self.root, out_hash, rel)
+        return git_file(self.root, self.rev, path)

@@ -4,7 +4,7 @@ Inputs: ``paths.rollout_dir/rollouts.parquet`` (only the columns scoring reads, 
 ``reward.rewards`` (nested specs, REWARDS registry).
 Outputs: ``paths.reward_dir/rewards.parquet`` (``schema.REWARD_SCHEMA``: the reward columns only, keyed by
 (prompt_id, sample) of the rollouts: ``reward``, null when unscorable, and each component as JSON; join the
-rollouts for completions, tokens or log-probs: ``schema.join_rollouts``),
+rollouts for completions, tokens or, under ``rollout.keep_tokens``, log-probs: ``schema.join_rollouts``),
 ``paths.reward_dir/pass_rates.parquet`` (per prompt: samples, scorable, correct,
 pass rate, mean reward: what ``rl`` selects its prompts from), ``paths.reward_report_dir/audit.{json,md}``
 (reward distribution, unscorable share, per-component means, pass-rate histogram, example completions per

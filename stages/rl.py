@@ -5,7 +5,8 @@ pass rates, from the rollout and reward stages); the starting policy ``paths.sft
 Outputs: ``paths.rl_model`` (HF checkpoint); ``paths.rl_dir``: ``selected_prompts.parquet`` (the prompts
 ``rl.select`` picked: by pass rate, or the whole split), ``shards/step_NNNNN.parquet`` (every step's rollouts,
 sampler log-probs, rewards, advantages and whether each sample entered the update, so any update can be
-replayed from disk; with ``tools.enabled`` every turn of a multi-turn completion, its ``loss_mask`` and ``tool_calls``),
+replayed from disk: ``rl.shard_tokens: false`` keeps no token ids or log-probs, and no replay; with
+``tools.enabled`` every turn of a multi-turn completion, its ``loss_mask`` and ``tool_calls``),
 ``checkpoints/step_N`` for ``rl.save_steps``; ``paths.rl_report_dir/train_log.csv`` (per-step metrics for
 ``dvc plots``); ``metrics/rl.json``.
 
@@ -53,7 +54,7 @@ from posttrain.outputs import as_one_set, atomic_path, link_tree
 from posttrain.rewards import RewardPool
 from posttrain.rl import collect, overlap, select, shards, update
 from posttrain.rl.prompts import PromptPool, PromptTokens, read_rates
-from posttrain.rollout import BACKENDS, generator
+from posttrain.rollout import BACKENDS, ModelFolder, generator, policy_source
 from posttrain.runfacts import write_metrics
 from posttrain.runner import stage_main
 from posttrain.schema import (
@@ -104,8 +105,10 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
     opt = training.adamw(model, cfg.lr, cfg.weight_decay, training.ONLINE_BETAS)
 
     def make_backend() -> Any:
-        return with_tools(BACKENDS[params.rollout.backend](d.plain(model), tok, cfg.generate_batch_size,
-                                                          params.vllm_options()), tok, params.tools, params.sandbox)
+        src = policy_source(params.rollout.backend, lambda: d.plain(model),
+                            ModelFolder(str(inputs["policy"]), params.model.dtype, device))
+        return with_tools(BACKENDS[params.rollout.backend](src, tok, cfg.generate_batch_size, params.vllm_options()),
+                          tok, params.tools, params.sandbox)
 
     backend = make_backend() if ov is None else None  # under rl.overlap the generators sample (and build their own)
     tools = params.tools.enabled  # multi-turn tool rollouts: loss masks in the shards, tool calls in the log

@@ -2,8 +2,9 @@
 
 Inputs: ``paths.curated_dir/train.parquet``; the policy ``paths.sft_model``.
 Outputs: ``paths.rollout_dir/rollouts.parquet`` (``schema.ROLLOUT_SCHEMA``: prompt id, sample index,
-completion, token ids, per-token sampler log-probs, finish reason, the policy's weight digest, sampling
-params and seed; with ``tools.enabled`` each completion's ``loss_mask`` and ``tool_calls``: docs/tools.md),
+completion, ``num_tokens``, finish reason, the policy's weight digest, sampling params and seed; token ids,
+per-token sampler log-probs and, with ``tools.enabled``, the ``loss_mask`` only under ``rollout.keep_tokens``
+(no stage reads them); with ``tools.enabled`` each completion's ``tool_calls``: docs/tools.md),
 ``metrics/rollout.json`` (lengths over every sample; samples/s and tokens/s of the samples
 this run drew, ``resumed_at_prompt``).
 The prompts are the first ``rollout.num_prompts`` of a seeded shuffle of the training split (null: all of it).

@@ -46,9 +46,10 @@ def transitive_files(stage: str) -> set[Path]:
             continue
         seen.add(f)
         for m in _imports(f, lazy=f.parent.name == "stages"):
-            g = _module_file(m)
-            if g is not None:
-                todo.append(g)
+            parts = m.split(".")  # importing a.b.c runs a/__init__.py and a/b/__init__.py first
+            for g in (_module_file(".".join(parts[:k])) for k in range(1, len(parts) + 1)):
+                if g is not None:
+                    todo.append(g)
     return seen
 
 

@@ -1,5 +1,6 @@
 """FSDP2's weights streamed into colocated vLLM engines (issue 50, item 1): under torchrun (gloo) every rank
-holds half of the policy (``Dist.wrap``, FSDP2), takes one AdamW step, and syncs its engine from
+holds half of the policy (``Dist.wrap``, FSDP2), builds its engine as the rl stage does (``policy_source``: the
+policy's folder, not ``Dist.plain``'s copy), takes one AdamW step, and syncs its engine from
 ``Dist.for_generation``'s stream (one all-gathered parameter at a time) without ``Dist.plain``'s full copy ever
 being allocated; each engine's sampler log-probs are then checked against the trainer's new weights (and shown
 to differ from the old ones). Run by ``tests/test_vllm_engine.py``.
@@ -19,7 +20,7 @@ from posttrain import distributed
 from posttrain.config import VLLMOptions
 from posttrain.distributed import forward
 from posttrain.modeling import load_model, load_tokenizer
-from posttrain.rollout import BACKENDS, SamplingParams, chat_prompt_ids
+from posttrain.rollout import BACKENDS, ModelFolder, SamplingParams, chat_prompt_ids, policy_source
 
 
 def _gap(model: torch.nn.Module, prompt: list[int], group: list) -> float:
@@ -38,8 +39,9 @@ def main(folder: str, out: str) -> None:
     d = distributed.init("auto", "fsdp2", 300)
     tok, model = load_tokenizer(folder), load_model(folder, "float32")
     old = load_model(folder, "float32")  # the weights before the step, for the control
-    backend = BACKENDS["vllm"](model, tok, 8, VLLMOptions(dtype="float32", max_model_len=128, enforce_eager=True))
     wrapped = d.wrap(model.train(), "float32")
+    src = policy_source("vllm", lambda: d.plain(wrapped), ModelFolder(folder, "float32"))  # as the rl stage builds it
+    backend = BACKENDS["vllm"](src, tok, 8, VLLMOptions(dtype="float32", max_model_len=128, enforce_eager=True))
     opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     ids = torch.tensor([chat_prompt_ids(tok, ["12*3="])[0] + [5, 6, 7]])
     loss = forward(wrapped, lambda m, x: m(input_ids=x).logits.float().logsumexp(-1).mean(), ids)

@@ -123,8 +123,8 @@ def full_weights(wrapped: torch.nn.Module, like: torch.nn.Module) -> Iterator[tu
     dtypes = {k: t.dtype for k, t in like.state_dict(keep_vars=True).items()}  # the skeleton: no bytes read
     for name, t in wrapped.state_dict().items():  # FSDP2: local shards as DTensors, nothing gathered yet
         key, t = name.removeprefix(PREFIX), t.detach()
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
-        yield key, full.to(dtypes.get(key, full.dtype))
+        t = t.to(dtypes.get(key, t.dtype))  # the shard cast first: a bf16 engine gathers half the bytes
+        yield key, t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def broadcast_module(module: torch.nn.Module, comm_device: str) -> None:

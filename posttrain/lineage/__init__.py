@@ -207,24 +207,7 @@ def _out_with(lock: dict[str, Any], md5: str) -> str | None:
     return next((o["path"] for e in lock.values() for o in e.get("outs", []) if revisions.out_md5(o) == md5), None)
 
 
-class Files:
-    """Reads the files of one pipeline state: the workspace (``rev`` None), or commit ``rev`` without a checkout:
-    git-tracked files from git, files inside a DVC-cached output from the local cache (``out_hash``)."""
-
-    def __init__(self, root: Path, rev: str | None) -> None:
-        self.root, self.rev = root, rev
-
-    def text(self, path: str, out_hash: str = "", rel: str = "") -> str | None:
-        """``path`` (git-tracked), or ``rel`` inside the output ``path`` whose hash is ``out_hash``."""
-        if self.rev is None:
-            f = self.root / path / rel if rel else self.root / path
-            return f.read_text() if f.is_file() else None
-        if rel:
-            return revisions.cached_file(self.root, out_hash, rel)
-        return revisions.git_file(self.root, self.rev, path)
-
-
-def _key_metrics(files: Files, stage: str, metrics_dir: str) -> dict[str, Any]:
+def _key_metrics(files: revisions.Files, stage: str, metrics_dir: str) -> dict[str, Any]:
     text = files.text(str(stage_metrics(metrics_dir, stage)))
     if text is None:
         return {}
@@ -236,7 +219,7 @@ def _key_metrics(files: Files, stage: str, metrics_dir: str) -> dict[str, Any]:
     return {"generator": data["generator"], **keep} if isinstance(data.get("generator"), str) else keep
 
 
-def _verdict(files: Files, lock_entry: dict[str, Any]) -> str | None:
+def _verdict(files: revisions.Files, lock_entry: dict[str, Any]) -> str | None:
     for o in lock_entry.get("outs", []):
         if (text := files.text(o["path"], revisions.out_md5(o), "decontamination.json")) is not None:
             d = json.loads(text)
@@ -246,7 +229,7 @@ def _verdict(files: Files, lock_entry: dict[str, Any]) -> str | None:
     return None
 
 
-def _origin(files: Files, lock_entry: dict[str, Any]) -> dict[str, Any] | None:
+def _origin(files: revisions.Files, lock_entry: dict[str, Any]) -> dict[str, Any] | None:
     """The ``source`` record of a model folder's ``manifest.json`` (the model stage writes one), if any out has it."""
     for o in lock_entry.get("outs", []):
         if (text := files.text(o["path"], revisions.out_md5(o), "manifest.json")) is not None:
@@ -306,7 +289,7 @@ def trace(root: Path, target: str, metrics_dir: str = "metrics", tracking_uri: s
     path, rev = resolve(root, target, lock, tracking_uri)
     if rev is not None:
         lock = revisions.lock_at(root, rev)
-    files = Files(root, rev)
+    files = revisions.Files(root, rev)
     hit = producer(lock, path)
     if hit is None:
         raise StageError(f"{path}: not an output of any stage in dvc.lock")

@@ -31,7 +31,7 @@ from posttrain import seeds
 from posttrain.rollout.base import Completion, ModelFolder, RolloutBackend, SamplingParams, chat_prompt_ids
 
 __all__ = ["BACKENDS", "ModelFolder", "Completion", "RolloutBackend", "SamplingParams", "chat_prompt_ids",
-           "generator", "sample_chunks", "sample_rows"]
+           "generator", "policy_source", "sample_chunks", "sample_rows"]
 
 
 def _hf(model: Any, tokenizer: PreTrainedTokenizerBase, batch_size: int, vllm_options: Any = None
@@ -61,6 +61,14 @@ def _vllm(model: Any, tokenizer: PreTrainedTokenizerBase, batch_size: int, vllm_
 
 
 BACKENDS: dict[str, Callable[..., RolloutBackend]] = {"hf": _hf, "vllm": _vllm}
+
+
+def policy_source(name: str, live: Callable[[], Any], folder: ModelFolder) -> Any:
+    """What ``BACKENDS[name]`` is built from in a stage whose policy trains (rl): the live model for the backend
+    that samples with it (hf; ``live`` is called only then: under FSDP2 it allocates ``Dist.plain``'s copy), else
+    the policy's folder (vllm: the engine loads its own weights from it and takes the trainer's copied in at
+    every sync, streamed under FSDP2 by ``Dist.for_generation``: no full copy on any rank)."""
+    return live() if name == "hf" else folder
 
 
 def generator(backend: str) -> str:

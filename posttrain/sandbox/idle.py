@@ -25,14 +25,14 @@ CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 log = logging.getLogger("sandbox")
 
 
-def _stat_cpu_ticks(pid: int) -> int:
-    """utime + stime + cutime + cstime of ``pid`` in clock ticks (0 when it is gone)."""
+def _stat(pid: int) -> tuple[tuple[int, int], int] | None:
+    """((pid, start time), utime + stime + cutime + cstime in clock ticks) of ``pid``; None when it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0
-    return sum(int(x) for x in fields[11:15])  # fields 14-17 of proc(5), counted after the command's ")"
+        return (pid, int(fields[19])), sum(int(x) for x in fields[11:15])  # proc(5) fields 22 and 14-17
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _children(pid: int) -> list[int]:
@@ -50,18 +50,20 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def tree_cpu_s(root: int) -> float:
-    """CPU seconds used so far by ``root`` and every process below it (a process that exits between two reads
-    is missed until its parent reaps it: :class:`IdleWatch` keeps the running maximum)."""
-    ticks, todo, seen = 0, [root], set()
+def tree_ticks(root: int) -> dict[tuple[int, int], int]:
+    """CPU clock ticks used so far by ``root`` and each process below it, keyed by (pid, start time): a pid the
+    kernel reuses is another process."""
+    ticks: dict[tuple[int, int], int] = {}
+    todo, seen = [root], set()
     while todo:
         pid = todo.pop()
         if pid in seen:
             continue
         seen.add(pid)
-        ticks += _stat_cpu_ticks(pid)
+        if (got := _stat(pid)) is not None:
+            ticks[got[0]] = got[1]
         todo += _children(pid)
-    return ticks / CLOCK_TICKS
+    return ticks
 
 
 @functools.cache
@@ -83,14 +85,19 @@ class IdleWatch:
         self.root, self.idle_s = root, idle_s
         self.tick = min(0.25, idle_s / 10)
         self.samples: collections.deque[tuple[float, float]] = collections.deque([(t0, 0.0)])
-        self.next = t0 + self.tick
+        self.due = t0 + self.tick
+        self.most: dict[tuple[int, int], int] = {}  # each process's largest reading: one that exits between two
+        # reads (its time not yet in its parent's cutime) or is read mid-update never makes the total fall
 
     def idle(self, now: float) -> bool:
         """Sample the tree's CPU time (when a tick has passed) and say whether the last window was idle."""
-        if now < self.next:
+        if now < self.due:
             return False
-        self.next = now + self.tick
-        cpu = max(self.samples[-1][1], tree_cpu_s(self.root))
+        self.due = now + self.tick
+        for key, ticks in tree_ticks(self.root).items():
+            self.most[key] = max(self.most.get(key, 0), ticks)
+        cpu = sum(self.most.values()) / CLOCK_TICKS  # a reaped child may count twice (itself, its parent's
+        # cutime): a one-off step up that delays an idle verdict by at most one window, never hides later use
         self.samples.append((now, cpu))
         while len(self.samples) > 2 and self.samples[1][0] <= now - self.idle_s:
             self.samples.popleft()  # keep the newest sample at least idle_s old: the window's start
