@@ -21,8 +21,8 @@ def _rollouts(path: Path, n: int) -> None:
 
     rows = [{"prompt_id": f"p:{i // 2}", "sample": i % 2, "prompt": f"{i}*2=", "answer": str(2 * i), "task": "arith",
              "completion": f"answer: {2 * i if i % 3 else 0}", "token_ids": [1] * 4, "logprobs": [-0.5] * 4,
-             "finish_reason": "stop", "policy": "p", "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 16,
-             "seed": 0} for i in range(n)]
+             "num_tokens": 4, "finish_reason": "stop", "policy": "p", "temperature": 1.0, "top_p": 1.0,
+             "max_new_tokens": 16, "seed": 0} for i in range(n)]
     write_parquet(path, rows, ROLLOUT_SCHEMA)
 
 

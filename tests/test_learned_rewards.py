@@ -224,7 +224,7 @@ def test_reward_stage_audits_a_learned_reward(rm, tmp_path):
             text = f"answer: {a * b + off}"
             rows.append({"prompt_id": f"p{i}", "sample": j, "prompt": f"{a}*{b}=", "answer": str(a * b),
                          "task": "arith", "completion": text, "token_ids": [5] * len(text),
-                         "logprobs": [0.0] * len(text), "finish_reason": "stop", "policy": "x",
+                         "logprobs": [0.0] * len(text), "num_tokens": len(text), "finish_reason": "stop", "policy": "x",
                          "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 80, "seed": 0})
     ins, out = reward_stage.paths(p)
     write_parquet(ins["rollouts"], rows, ROLLOUT_SCHEMA)

@@ -364,8 +364,8 @@ def test_the_reward_stage_writes_the_same_bytes_with_the_pool(tiny, tmp_path):
     for i, s in enumerate(_samples()):
         rows.append({"prompt_id": f"p:{i // 4}", "sample": i % 4, "prompt": "q", "answer": s.answer, "task": s.task,
                      "completion": s.completion, "token_ids": [1] * s.num_tokens, "logprobs": [-0.5] * s.num_tokens,
-                     "finish_reason": s.finish_reason, "policy": "p", "temperature": 1.0, "top_p": 1.0,
-                     "max_new_tokens": s.max_new_tokens, "seed": 0})
+                     "num_tokens": s.num_tokens, "finish_reason": s.finish_reason, "policy": "p", "temperature": 1.0,
+                     "top_p": 1.0, "max_new_tokens": s.max_new_tokens, "seed": 0})
     write_parquet(tmp_path / "r.parquet", rows, ROLLOUT_SCHEMA)
     got = {}
     for workers in (0, 2):

@@ -162,7 +162,8 @@ def sample_of(r: dict[str, Any]) -> Sample:
     if r.get("model_text") is not None:
         text, n = r["model_text"], r["model_tokens"]
     else:
-        text, n = r["completion"], r["num_tokens"] if "num_tokens" in r else len(r["token_ids"])
+        text, n = r["completion"], r.get("num_tokens")
+        n = len(r["token_ids"]) if n is None else n  # rows sampled in memory: their token ids
     return Sample(text, r["answer"], r["task"], n, r["max_new_tokens"], r["finish_reason"],
                   r.get("prompt", ""), int(r.get("tool_calls") or 0))
 
