@@ -38,7 +38,8 @@ ACCEPTED = {
                         "evaluate.sampling.temperature", "rollout.sampling.temperature",  # 0 = greedy
                         "evaluate.max_unusable_frac",  # 0 = no benchmark row may be dropped
                         "rollout.checkpoint_every_s",  # 0 = write the finished chunks after every chunk
-                        "sandbox.seccomp")},  # false: namespaces and rlimits only
+                        "sandbox.seccomp",  # false: namespaces and rlimits only
+                        "rollout.keep_tokens", "rl.shard_tokens")},  # 0 = false: no per-token columns
     **{k: {"null"} for k in ("evaluate.limit", "evaluate.sample_prompts", "model.lora", "model.prompt.template",
                              "rl.dual_clip", "rl.ref_reset", "rollout.vllm.max_model_len", "tracking.champion",
                              "rollout.vllm.dtype",  # model.dtype, the trainer's
@@ -46,6 +47,7 @@ ACCEPTED = {
                              "sft.max_seq_len",  # no limit (the default)
                              "judge.serve",  # no judge server (the default)
                              "model.sha256",  # nothing to pin (the default tiny base)
+                             "sandbox.idle_s",  # no idle watch: wall_s alone
                              )},
     # null: the platform's (sleep: 2 on GPU, 0 on CPU; chunked prefill: off on CPU); 0/false: off
     **{k: {"null", "zero"} for k in ("rollout.vllm.sleep_level", "rollout.vllm.enable_chunked_prefill")},
