@@ -170,7 +170,8 @@ def measure(config: Any, params: Any, shape: Shape, d: Dist, student: Any = None
     wrapped = d.wrap(model.train(), m.dtype)
     if shape.stage != "sft":  # the backend built and synced as the stage does: the hf backend's full copy
         # (resident from here on), or the vllm engine's folder and its stream (one gathered tensor at a time)
-        name = "vllm" if shape.engine_frac else "hf"
+        name = "vllm" if shape.engine_frac and shape.stage == "rl" else "hf"  # distill's student: always hf
+        # (stages/distill.py; its engine, when vllm, holds the teacher)
         policy_source(name, lambda: d.plain(wrapped), ModelFolder("(planned)"))
         weights = d.for_generation(wrapped, SimpleNamespace(samples_with_module=name == "hf"))
         for _ in () if isinstance(weights, torch.nn.Module) else weights:

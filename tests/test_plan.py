@@ -40,8 +40,9 @@ def test_the_plan_of_a_small_qwen2_at_2_ranks_shards_what_fsdp2_shards():
     tight = plan.plan(config, p, 2, 0.01, 64, ("sft",))[0]
     assert tight["verdict"].startswith("needs ")
     raw["rollout"]["backend"] = "vllm"  # issue 50 item 1: the engine takes the weights streamed, no full copy
-    (streamed,) = plan.plan(config, parse_params(raw), 2, 80.0, 64, ("rl",))
+    streamed, student = plan.plan(config, parse_params(raw), 2, 80.0, 64, ("rl", "distill"))
     assert streamed["Full copy"] == 0 < rows["rl"]["Full copy"] and streamed["Engine"] > 0
+    assert student["Full copy"] > 0  # distill's student samples on the hf backend whatever rollout.backend says
     raw["rollout"]["backend"] = "hf"
     raw["model"]["lora"] = {"r": 8, "alpha": 16, "target_modules": "all-linear"}  # DDP: the whole base per rank
     raw["runtime"]["distributed"]["strategy"] = "ddp"
