@@ -34,6 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import torch
 
 from posttrain import checkpoint, modeling
@@ -44,6 +48,7 @@ from posttrain.reward_model import pairs as rm_pairs
 from posttrain.reward_model.scorer import encode, load_reward_model, load_scorer, make_trainable, pad_id, write_manifest
 from posttrain.reward_model.train import (
     LOG_FIELDS,
+    EncodedPair,
     bootstrap_indices,
     ensemble_stats,
     member_seed,
@@ -52,7 +57,7 @@ from posttrain.reward_model.train import (
 )
 from posttrain.runfacts import write_metrics
 from posttrain.runner import model_arg, stage_main
-from posttrain.schema import read_columns, write_jsonl, write_parquet, write_text
+from posttrain.schema import BATCH_ROWS, read_columns, write_jsonl, write_text
 from posttrain.trainlog import TrainLog
 from stages.layout import reward_model as paths
 
@@ -66,9 +71,9 @@ def run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[st
         return _run(params, inputs, out)
 
 
-def build_pairs(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> tuple[list[dict[str, str]],
-                                                                                       dict[str, Any]]:
-    """The pairs with their split, and the counts of every step; malformed file rows go to quarantine.jsonl."""
+def build_pairs(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> tuple[pa.Table, dict[str, Any]]:
+    """The pairs with their split (Arrow, ``rm_pairs.PAIR_SCHEMA``), and the counts of every step; malformed file
+    rows go to quarantine.jsonl."""
     cfg, arm = params.reward_model, params.seed + params.reward_model.seed
     source = Path(inputs["source"])
     if source.is_dir():
@@ -77,7 +82,7 @@ def build_pairs(params: Params, inputs: dict[str, Any], out: dict[str, Path]) ->
         bad: list[dict[str, Any]] = []
     else:
         built, bad, n = rm_pairs.read_preference_file(source)
-        counts = {"rows": n, "quarantined": len(bad), "pairs_read": len(built)}
+        counts = {"rows": n, "quarantined": len(bad), "pairs_read": built.num_rows}
     write_jsonl(out["report_dir"] / "quarantine.jsonl", bad)
     if bad and len(bad) > cfg.max_quarantined_frac * counts["rows"]:
         raise StageError(f"{source}: {len(bad)} of {counts['rows']} rows malformed (> reward_model."
@@ -88,6 +93,34 @@ def build_pairs(params: Params, inputs: dict[str, Any], out: dict[str, Path]) ->
     return rows, {"source": counts, **final}
 
 
+def encode_pairs(tok: Any, rows: pa.Table, limit: int) -> tuple[list[EncodedPair], np.ndarray]:
+    """The training pairs' token ids (chosen, rejected: int32 arrays, not lists of Python ints) and a mask [N] of
+    the rows whose both sequences fit in ``limit`` tokens; ``rows`` is read ``BATCH_ROWS`` at a time."""
+    train: list[EncodedPair] = []
+    fits = np.zeros(rows.num_rows, dtype=bool)
+    at = 0
+    for batch in rows.select(["prompt", "chosen", "rejected", "split"]).to_batches(max_chunksize=BATCH_ROWS):
+        for i, r in enumerate(batch.to_pylist(), start=at):
+            c, j = (np.asarray(encode(tok, r["prompt"], r[k]), dtype=np.int32) for k in ("chosen", "rejected"))
+            fits[i] = max(len(c), len(j)) <= limit
+            if fits[i] and r["split"] == "train":
+                train.append((c, j))
+        at += batch.num_rows
+    return train, fits
+
+
+def pairs_digest(rows: pa.Table) -> str:
+    """sha256 (16 hex) of the rows as ``json.dumps(rows.to_pylist(), sort_keys=True)`` writes them, streamed a
+    batch at a time (the members' resume fingerprint and the manifest's ``pairs_digest``)."""
+    h, sep = hashlib.sha256(b"["), b""
+    for batch in rows.to_batches(max_chunksize=BATCH_ROWS):
+        for r in batch.to_pylist():
+            h.update(sep + json.dumps(r, sort_keys=True).encode())
+            sep = b", "
+    h.update(b"]")
+    return h.hexdigest()[:16]
+
+
 def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[str, Any]:
     cfg, name, t0 = params.reward_model, inputs["name"], time.time()
     sft = str(inputs["sft_model"])
@@ -96,21 +129,18 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
     pad = pad_id(tok)
     context = json.loads((Path(sft) / "config.json").read_text()).get("max_position_embeddings")
     limit = min(x for x in (cfg.max_len, context, 2**62) if isinstance(x, int))  # the tighter of the two
-    enc = [(encode(tok, r["prompt"], r["chosen"]), encode(tok, r["prompt"], r["rejected"])) for r in rows]
-    fits = [max(len(c), len(j)) <= limit for c, j in enc]
-    counts["over_max_len"] = fits.count(False)
-    enc = [e for e, ok in zip(enc, fits, strict=True) if ok]
-    rows = [r for r, ok in zip(rows, fits, strict=True) if ok]
-    train = [e for e, r in zip(enc, rows, strict=True) if r["split"] == "train"]
-    held = [r for r in rows if r["split"] == "heldout"]
-    counts["train"], counts["heldout"] = len(train), len(held)
-    if not train or not held:
-        raise StageError(f"reward_model@{name}: {len(train)} training and {len(held)} held-out pairs (need both; "
-                         f"counts {counts}): more pairs, or another reward_model.heldout_frac")
+    train, fits = encode_pairs(tok, rows, limit)
+    counts["over_max_len"] = int((~fits).sum())
+    rows = rows.filter(pa.array(fits))
+    held = rows.filter(pc.equal(rows.column("split"), "heldout"))
+    counts["train"], counts["heldout"] = len(train), held.num_rows
+    if not train or not held.num_rows:
+        raise StageError(f"reward_model@{name}: {len(train)} training and {held.num_rows} held-out pairs (need "
+                         f"both; counts {counts}): more pairs, or another reward_model.heldout_frac")
     with atomic_path(out["data"]) as tmp:
         tmp.mkdir()
-        write_parquet(tmp / "pairs.parquet", rows, rm_pairs.PAIR_SCHEMA)
-    digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
+        pq.write_table(rows.combine_chunks(), tmp / "pairs.parquet")
+    digest = pairs_digest(rows)
 
     device = modeling.resolve_device(params.runtime.device)
     member_info = [_member(params, inputs, out, k, train, tok, pad, device, digest) for k in range(cfg.members)]
@@ -124,9 +154,9 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
                              "base_digest": modeling.checkpoint_digest(sft), "pairs_digest": digest,
                              "train_pairs": len(train), "source": str(inputs["source"])})
         scorer = load_reward_model(tmp, device, batch_size=cfg.eval_batch_size)
-        prompts = [r["prompt"] for r in held]
-        chosen = scorer(prompts, [r["chosen"] for r in held])  # [N, K]
-        rejected = scorer(prompts, [r["rejected"] for r in held])
+        prompts = held.column("prompt").to_pylist()  # held out: a small share of the pairs
+        chosen = scorer(prompts, held.column("chosen").to_pylist())  # [N, K]
+        rejected = scorer(prompts, held.column("rejected").to_pylist())
     stats = ensemble_stats(chosen, rejected)
     metrics = {"pairs": counts, "members": cfg.members, "heldout": stats,
                "final_loss": {f"member_{k}": m["final_loss"] for k, m in enumerate(member_info)},
@@ -140,7 +170,7 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
     return metrics
 
 
-def _member(params: Params, inputs: dict[str, Any], out: dict[str, Path], k: int, train: list[Any], tok: Any,
+def _member(params: Params, inputs: dict[str, Any], out: dict[str, Path], k: int, train: list[EncodedPair], tok: Any,
             pad: int, device: Any, digest: str) -> dict[str, Any]:
     """Member ``k`` trained (or found finished in the checkpoints folder) and saved to
     ``checkpoints/member_<k>`` as an HF folder with ``member.json`` (fingerprint, seed, log)."""

@@ -3,6 +3,7 @@ and run() on a tiny model and a separable preference set."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from posttrain.config import ModelCfg, parse_params
 from posttrain.errors import StageError
 from posttrain.metrics import wilson_ci
 from posttrain.reward_model import finalize, load_reward_model, read_preference_file, rollout_pairs
+from posttrain.reward_model import pairs as rm_pairs
 from posttrain.reward_model.pairs import heldout
 from posttrain.reward_model.train import bt_loss, pairwise
 from posttrain.runfacts import read_metrics
@@ -74,7 +77,8 @@ def _scored(tmp: Path, groups: list[tuple[str, str, list[tuple[str, Any]]]], shu
     return tmp / "rollouts.parquet", tmp / "rewards.parquet"
 
 
-def test_rollout_pairs_counts_dedup_and_eval_drop(tmp_path):
+def test_rollout_pairs_counts_dedup_and_eval_drop(tmp_path, monkeypatch):
+    monkeypatch.setattr(rm_pairs, "BATCH_ROWS", 2)  # pairs built, and read back, over several Arrow batches
     groups = [
         # 1 distinct correct (A twice) x 2 wrong (B, C) = 2 pairs; D unscorable; A again: a duplicate completion
         ("p1", "12*3=", [("A", True), ("A", True), ("B", False), ("C", False), ("D", None)]),
@@ -83,18 +87,29 @@ def test_rollout_pairs_counts_dedup_and_eval_drop(tmp_path):
         ("p4", "99*9=", [("G", True), ("H", False)]),  # an eval prompt: dropped
         ("p5", "77*7=", [("I", True), ("J", False), ("K", False), ("L", False)]),  # 3 candidates, capped at 2
     ]
-    pairs, c = rollout_pairs(*_scored(tmp_path, groups), "correct", pairs_per_prompt=2, seed=[0])
+    table, c = rollout_pairs(*_scored(tmp_path, groups), "correct", pairs_per_prompt=2, seed=[0])
+    assert isinstance(table, pa.Table) and table.schema == rm_pairs.BUILT_SCHEMA and table.column(0).num_chunks == 3
+    pairs = table.to_pylist()
     assert c == {"samples": 15, "unlabelled": 1, "prompts": 5, "prompts_with_pairs": 4, "duplicate_completions": 1,
                  "candidate_pairs": 2 + 1 + 1 + 3, "pairs_built": 2 + 1 + 1 + 2}
     assert [(p["chosen"], p["rejected"]) for p in pairs if p["prompt_id"] == "p1"] == [("A", "B"), ("A", "C")]
     assert all(p["chosen"] == "I" for p in pairs if p["prompt_id"] == "p5")
-    rows, f = finalize(pairs, [" 99*9= "], max_pairs=None, heldout_frac=0.5, seed=[0])
+    out, f = finalize(table, [" 99*9= "], max_pairs=None, heldout_frac=0.5, seed=[0])
+    assert isinstance(out, pa.Table) and out.schema == rm_pairs.PAIR_SCHEMA
+    rows = out.to_pylist()
+    assert [r["split"] for r in rows] == [rm_pairs.SPLITS[heldout(r["prompt"], 0.5)] for r in rows]
     assert f["pairs_in"] == 6 and f["duplicates"] == 1 and f["contaminated"] == 1 and f["over_max_pairs"] == 0
     assert f["train"] + f["heldout"] == len(rows) == 4
     assert {(r["prompt"], r["chosen"], r["rejected"]) for r in rows} == {
         ("12*3=", "A", "B"), ("12*3=", "A", "C"), *(("77*7=", "I", p["rejected"]) for p in pairs[-2:])}
-    capped, f2 = finalize(pairs, [], max_pairs=3, heldout_frac=0.5, seed=[0])
-    assert len(capped) == 3 and f2["over_max_pairs"] == 2
+    capped, f2 = finalize(table, [], max_pairs=3, heldout_frac=0.5, seed=[0])
+    assert capped.num_rows == 3 and f2["over_max_pairs"] == 2 and list(f2) == [
+        "pairs_in", "duplicates", "contaminated", "over_max_pairs", "train", "heldout"]
+    # the rows drawn are the kept rows' (in their order), as the list-of-dicts version drew them: seed [0] over
+    # the 5 kept pairs (p3's is p1's duplicate) picks np.sort(default_rng([0]).choice(5, 3, replace=False))
+    keep = [p for i, p in enumerate(pairs) if i != 2]
+    pick = np.sort(np.random.default_rng([0]).choice(5, size=3, replace=False))
+    assert [r["id"] for r in capped.to_pylist()] == [keep[i]["id"] for i in pick]
 
 
 def test_rollout_pairs_refuse_rewards_of_other_rollouts(tmp_path):
@@ -127,7 +142,8 @@ def test_preference_file_rows_and_quarantine(tmp_path):
         b"",  # empty line
     ]
     (tmp_path / "p.jsonl").write_bytes(b"\n".join(lines) + b"\n")
-    pairs, bad, n = read_preference_file(tmp_path / "p.jsonl")
+    table, bad, n = read_preference_file(tmp_path / "p.jsonl")
+    pairs = table.to_pylist()
     assert n == 11 and len(pairs) == 3 and len(bad) == 8
     assert [(p["prompt"], p["chosen"], p["rejected"]) for p in pairs] == [
         ("2*3=", "answer: 6", "answer: 7"), ("2*4=", "answer: 8", "answer: 9"), ("2*5=", "answer: 10", "answer: 11")]
@@ -362,3 +378,26 @@ def test_dvc_repro_runs_the_stage_only_when_named_and_tracks_it(tmp_path):
                               "attributes.run_name = 'reward_model@prefs'")
     assert len(runs) == 1 and "heldout.ensemble_mean.accuracy" in runs[0].data.metrics
     assert "member_1/loss" in runs[0].data.metrics and runs[0].data.tags["dvc.stage"] == "reward_model@prefs"
+
+
+def test_encode_pairs_keeps_int32_ids_of_training_pairs_that_fit_and_digest_is_the_rows_json(tiny, monkeypatch):
+    from conftest import tiny_model
+
+    from posttrain.reward_model.scorer import encode
+
+    monkeypatch.setattr(stage, "BATCH_ROWS", 2)
+    _, tok = tiny_model(ModelCfg.model_validate(tiny["model"]), 0)
+    rows = pa.Table.from_pylist([
+        {"id": "a", "prompt_id": "a", "prompt": "2*3=", "chosen": "answer: 6", "rejected": "no", "split": "train"},
+        {"id": "b", "prompt_id": "b", "prompt": "2*4=", "chosen": "9" * 300, "rejected": "1", "split": "train"},
+        {"id": "c", "prompt_id": "c", "prompt": "2*5=", "chosen": "answer: 10", "rejected": "x", "split": "heldout"},
+        {"id": "d", "prompt_id": "d", "prompt": "2*6=", "chosen": "answer: 12", "rejected": "y", "split": "train"},
+    ], schema=rm_pairs.PAIR_SCHEMA)
+    train, fits = stage.encode_pairs(tok, rows, limit=64)
+    assert fits.tolist() == [True, False, True, True]  # b's chosen: 300 digits, over 64 tokens
+    assert len(train) == 2 and all(x.dtype == np.int32 for pair in train for x in pair)  # a and d: c is held out
+    assert [x.tolist() for x in train[1]] == [encode(tok, "2*6=", "answer: 12"), encode(tok, "2*6=", "y")]
+    # the digest (resume fingerprint, manifest) is the one the rows' JSON list had as Python dicts
+    want = hashlib.sha256(json.dumps(rows.to_pylist(), sort_keys=True).encode()).hexdigest()[:16]
+    assert stage.pairs_digest(rows) == want
+    assert stage.pairs_digest(rows.slice(0, 0)) == hashlib.sha256(b"[]").hexdigest()[:16]

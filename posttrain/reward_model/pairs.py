@@ -18,6 +18,9 @@ and split into train / held-out by prompt.
   held out with probability ``heldout_frac`` by a hash of its normalised text (no seed: seed arms share one
   held-out set, and a prompt's pairs never straddle the split). Every step is counted.
 
+Pairs are Arrow tables (``BUILT_SCHEMA``, then ``PAIR_SCHEMA`` with the split), never a Python dict per pair: rows
+become Arrow ``BATCH_ROWS`` at a time as they are built (:class:`PairTable`), and ``finalize`` reads a batch of
+them at a time, so 10^6 pairs cost their strings' bytes (as ``posttrain.demos`` does for SFT's demonstrations).
 Torch-free: building pairs never loads a model.
 """
 
@@ -37,10 +40,34 @@ from posttrain.decontam import normalize
 from posttrain.errors import StageError
 from posttrain.schema import BATCH_ROWS, iter_rows
 
-Pair = dict[str, str]  # id, prompt_id, prompt, chosen, rejected
-PAIR_SCHEMA = pa.schema([("id", pa.string()), ("prompt_id", pa.string()), ("prompt", pa.string()),
-                         ("chosen", pa.string()), ("rejected", pa.string()), ("split", pa.string())])
+BUILT_SCHEMA = pa.schema([(c, pa.string()) for c in ("id", "prompt_id", "prompt", "chosen", "rejected")])
+PAIR_SCHEMA = BUILT_SCHEMA.append(pa.field("split", pa.string()))  # what trains or is held out
 SPLITS = ("train", "heldout")
+
+
+class PairTable:
+    """Pairs appended one at a time, kept as Arrow record batches of ``BATCH_ROWS`` (only the batch being filled
+    is Python dicts); :meth:`table` is the whole ``BUILT_SCHEMA`` table."""
+
+    def __init__(self) -> None:
+        self.batches: list[pa.RecordBatch] = []
+        self.rows: list[dict[str, str]] = []
+        self.n = 0
+
+    def append(self, row: dict[str, str]) -> None:
+        self.rows.append(row)
+        self.n += 1
+        if len(self.rows) == BATCH_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.rows:
+            self.batches.append(pa.RecordBatch.from_pylist(self.rows, schema=BUILT_SCHEMA))
+            self.rows = []
+
+    def table(self) -> pa.Table:
+        self._flush()
+        return pa.Table.from_batches(self.batches, schema=BUILT_SCHEMA)
 
 
 # ------------------------------------------------------------------------------------------ preference file
@@ -80,12 +107,12 @@ def _split_messages(msgs: list[Any], key: str) -> tuple[str | None, str]:
     return before[0]["content"], msgs[-1]["content"]
 
 
-def read_preference_file(path: str | Path) -> tuple[list[Pair], list[dict[str, Any]], int]:
+def read_preference_file(path: str | Path) -> tuple[pa.Table, list[dict[str, Any]], int]:
     """(pairs, quarantined rows ``{id, reason, line}``, lines read) of a preference JSONL file, line by line."""
     path = Path(path)
     if not path.is_file():
         raise StageError(f"{path}: preference file not found")
-    pairs: list[Pair] = []
+    pairs = PairTable()
     bad: list[dict[str, Any]] = []
     n = 0
     with path.open("rb") as f:
@@ -106,7 +133,7 @@ def read_preference_file(path: str | Path) -> tuple[list[Pair], list[dict[str, A
                 bad.append({"id": rid, "reason": str(e), "line": line[:200].decode("utf-8", "replace")})
             else:
                 pairs.append({"id": rid, "prompt_id": rid, "prompt": prompt, "chosen": chosen, "rejected": rejected})
-    return pairs, bad, n
+    return pairs.table(), bad, n
 
 
 # ------------------------------------------------------------------------------------------ scored rollouts
@@ -140,10 +167,10 @@ def _flat(batches: Iterable[list[dict[str, Any]]]) -> Iterator[dict[str, Any]]:
 
 
 def rollout_pairs(rollouts: str | Path, rewards: str | Path, verifier: str, pairs_per_prompt: int, seed: list[int]
-                  ) -> tuple[list[Pair], dict[str, int]]:
+                  ) -> tuple[pa.Table, dict[str, int]]:
     """Pairs (a correct completion chosen over an incorrect one, same prompt) and their counts."""
     rng = np.random.default_rng(seed)
-    pairs: list[Pair] = []
+    pairs = PairTable()
     c = dict.fromkeys(("samples", "unlabelled", "prompts", "prompts_with_pairs", "duplicate_completions",
                        "candidate_pairs", "pairs_built"), 0)
     for group in _groups(Path(rollouts), Path(rewards)):
@@ -171,10 +198,10 @@ def rollout_pairs(rollouts: str | Path, rewards: str | Path, verifier: str, pair
         for j in take:
             pairs.append({"id": f"{pid}:{j}", "prompt_id": pid, "prompt": prompt, "chosen": g[j // len(b)],
                           "rejected": b[j % len(b)]})
-    c["pairs_built"] = len(pairs)
+    c["pairs_built"] = pairs.n
     if not c["samples"]:
         raise StageError(f"{rollouts}: no rollouts")
-    return pairs, c
+    return pairs.table(), c
 
 
 # ------------------------------------------------------------------------------------------ dedup, decontam, split
@@ -188,28 +215,34 @@ def heldout(prompt: str, frac: float) -> bool:
     return int.from_bytes(h, "little") / 2**64 < frac
 
 
-def finalize(pairs: list[Pair], eval_prompts: Iterable[str], max_pairs: int | None, heldout_frac: float,
-             seed: list[int]) -> tuple[list[dict[str, str]], dict[str, int]]:
-    """The pairs that train or evaluate, each with its ``split``, and the counts (see module docstring)."""
+def finalize(pairs: pa.Table, eval_prompts: Iterable[str], max_pairs: int | None, heldout_frac: float,
+             seed: list[int]) -> tuple[pa.Table, dict[str, int]]:
+    """The pairs that train or evaluate (``PAIR_SCHEMA``: each with its ``split``), and the counts (see module
+    docstring). ``pairs`` (``BUILT_SCHEMA``) is read ``BATCH_ROWS`` rows at a time."""
     evals = {normalize(p) for p in eval_prompts}
     seen: set[bytes] = set()
-    kept: list[Pair] = []
-    c = {"pairs_in": len(pairs), "duplicates": 0, "contaminated": 0, "over_max_pairs": 0}
-    for p in pairs:
-        k = _key(p["prompt"], p["chosen"], p["rejected"])
-        if k in seen:
-            c["duplicates"] += 1
-            continue
-        seen.add(k)
-        if normalize(p["prompt"]) in evals:
-            c["contaminated"] += 1
-            continue
-        kept.append(p)
-    if max_pairs is not None and len(kept) > max_pairs:
-        c["over_max_pairs"] = len(kept) - max_pairs
-        idx = np.sort(np.random.default_rng(seed).choice(len(kept), size=max_pairs, replace=False))
-        kept = [kept[i] for i in idx]
-    rows = [{**p, "split": SPLITS[heldout(p["prompt"], heldout_frac)]} for p in kept]
-    c["train"] = sum(r["split"] == "train" for r in rows)
-    c["heldout"] = len(rows) - c["train"]
+    kept: list[int] = []  # row indices
+    c = {"pairs_in": pairs.num_rows, "duplicates": 0, "contaminated": 0, "over_max_pairs": 0}
+    at = 0
+    for batch in pairs.select(["prompt", "chosen", "rejected"]).to_batches(max_chunksize=BATCH_ROWS):
+        for i, p in enumerate(batch.to_pylist(), start=at):
+            k = _key(p["prompt"], p["chosen"], p["rejected"])
+            if k in seen:
+                c["duplicates"] += 1
+                continue
+            seen.add(k)
+            if normalize(p["prompt"]) in evals:
+                c["contaminated"] += 1
+                continue
+            kept.append(i)
+        at += batch.num_rows
+    idx = np.asarray(kept, dtype=np.int64)
+    if max_pairs is not None and len(idx) > max_pairs:
+        c["over_max_pairs"] = len(idx) - max_pairs
+        idx = idx[np.sort(np.random.default_rng(seed).choice(len(idx), size=max_pairs, replace=False))]
+    rows = pairs.take(pa.array(idx, pa.int64())).select(BUILT_SCHEMA.names).cast(BUILT_SCHEMA)
+    held = [heldout(p, heldout_frac) for b in rows.column("prompt").chunks for p in b.to_pylist()]
+    rows = rows.append_column(PAIR_SCHEMA.field("split"), pa.array([SPLITS[h] for h in held], pa.string()))
+    c["train"] = rows.num_rows - sum(held)
+    c["heldout"] = rows.num_rows - c["train"]
     return rows, c

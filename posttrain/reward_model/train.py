@@ -36,7 +36,7 @@ LOG_FIELDS = ["step", "loss", "acc", "margin", "lr", "grad_norm"]
 # ``posttrain.seeds`` for now: every stage lists seeds.py as a dep, so adding them there re-runs the whole DAG.
 RM_TAG = 7_000_003
 STEP_STRIDE = 1_000_003  # = seeds.STEP_STRIDE
-EncodedPair = tuple[list[int], list[int]]  # (chosen ids, rejected ids)
+EncodedPair = tuple[Sequence[int], Sequence[int]]  # (chosen ids, rejected ids): lists or int32 arrays
 
 
 def bt_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
