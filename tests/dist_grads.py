@@ -19,6 +19,7 @@ import json
 import sys
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from posttrain import distributed, modeling, training
 from posttrain.distributed import placement
@@ -75,17 +76,24 @@ def main(folder: str, out: str, dtype: str = "float32") -> None:
 
     training.accumulate(wrapped, opt, seqs, 2, loss_of_batch, 1e9)
     copy_ = d._copies.get(id(wrapped))
+    gathers = []  # each all-gather the stream makes (DTensor.full_tensor), by the shard's shape
+    real_full = DTensor.full_tensor
+    DTensor.full_tensor = lambda self, **kw: gathers.append(list(self.shape)) or real_full(self, **kw)
     streamed = list(d.for_generation(wrapped, Engine()))  # what vLLM's load_weights pulls: one gather a tensor
+    DTensor.full_tensor = real_full
     allocated = sum(p.numel() * p.element_size() for p in copy_.parameters() if not p.is_meta) if copy_ else 0
     plain = d.plain(wrapped)
     full = plain.state_dict()
+    ptrs = [t.data_ptr() for t in full.values()]  # a tied weight's second name shares its first's storage
     res = {"gathered_dtype": sorted(set(gathered)), "copy_bytes_before_plain": allocated,
            "copy_dtype": sorted({str(p.dtype) for p in plain.parameters()}), "world": d.world,
            "whole_param_bytes": whole,
            "local_param_bytes": sum(_bytes(p) for p in wrapped.parameters()),
            "after_first_backward": seen[1], "after_second_backward": seen[2],
            "full_copy_bytes": sum(p.numel() * p.element_size() for p in plain.parameters()),
-           "stream_names_are_the_copys": [n for n, _ in streamed] == list(full),
+           "stream_names_are_the_copys": sorted(n for n, _ in streamed) == sorted(full),
+           "stream_gathers": len(gathers), "distinct_params": len(list(wrapped.parameters())),
+           "tied": [n for i, n in enumerate(full) if ptrs[i] in ptrs[:i]],
            "stream_equals_the_copy": all(torch.equal(t, full[n]) for n, t in streamed),
            "stream_dtype": sorted({str(t.dtype) for n, t in streamed if t.is_floating_point()})}
     with open(f"{out}.{d.rank}", "w") as f:

@@ -411,3 +411,5 @@ def test_fsdp2_keeps_gradients_sharded_between_micro_batches(tmp_path, dtype):
         # item 1: vLLM's engine takes the weights streamed, equal to the copy's, with no copy allocated for them
         assert m["stream_names_are_the_copys"] and m["stream_equals_the_copy"]
         assert m["stream_dtype"] == m["copy_dtype"]
+        # a tied weight (embeddings = LM head) is gathered once and streamed under both names
+        assert m["tied"] == ["lm_head.weight"] and m["stream_gathers"] == m["distinct_params"], m

@@ -116,15 +116,25 @@ def refresh(full: torch.nn.Module, wrapped: torch.nn.Module, device: torch.devic
 
 def full_weights(wrapped: torch.nn.Module, like: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The current full weights of the FSDP2 module ``wrapped`` as checkpoint-named tensors (its state dict's
-    order and names, tied ones under each name), each in the dtype of its namesake in ``like`` (``fsdp2``'s
-    skeleton: ``model.dtype``, what the engine holds). A parameter is all-gathered (``full_tensor``) only when the
-    consumer asks for it, and is the consumer's to drop: the full model never exists on a rank (:func:`refresh`
-    fills a whole copy). A collective: every rank consumes the whole stream, in the same order."""
+    names and order, except that a tied weight's later names follow its first at once: the one gathered tensor
+    under each), each in the dtype of its namesake in ``like`` (``fsdp2``'s skeleton: ``model.dtype``, what the
+    engine holds). A parameter is all-gathered (``full_tensor``) only when the consumer asks for it, once however
+    many names it has (tied embeddings and LM head: 28M parameters at SmolLM2's 49k vocabulary, 545M at Qwen2.5's
+    152k), and is the consumer's to drop: the full model never exists on a rank (:func:`refresh` fills a whole
+    copy). A collective: every rank consumes the whole stream, in the same order."""
     dtypes = {k: t.dtype for k, t in like.state_dict(keep_vars=True).items()}  # the skeleton: no bytes read
-    for name, t in wrapped.state_dict().items():  # FSDP2: local shards as DTensors, nothing gathered yet
-        key, t = name.removeprefix(PREFIX), t.detach()
-        t = t.to(dtypes.get(key, t.dtype))  # the shard cast first: a bf16 engine gathers half the bytes
-        yield key, t.full_tensor() if hasattr(t, "full_tensor") else t
+    state = wrapped.state_dict(keep_vars=True)  # FSDP2: local shards as DTensors, nothing gathered; tied: one object
+    names: dict[int, list[str]] = {}
+    for name, t in state.items():
+        names.setdefault(id(t), []).append(name.removeprefix(PREFIX))
+    for t in state.values():
+        if (keys := names.pop(id(t), None)) is None:
+            continue  # a tied weight's later name: streamed with its first
+        t = t.detach().to(dtypes.get(keys[0], t.dtype))  # the shard cast first: a bf16 engine gathers half the bytes
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        for key in keys:
+            yield key, full
+        del full, t
 
 
 def broadcast_module(module: torch.nn.Module, comm_device: str) -> None:
