@@ -214,9 +214,9 @@ def _run(params: Params, inputs: dict[str, Path], out: dict[str, Path], pool: Re
             "reward_mean": round(float(np.mean(reward[scorable])), 4) if scorable.any() else None,
             "pass_rate": round(float(np.mean(first[scorable, collect.CORRECT] == 1)), 4) if scorable.any() else None,
             "zero_var_frac": round(sb.zero_var_frac, 4), "groups_used": len(sb.used), "refill_rounds": sb.rounds,
-            **{k: float(f"{metrics.get(k, 0.0):.4g}") for k in ("loss", "clipfrac", "kl", "entropy", "ratio_max",
-                                                                 "grad_norm", "logprob_gap", "tis_capped",
-                                                                 "is_masked", "pg_tokens")},
+            **{k: float(f"{metrics.get(k, 0.0):.4g}") if metrics else None  # no update: blank, not a measured 0
+               for k in ("loss", "clipfrac", "kl", "entropy", "ratio_max", "grad_norm", "logprob_gap", "tis_capped",
+                         "is_masked", "pg_tokens")},
             "response_len": round(float(np.mean(first[:, collect.LENGTH])), 2),
             "samples": n_samples, "samples_per_s": round(n_samples / step_s, 1), "gen_s": round(sb.gen_s, 3),
             "reward_s": round(sb.reward_s, 3), "update_s": round(update_s, 3),

@@ -1,5 +1,6 @@
 """Each stage's run() on tiny fixtures (seconds on CPU)."""
 
+import csv
 import json
 import os
 import shutil
@@ -419,6 +420,10 @@ def test_rl_stops_when_steps_in_a_row_have_nothing_to_update(tiny):
     with pytest.raises(StageError, match="2 steps in a row had nothing to update"):
         rl.run(p, _ins(p, "rl"), o["rl"])
     assert not Path(p.paths.rl_model).exists()
+    # the step logged before the stop says it updated nothing: its update metrics are blank, not a measured 0
+    rows = list(csv.DictReader((Path(p.paths.rl_report_dir) / "train_log.csv").open()))
+    assert [r["updated"] for r in rows] == ["0"]
+    assert all(rows[0][k] == "" for k in ("loss", "entropy", "grad_norm", "kl", "clipfrac")), rows[0]
 
 
 @pytest.mark.slow  # over 2 s: out of the fast suite
