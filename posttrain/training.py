@@ -224,7 +224,10 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Demos
         raise ConfigError(f"sft.max_seq_len: {cfg.max_seq_len} leaves no demonstration to train on ({data.counts})")
 
     phase_of = [(i, p) for i, p in enumerate(cfg.phases) for _ in range(p.steps)]  # step -> (phase, spec)
-    t0, tokens, positions, real_positions = time.time(), 0, 0, 0
+    # padded and real decoder positions of every step (a resumed run's steps before the checkpoint: global sums
+    # restored on rank 0), so padding_frac is the whole run's
+    positions, real_positions = saved.get("positions", (0, 0)) if d.main else (0, 0)
+    t0, tokens = time.time(), 0
     bar = tqdm(range(start, total), initial=start, total=total, desc=desc, disable=not progress)
     for step in bar:
         phase, spec = phase_of[step]
@@ -264,8 +267,9 @@ def sft_train(model: PreTrainedModel, tok: PreTrainedTokenizerBase, demos: Demos
                            "grad_norm": round(grad_norm, 4), "cot_frac": spec.cot_frac})
             bar.set_postfix(loss=f"{loss:.4f}", phase=phase)
         if done % cfg.checkpoint_every == 0 and done < total:
+            so_far = [int(x) for x in d.sum(positions, real_positions)]  # every rank saves: a collective
             checkpoint.save(ckpt_dir, done, fp, model, opt, {"scheduler": sched.state_dict(), "log": log_to.rows,
-                                                             "extra": {"ledger": ledger}})
+                                                             "extra": {"ledger": ledger, "positions": so_far}})
     positions, real_positions = d.sum(positions, real_positions)
     data.counts["padding_frac"] = round(1 - real_positions / positions, 4) if positions else 0.0
     model.eval()

@@ -164,3 +164,20 @@ def test_a_token_budget_gives_the_full_batch_gradient(tmp_path, monkeypatch):
     assert lengths == [18, 23, 19]
     assert len(training.MicroBatch(3, 40, len).chunks([[0] * n for n in lengths])) == 3  # in this order: 3 cuts
     assert Rl(max_tokens_per_micro_batch=8192).max_tokens_per_micro_batch == 8192  # rl and distill take it too
+
+
+def test_a_resumed_run_reports_the_whole_runs_padding_fraction(tmp_path):
+    """``data.padding_frac`` (metrics/sft.json) counts the padded positions of every step, so a run resumed from
+    its step-2 checkpoint reports the straight run's, not that of the steps it trained itself."""
+    demos = [{"prompt": f"{'9' * k}*7=", "answer": str(int("9" * k) * 7), "solution": None, "task": "arith"}
+             for k in range(1, 9)]  # 8 lengths: each step's batch pads differently
+    cfg = _sft(phases=[{"steps": 4, "cot_frac": 0.0}], batch_size=4, micro_batch_size=4, checkpoint_every=2)
+    straight = training.sft_train(_model()[0], _model()[1], demos, cfg, 0, tmp_path / "whole",
+                                  checkpoint.fingerprint(cfg), progress=False)
+    ck = tmp_path / "ck"
+    shutil.copytree(tmp_path / "whole", ck)
+    for p in sorted(ck.glob("step_*"))[1:]:  # "killed" after step 2
+        shutil.rmtree(p)
+    res = training.sft_train(_model()[0], _model()[1], demos, cfg, 0, ck, checkpoint.fingerprint(cfg), progress=False)
+    assert res["start"] == 2 and 0 < straight["data"]["padding_frac"] < 1
+    assert res["data"] == straight["data"]
