@@ -19,7 +19,8 @@ from typing import Any
 from posttrain.outputs import run_facts_path
 from posttrain.schema import write_json
 
-RUN_FACTS = frozenset({"seconds", "world_size", "resumed_from_step", "resumed_at_prompt"})
+RUN_FACTS = frozenset({"seconds", "world_size", "resumed_from_step", "resumed_at_prompt", "peak_rss_mb",
+                       "peak_rss_children_mb"})
 
 
 def is_run_fact(key: str) -> bool:
@@ -66,3 +67,16 @@ def read_metrics(path: str | Path) -> dict[str, Any]:
     facts = run_facts_path(path)
     out = json.loads(Path(path).read_text())
     return merge(out, json.loads(facts.read_text())) if facts.is_file() else out
+
+
+def add_peak_rss(path: str | Path) -> dict[str, float]:
+    """Add this process's peak RSS (``ru_maxrss``) and its largest finished child's (a reward worker, an engine
+    process that exited) to the run facts of the metrics file ``path``, if the stage wrote them; the values."""
+    import resource
+
+    facts = {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # Linux: KiB
+             "peak_rss_children_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)}
+    at = run_facts_path(path)
+    if at.is_file():
+        write_json(at, {**json.loads(at.read_text()), **facts})
+    return facts

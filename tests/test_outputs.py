@@ -164,3 +164,19 @@ def test_run_facts_leave_the_metrics_file_and_come_back_merged(tmp_path):
         "world_size": 2, "resumed_from_step": 10, "eval": {"seconds": 4.0}, "timing": {"total_s": 1.0},
         "update_s": {"p50": 0.2, "n": 3}}  # a section named like a run fact moves whole
     assert read_metrics(f) == m
+
+
+def test_a_stage_run_through_main_records_its_peak_rss(tiny, tmp_path):
+    """The run facts (metrics/<stage>.run.json, MLflow) carry the stage process's peak RSS (ru_maxrss), so every
+    stage of a run says what memory it needed; the results file does not (it differs run to run)."""
+    from posttrain import runner
+    from posttrain.outputs import run_facts_path
+    from posttrain.runfacts import read_metrics
+    from stages import curate
+
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny))
+    runner.stage_main("curate", lambda p: curate.run(p, *curate.paths(p)), ["--params", str(tmp_path / "params.yaml")])
+    path = Path(tiny["paths"]["metrics_dir"]) / "curate.json"
+    facts = json.loads(run_facts_path(path).read_text())
+    assert 50 < facts["peak_rss_mb"] < 24_000 and "peak_rss_mb" not in json.loads(path.read_text())
+    assert read_metrics(path)["peak_rss_mb"] == facts["peak_rss_mb"]
