@@ -253,11 +253,14 @@ def stage_main(name: str, body: Callable[[Params], dict[str, Any]], argv: list[s
     try:
         with stage_run(name, params, repo_root(params_file)):  # profiles/x.yaml: the repository above it
             body(params)
-            if rank == 0:  # before the MLflow run reads the metrics
+            if rank == 0:  # before the MLflow run reads the metrics; rank 0's process (the others write nothing)
                 from posttrain.config import stage_metrics
                 from posttrain.runfacts import add_peak_rss
 
-                add_peak_rss(stage_metrics(params.paths.metrics_dir, name))
+                try:
+                    add_peak_rss(stage_metrics(params.paths.metrics_dir, name))
+                except (OSError, ValueError) as e:  # the stage's outputs are whole: a fact missing fails nothing
+                    logging.getLogger(name).warning("peak RSS not recorded: %s", e)
     except KeyboardInterrupt as e:
         print(f"posttrain {name}: interrupted; {resume_hint(name, params)}", file=sys.stderr)
         sys.exit(143 if str(e) == "SIGTERM" else 130)  # the shell's codes for a process ended by the signal

@@ -25,7 +25,6 @@ Run: ``dvc repro reward_model@<name>`` (or ``dvc repro`` once ``reward_model.mod
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -34,7 +33,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -45,11 +43,12 @@ from posttrain.config import Params
 from posttrain.errors import StageError
 from posttrain.outputs import as_one_set, atomic_path
 from posttrain.reward_model import pairs as rm_pairs
-from posttrain.reward_model.scorer import encode, load_reward_model, load_scorer, make_trainable, pad_id, write_manifest
+from posttrain.reward_model.scorer import load_reward_model, load_scorer, make_trainable, pad_id, write_manifest
 from posttrain.reward_model.train import (
     LOG_FIELDS,
     EncodedPair,
     bootstrap_indices,
+    encode_pairs,
     ensemble_stats,
     member_seed,
     pairs_seed,
@@ -57,7 +56,7 @@ from posttrain.reward_model.train import (
 )
 from posttrain.runfacts import write_metrics
 from posttrain.runner import model_arg, stage_main
-from posttrain.schema import BATCH_ROWS, read_columns, write_jsonl, write_text
+from posttrain.schema import read_columns, write_jsonl, write_text
 from posttrain.trainlog import TrainLog
 from stages.layout import reward_model as paths
 
@@ -93,34 +92,6 @@ def build_pairs(params: Params, inputs: dict[str, Any], out: dict[str, Path]) ->
     return rows, {"source": counts, **final}
 
 
-def encode_pairs(tok: Any, rows: pa.Table, limit: int) -> tuple[list[EncodedPair], np.ndarray]:
-    """The training pairs' token ids (chosen, rejected: int32 arrays, not lists of Python ints) and a mask [N] of
-    the rows whose both sequences fit in ``limit`` tokens; ``rows`` is read ``BATCH_ROWS`` at a time."""
-    train: list[EncodedPair] = []
-    fits = np.zeros(rows.num_rows, dtype=bool)
-    at = 0
-    for batch in rows.select(["prompt", "chosen", "rejected", "split"]).to_batches(max_chunksize=BATCH_ROWS):
-        for i, r in enumerate(batch.to_pylist(), start=at):
-            c, j = (np.asarray(encode(tok, r["prompt"], r[k]), dtype=np.int32) for k in ("chosen", "rejected"))
-            fits[i] = max(len(c), len(j)) <= limit
-            if fits[i] and r["split"] == "train":
-                train.append((c, j))
-        at += batch.num_rows
-    return train, fits
-
-
-def pairs_digest(rows: pa.Table) -> str:
-    """sha256 (16 hex) of the rows as ``json.dumps(rows.to_pylist(), sort_keys=True)`` writes them, streamed a
-    batch at a time (the members' resume fingerprint and the manifest's ``pairs_digest``)."""
-    h, sep = hashlib.sha256(b"["), b""
-    for batch in rows.to_batches(max_chunksize=BATCH_ROWS):
-        for r in batch.to_pylist():
-            h.update(sep + json.dumps(r, sort_keys=True).encode())
-            sep = b", "
-    h.update(b"]")
-    return h.hexdigest()[:16]
-
-
 def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[str, Any]:
     cfg, name, t0 = params.reward_model, inputs["name"], time.time()
     sft = str(inputs["sft_model"])
@@ -131,7 +102,7 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
     limit = min(x for x in (cfg.max_len, context, 2**62) if isinstance(x, int))  # the tighter of the two
     train, fits = encode_pairs(tok, rows, limit)
     counts["over_max_len"] = int((~fits).sum())
-    rows = rows.filter(pa.array(fits))
+    rows = rows if fits.all() else rows.filter(pa.array(fits))
     held = rows.filter(pc.equal(rows.column("split"), "heldout"))
     counts["train"], counts["heldout"] = len(train), held.num_rows
     if not train or not held.num_rows:
@@ -140,7 +111,7 @@ def _run(params: Params, inputs: dict[str, Any], out: dict[str, Path]) -> dict[s
     with atomic_path(out["data"]) as tmp:
         tmp.mkdir()
         pq.write_table(rows.combine_chunks(), tmp / "pairs.parquet")
-    digest = pairs_digest(rows)
+    digest = rm_pairs.pairs_digest(rows)
 
     device = modeling.resolve_device(params.runtime.device)
     member_info = [_member(params, inputs, out, k, train, tok, pad, device, digest) for k in range(cfg.members)]

@@ -21,8 +21,9 @@ from posttrain.errors import StageError
 from posttrain.metrics import wilson_ci
 from posttrain.reward_model import finalize, load_reward_model, read_preference_file, rollout_pairs
 from posttrain.reward_model import pairs as rm_pairs
+from posttrain.reward_model import train as rm_train
 from posttrain.reward_model.pairs import heldout
-from posttrain.reward_model.train import bt_loss, pairwise
+from posttrain.reward_model.train import bt_loss, encode_pairs, pairwise
 from posttrain.runfacts import read_metrics
 from posttrain.schema import PROBLEM_SCHEMA, REWARD_SCHEMA, ROLLOUT_SCHEMA, read_parquet, write_parquet
 from stages import reward_model as stage
@@ -385,7 +386,8 @@ def test_encode_pairs_keeps_int32_ids_of_training_pairs_that_fit_and_digest_is_t
 
     from posttrain.reward_model.scorer import encode
 
-    monkeypatch.setattr(stage, "BATCH_ROWS", 2)
+    monkeypatch.setattr(rm_train, "BATCH_ROWS", 2)
+    monkeypatch.setattr(rm_pairs, "BATCH_ROWS", 2)
     _, tok = tiny_model(ModelCfg.model_validate(tiny["model"]), 0)
     rows = pa.Table.from_pylist([
         {"id": "a", "prompt_id": "a", "prompt": "2*3=", "chosen": "answer: 6", "rejected": "no", "split": "train"},
@@ -393,11 +395,11 @@ def test_encode_pairs_keeps_int32_ids_of_training_pairs_that_fit_and_digest_is_t
         {"id": "c", "prompt_id": "c", "prompt": "2*5=", "chosen": "answer: 10", "rejected": "x", "split": "heldout"},
         {"id": "d", "prompt_id": "d", "prompt": "2*6=", "chosen": "answer: 12", "rejected": "y", "split": "train"},
     ], schema=rm_pairs.PAIR_SCHEMA)
-    train, fits = stage.encode_pairs(tok, rows, limit=64)
+    train, fits = encode_pairs(tok, rows, limit=64)
     assert fits.tolist() == [True, False, True, True]  # b's chosen: 300 digits, over 64 tokens
     assert len(train) == 2 and all(x.dtype == np.int32 for pair in train for x in pair)  # a and d: c is held out
     assert [x.tolist() for x in train[1]] == [encode(tok, "2*6=", "answer: 12"), encode(tok, "2*6=", "y")]
     # the digest (resume fingerprint, manifest) is the one the rows' JSON list had as Python dicts
     want = hashlib.sha256(json.dumps(rows.to_pylist(), sort_keys=True).encode()).hexdigest()[:16]
-    assert stage.pairs_digest(rows) == want
-    assert stage.pairs_digest(rows.slice(0, 0)) == hashlib.sha256(b"[]").hexdigest()[:16]
+    assert rm_pairs.pairs_digest(rows) == want
+    assert rm_pairs.pairs_digest(rows.slice(0, 0)) == hashlib.sha256(b"[]").hexdigest()[:16]

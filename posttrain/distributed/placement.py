@@ -119,9 +119,10 @@ def full_weights(wrapped: torch.nn.Module, like: torch.nn.Module) -> Iterator[tu
     names and order, except that a tied weight's later names follow its first at once: the one gathered tensor
     under each), each in the dtype of its namesake in ``like`` (``fsdp2``'s skeleton: ``model.dtype``, what the
     engine holds). A parameter is all-gathered (``full_tensor``) only when the consumer asks for it, once however
-    many names it has (tied embeddings and LM head: 28M parameters at SmolLM2's 49k vocabulary, 545M at Qwen2.5's
-    152k), and is the consumer's to drop: the full model never exists on a rank (:func:`refresh` fills a whole
-    copy). A collective: every rank consumes the whole stream, in the same order."""
+    many names it has (tied embeddings and LM head: 28M parameters at SmolLM2-135M's 49k vocabulary, 311M at
+    Qwen2.5-3B's 152k; the names share one tensor, which the consumer copies and must not change in place), and
+    is the consumer's to drop: the full model never exists on a rank (:func:`refresh` fills a whole copy). A
+    collective: every rank consumes the whole stream, in the same order."""
     dtypes = {k: t.dtype for k, t in like.state_dict(keep_vars=True).items()}  # the skeleton: no bytes read
     state = wrapped.state_dict(keep_vars=True)  # FSDP2: local shards as DTensors, nothing gathered; tied: one object
     names: dict[int, list[str]] = {}

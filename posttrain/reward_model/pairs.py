@@ -20,7 +20,8 @@ and split into train / held-out by prompt.
 
 Pairs are Arrow tables (``BUILT_SCHEMA``, then ``PAIR_SCHEMA`` with the split), never a Python dict per pair: rows
 become Arrow ``BATCH_ROWS`` at a time as they are built (:class:`PairTable`), and ``finalize`` reads a batch of
-them at a time, so 10^6 pairs cost their strings' bytes (as ``posttrain.demos`` does for SFT's demonstrations).
+them at a time, so 10^6 pairs at rest cost their strings' bytes (as ``posttrain.demos`` does for SFT's
+demonstrations); dropping some copies the kept ones once (an Arrow ``take``).
 Torch-free: building pairs never loads a model.
 """
 
@@ -218,10 +219,12 @@ def heldout(prompt: str, frac: float) -> bool:
 def finalize(pairs: pa.Table, eval_prompts: Iterable[str], max_pairs: int | None, heldout_frac: float,
              seed: list[int]) -> tuple[pa.Table, dict[str, int]]:
     """The pairs that train or evaluate (``PAIR_SCHEMA``: each with its ``split``), and the counts (see module
-    docstring). ``pairs`` (``BUILT_SCHEMA``) is read ``BATCH_ROWS`` rows at a time."""
+    docstring). ``pairs`` (``BUILT_SCHEMA``) is read ``BATCH_ROWS`` rows at a time; the kept rows are one Arrow
+    ``take`` of it (a copy of them, beside ``pairs``, only when some were dropped)."""
     evals = {normalize(p) for p in eval_prompts}
     seen: set[bytes] = set()
     kept: list[int] = []  # row indices
+    held: list[bool] = []  # of each kept row: its prompt is held out
     c = {"pairs_in": pairs.num_rows, "duplicates": 0, "contaminated": 0, "over_max_pairs": 0}
     at = 0
     for batch in pairs.select(["prompt", "chosen", "rejected"]).to_batches(max_chunksize=BATCH_ROWS):
@@ -235,14 +238,27 @@ def finalize(pairs: pa.Table, eval_prompts: Iterable[str], max_pairs: int | None
                 c["contaminated"] += 1
                 continue
             kept.append(i)
+            held.append(heldout(p["prompt"], heldout_frac))
         at += batch.num_rows
-    idx = np.asarray(kept, dtype=np.int64)
-    if max_pairs is not None and len(idx) > max_pairs:
-        c["over_max_pairs"] = len(idx) - max_pairs
-        idx = idx[np.sort(np.random.default_rng(seed).choice(len(idx), size=max_pairs, replace=False))]
-    rows = pairs.take(pa.array(idx, pa.int64())).select(BUILT_SCHEMA.names).cast(BUILT_SCHEMA)
-    held = [heldout(p, heldout_frac) for b in rows.column("prompt").chunks for p in b.to_pylist()]
-    rows = rows.append_column(PAIR_SCHEMA.field("split"), pa.array([SPLITS[h] for h in held], pa.string()))
-    c["train"] = rows.num_rows - sum(held)
+    pick = np.arange(len(kept))
+    if max_pairs is not None and len(kept) > max_pairs:
+        c["over_max_pairs"] = len(kept) - max_pairs
+        pick = np.sort(np.random.default_rng(seed).choice(len(kept), size=max_pairs, replace=False))
+    rows = pairs if len(pick) == pairs.num_rows else pairs.take(pa.array(np.asarray(kept)[pick], pa.int64()))
+    split = [SPLITS[held[j]] for j in pick]
+    rows = rows.append_column(PAIR_SCHEMA.field("split"), pa.array(split, pa.string()))
+    c["train"] = split.count(SPLITS[0])
     c["heldout"] = rows.num_rows - c["train"]
     return rows, c
+
+
+def pairs_digest(rows: pa.Table) -> str:
+    """sha256 (16 hex) of the rows as ``json.dumps(rows.to_pylist(), sort_keys=True)`` writes them, streamed a
+    batch at a time (the reward model members' resume fingerprint and the manifest's ``pairs_digest``)."""
+    h, sep = hashlib.sha256(b"["), b""
+    for batch in rows.to_batches(max_chunksize=BATCH_ROWS):
+        for r in batch.to_pylist():
+            h.update(sep + json.dumps(r, sort_keys=True).encode())
+            sep = b", "
+    h.update(b"]")
+    return h.hexdigest()[:16]

@@ -22,13 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from posttrain import checkpoint, metrics, training
 from posttrain.config import RewardModel
-from posttrain.reward_model.scorer import score_ids
+from posttrain.reward_model.scorer import encode, score_ids
+from posttrain.schema import BATCH_ROWS
 from posttrain.trainlog import TrainLog
 
 LOG_FIELDS = ["step", "loss", "acc", "margin", "lr", "grad_norm"]
@@ -36,7 +39,7 @@ LOG_FIELDS = ["step", "loss", "acc", "margin", "lr", "grad_norm"]
 # ``posttrain.seeds`` for now: every stage lists seeds.py as a dep, so adding them there re-runs the whole DAG.
 RM_TAG = 7_000_003
 STEP_STRIDE = 1_000_003  # = seeds.STEP_STRIDE
-EncodedPair = tuple[Sequence[int], Sequence[int]]  # (chosen ids, rejected ids): lists or int32 arrays
+EncodedPair = tuple[np.ndarray | list[int], np.ndarray | list[int]]  # (chosen ids, rejected ids)
 
 
 def bt_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
@@ -118,3 +121,19 @@ def bootstrap_indices(n: int, seed: int, resample: bool) -> np.ndarray:
     if not resample:
         return np.arange(n)
     return np.sort(np.random.default_rng(seed).integers(0, n, size=n))
+
+
+def encode_pairs(tok: PreTrainedTokenizerBase, rows: pa.Table, limit: int) -> tuple[list[EncodedPair], np.ndarray]:
+    """The training pairs' token ids (chosen, rejected: int32 arrays, not lists of Python ints) and a mask [N] of
+    the rows whose both sequences fit in ``limit`` tokens; ``rows`` is read ``BATCH_ROWS`` at a time."""
+    train: list[EncodedPair] = []
+    fits = np.zeros(rows.num_rows, dtype=bool)
+    at = 0
+    for batch in rows.select(["prompt", "chosen", "rejected", "split"]).to_batches(max_chunksize=BATCH_ROWS):
+        for i, r in enumerate(batch.to_pylist(), start=at):
+            c, j = (np.asarray(encode(tok, r["prompt"], r[k]), dtype=np.int32) for k in ("chosen", "rejected"))
+            fits[i] = max(len(c), len(j)) <= limit
+            if fits[i] and r["split"] == "train":
+                train.append((c, j))
+        at += batch.num_rows
+    return train, fits
