@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain import modeling
 from posttrain.config import ConfigError, parse_params
-from posttrain.config.model import base_kind
+from posttrain.config.model import TinyModel, base_kind
 from stages import model as model_stage
 
 
@@ -144,3 +144,22 @@ def test_a_policy_built_on_meta_has_the_dtypes_of_the_one_rank_0_reads(tiny, lor
     read = modeling.load_policy(p.paths.base_model, p.model, torch.device("cpu"))
     meta = modeling.load_policy(p.paths.base_model, p.model, torch.device("cpu"), meta=True)
     assert [(n, t.dtype) for n, t in meta.named_parameters()] == [(n, t.dtype) for n, t in read.named_parameters()]
+
+
+def test_a_saved_folder_does_not_depend_on_HF_HUB_OFFLINE(tmp_path):
+    """transformers records the load's ``local_files_only`` (true under HF_HUB_OFFLINE=1) in the tokenizer's
+    config, so a `dvc repro` without the Makefile's HF_HUB_OFFLINE=1 saved every model with other bytes (found by
+    a dvc.lock re-record: models/sft's hash moved on tokenizer_config.json alone). Saved folders are the same
+    whatever the environment."""
+    tok = modeling.build_char_tokenizer()
+    model = modeling.build_tiny_model(TinyModel(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32),
+                                      tok, 0)
+    modeling.save_checkpoint(model, tok, tmp_path / "src")
+    texts = []
+    for offline in (True, False):  # what huggingface_hub passes when HF_HUB_OFFLINE is 1 or not (read at import)
+        loaded = AutoTokenizer.from_pretrained(str(tmp_path / "src"), local_files_only=offline)
+        before = dict(loaded.init_kwargs)
+        modeling.save_checkpoint(model, loaded, tmp_path / str(offline))
+        texts.append((tmp_path / str(offline) / "tokenizer_config.json").read_text())
+        assert loaded.init_kwargs == before and "local_files_only" in before  # the tokenizer in memory: untouched
+    assert texts[0] == texts[1] and "local_files_only" not in texts[0]

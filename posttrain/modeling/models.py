@@ -207,6 +207,9 @@ def trainable_params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+ENV_KWARGS = ("local_files_only",)  # what transformers records in tokenizer_config.json from the load's environment
+
+
 def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path,
                     dtype: str = "float32") -> None:
     """``save_pretrained`` model + tokenizer into ``path`` (a standard HF folder), weights in ``dtype``
@@ -229,7 +232,11 @@ def save_checkpoint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
     config = json.loads((path / "config.json").read_text())
     if config.get("dtype") != dtype:  # save_pretrained writes the in-memory model's dtype
         (path / "config.json").write_text(json.dumps({**config, "dtype": dtype}, indent=2, sort_keys=True) + "\n")
-    tokenizer.save_pretrained(path)
+    env_kwargs = {k: tokenizer.init_kwargs.pop(k) for k in ENV_KWARGS if k in tokenizer.init_kwargs}
+    try:  # the load's environment (HF_HUB_OFFLINE=1 -> local_files_only) is not the tokenizer's: same bytes anywhere
+        tokenizer.save_pretrained(path)
+    finally:
+        tokenizer.init_kwargs.update(env_kwargs)
 
 
 def checkpoint_digest(path: str | Path) -> str:
