@@ -5,13 +5,18 @@ LoRA.
 A Qwen2-architecture model with Qwen2.5's vocabulary (hidden size and depth small enough for this machine:
 the [B, T, V] logits are what matters, and they do not depend on depth) takes one ``update.policy_update`` on
 B sequences of T tokens, and a half-width student one ``distillation.divergence_update`` against it. Each
-case runs in a fresh child process; the peak is ``ru_maxrss`` minus the RSS after the models and data were
-built (CPU), or ``torch.cuda.max_memory_allocated`` minus the memory allocated before the update (GPU). The
+case runs in a fresh child process; the peak is the process's peak RSS during the update (``VmHWM``, reset just
+before it) minus the RSS after the models and data were built (CPU; before, ``ru_maxrss`` could hold the build's
+own peak), or ``torch.cuda.max_memory_allocated`` minus the memory allocated before the update (GPU). The
 "full" cases run the old code (kept here as the reference: the whole [B, T, V] logits, log-softmax over it)
 through the same update functions; the log-probs of both paths are compared on the same batch.
 
     python benchmarks/logprob_memory.py [--device cpu|cuda] [--hidden 64] [--layers 2] [--seqs 8] [--len 256]
     python benchmarks/logprob_memory.py --device cuda --qwen05b --hidden 896 --layers 24 --seqs 16 --len 1024
+    python benchmarks/logprob_memory.py --model <run>/models/sft --student <run>/models/student_sft --tag smollm2
+
+``--model``: a real model folder as the policy and the distill teacher (its own vocabulary, e.g. SmolLM2's 49,152),
+``--student`` the distill student (by default a second copy of ``--model``); random token ids either way.
 
 prints a table and writes benchmarks/results/logprob_memory_<device>.json.
 """
@@ -66,11 +71,11 @@ def full_divergence_update(student, teacher, opt, seqs, divergence, beta, pad_id
     return {}
 
 
-def _seqs(n: int, length: int, seed: int = 0) -> list[logprobs.Seq]:
+def _seqs(n: int, length: int, vocab: int, seed: int = 0) -> list[logprobs.Seq]:
     g = torch.Generator().manual_seed(seed)
     p = length // 4
-    return [logprobs.Seq(torch.randint(0, VOCAB, (p,), generator=g).tolist(),
-                     torch.randint(0, VOCAB, (length - p,), generator=g).tolist(), [0.0] * (length - p),
+    return [logprobs.Seq(torch.randint(0, vocab, (p,), generator=g).tolist(),
+                     torch.randint(0, vocab, (length - p,), generator=g).tolist(), [0.0] * (length - p),
                      1.0 if i % 2 else -1.0) for i in range(n)]
 
 
@@ -79,21 +84,36 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
+def _reset_peak() -> None:
+    """Resets the process's peak RSS (``VmHWM``) to its RSS now (Linux >= 4.0): the peak read after the update is
+    then the update's, not the model build's (``ru_maxrss`` cannot be reset)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
 def child(case: str, path: str, lora: bool, a: argparse.Namespace) -> dict:
     device = torch.device(a.device)
     torch.set_num_threads(2)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     lcfg = LoraCfg(r=16, alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]) if lora else None
     shape = ({k: QWEN25_05B[k] for k in ("heads", "kv_heads", "intermediate", "tie")} if a.qwen05b else {})
-    policy = modeling.make_trainable(qwen2(None, hidden=a.hidden, layers=a.layers, vocab_size=VOCAB, seed=0, **shape),
-                                     lcfg, gradient_checkpointing=a.grad_ckpt).to(device)
-    seqs = _seqs(a.seqs, a.len)
+    model = (modeling.load_model(a.model, dtype, device, trainable=True) if a.model
+            else qwen2(None, hidden=a.hidden, layers=a.layers, vocab_size=VOCAB, seed=0, **shape))
+    policy = modeling.make_trainable(model, lcfg, gradient_checkpointing=a.grad_ckpt).to(device)
+    vocab = policy.config.vocab_size
+    seqs = _seqs(a.seqs, a.len, vocab)
     cfg = Rl(micro_batch_size=a.seqs, lr=1e-5)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-5)
     if case == "distill":
-        teacher, student = policy.eval(), qwen2(None, hidden=a.hidden // 2, layers=a.layers, vocab_size=VOCAB,
-                                                seed=1).to(device)
+        teacher = policy.eval()
+        student = (modeling.load_model(a.student or a.model, dtype, device) if a.model
+                   else qwen2(None, hidden=a.hidden // 2, layers=a.layers, vocab_size=VOCAB, seed=1).to(device))
         opt = torch.optim.AdamW(student.parameters(), lr=1e-5)
     if path == "full":
         update.token_logp_entropy = full_token_logp_entropy  # the name policy_update calls
@@ -102,6 +122,7 @@ def child(case: str, path: str, lora: bool, a: argparse.Namespace) -> dict:
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     rss0 = _rss_mb()
+    _reset_peak()
     t0 = time.time()
     with modeling.autocast(dtype, device):
         if case == "rl":
@@ -113,9 +134,10 @@ def child(case: str, path: str, lora: bool, a: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
     secs = time.time() - t0
     peak = ((torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss0)
-    out = {"case": case, "path": path, "lora": lora, "peak_mb": round(peak, 1), "seconds": round(secs, 2),
-           "trainable_params": sum(p.numel() for p in trainable), "total_params": modeling.num_params(policy)}
+            else _peak_mb() - rss0)
+    out = {"case": case, "path": path, "lora": lora, "vocab": vocab, "peak_mb": round(peak, 1),
+           "seconds": round(secs, 2), "trainable_params": sum(p.numel() for p in trainable),
+           "total_params": modeling.num_params(policy)}
     if case == "rl":  # the two paths' log-probs on the same batch
         t = logprobs.batch_tensors(seqs[:2], 0, device)
         with torch.no_grad(), modeling.autocast(dtype, device):
@@ -135,6 +157,9 @@ def main() -> None:
     ap.add_argument("--qwen05b", action="store_true", help="Qwen2.5-0.5B's shape (hidden 896, 24 layers, ...)")
     ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing on (layer activations "
                     "recomputed): what is left is mostly the logits")
+    ap.add_argument("--model", help="a model folder (a real model) instead of the random-init Qwen2 shape")
+    ap.add_argument("--student", help="with --model: the distill student's folder (default: --model)")
+    ap.add_argument("--tag", default="", help="appended to the result file's name")
     ap.add_argument("--child", nargs=3)
     a = ap.parse_args()
     if a.child:
@@ -146,12 +171,14 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--device", a.device, "--hidden", str(a.hidden), "--layers", str(a.layers),
                "--seqs", str(a.seqs), "--len", str(a.len), "--child", case, path, lora]
         cmd += ["--qwen05b"] * a.qwen05b + ["--grad-ckpt"] * a.grad_ckpt
+        cmd += [x for k in ("model", "student") if getattr(a, k) for x in (f"--{k}", getattr(a, k))]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
             sys.exit(res.stderr[-2000:])
         rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
-    print(f"\nvocab {VOCAB}, {'Qwen2.5-0.5B shape, ' * a.qwen05b}hidden {a.hidden}, layers {a.layers}, "
+    shape = f"{a.model} (student {a.student or a.model})" if a.model else f"hidden {a.hidden}, layers {a.layers}"
+    print(f"\nvocab {rows[0]['vocab']}, {'Qwen2.5-0.5B shape, ' * a.qwen05b}{shape}, "
           f"{a.seqs} sequences x {a.len} tokens, {a.device}{', gradient checkpointing' * a.grad_ckpt}")
     print(f"{'update':8} {'path':5} {'lora':5} {'peak MB':>9} {'s':>7} {'trainable':>11} {'logp diff':>10}")
     for r in rows:
@@ -162,9 +189,9 @@ def main() -> None:
                       for p in ("full", "lean"))
         print(f"{case}: peak {full['peak_mb']:.0f} MB -> {lean['peak_mb']:.0f} MB "
               f"({full['peak_mb'] / max(lean['peak_mb'], 1):.1f}x less)")
-    name = f"logprob_memory_{a.device}{'_qwen05b' * a.qwen05b}{'_ckpt' * a.grad_ckpt}.json"
+    name = f"logprob_memory_{a.device}{'_qwen05b' * a.qwen05b}{'_ckpt' * a.grad_ckpt}{'_' * bool(a.tag)}{a.tag}.json"
     out = ROOT / "benchmarks" / "results" / name
-    out.write_text(json.dumps({"vocab": VOCAB, "args": {k: v for k, v in vars(a).items() if k != "child"},
+    out.write_text(json.dumps({"vocab": rows[0]["vocab"], "args": {k: v for k, v in vars(a).items() if k != "child"},
                                "rows": rows}, indent=1) + "\n")
 
 
