@@ -63,6 +63,8 @@ def run_arm_here(root: Path, raw: dict[str, Any], arm: str, generators: int, wor
         raw["runtime"].update({"generate_threads": 1, "train_threads": 1})
     raw["rl"]["overlap"] = None if k is None else {"max_staleness": k, "generators": generators,
                                                    "generator_threads": 1, "trainer_threads": 1}
+    if k and raw["rl"].get("correction") is None:  # k > 0 needs a correction (the stage refuses it otherwise)
+        raw["rl"]["correction"] = {"name": "icepop"}
     p = parse_params(raw)
     ins = {name: root / path for name, path in rl.paths(p)[0].items()}
     out = {k2: work / k2 for k2 in ("model", "rl_dir", "checkpoints", "report_dir")} | {"metrics": work / "rl.json"}
