@@ -20,11 +20,18 @@ Needs the default pipeline up to ``reward`` (``dvc repro reward``) and the ``ben
 (``pip install -e ".[bench]"``, which adds trl).
 
 Arms: ``ours`` (the synchronous loop, ``runtime`` threads as in params), ``ours_k1`` (``rl.overlap`` with
-``max_staleness`` 1: one generator process of 1 torch thread beside a trainer of 1 thread) and ``trl``; they run
-in that order within each repeat, and each of ours is compared with TRL in the same repeat.
+``max_staleness`` 1: one generator process of 1 torch thread beside a trainer of 1 thread), ``ours_vllm`` (the
+synchronous loop with ``rollout.backend: vllm``, the colocated engine), ``trl`` (``GRPOTrainer`` generating with
+transformers' ``generate``) and ``trl_vllm`` (``use_vllm=True, vllm_mode="colocate"``: TRL's own colocated vLLM
+engine); they run in the order given within each repeat, and each of ours is compared with each TRL arm in the
+same repeat. The vLLM arms need vLLM's CPU build: run the whole benchmark with ``.venv-vllm``'s python (with trl
+installed there). An engine's start is outside both loops' clocks (it is built before the first step) and inside
+``process_s``.
 
     python benchmarks/rl_vs_trl.py [--steps 40] [--repeats 2] [--arms ours ours_k1 trl] \\
         [--json benchmarks/results/rl_vs_trl.json]
+    .venv-vllm/bin/python benchmarks/rl_vs_trl.py --params profiles/smollm2-gsm8k.yaml --steps 3 \\
+        --arms ours ours_vllm trl trl_vllm --eval-prompts 32 --eval-samples 4   # in a run of that profile
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")  # GB; vLLM's CPU build (both vLLM arms)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -59,19 +67,23 @@ from posttrain.runner import setup  # noqa: E402
 from posttrain.schema import read_problems  # noqa: E402
 from stages import rl  # noqa: E402
 
-OVERLAP = {"ours": None, "ours_k1": {"max_staleness": 1, "generators": 1, "generator_threads": 1,
-                                     "trainer_threads": 1}}
+OURS = {"ours": {}, "ours_vllm": {"rollout": {"backend": "vllm"}},
+        "ours_k1": {"rl": {"overlap": {"max_staleness": 1, "generators": 1, "generator_threads": 1,
+                                       "trainer_threads": 1}}}}
+TRL = {"trl": {}, "trl_vllm": {"use_vllm": True, "vllm_mode": "colocate", "vllm_enable_sleep_mode": False,
+                               "vllm_importance_sampling_correction": False}}  # ours has none either: same loss
 
 
 def bench_params(path: str, steps: int, arm: str = "ours") -> Params:
-    """params.yaml with the benchmark's settings: ``steps``, dynamic sampling off, no resumable checkpoints
-    (and the arm's ``rl.overlap``)."""
+    """params.yaml with the benchmark's settings: ``steps``, dynamic sampling off, no resumable checkpoints,
+    ``rl.overlap`` off (and the arm's own settings)."""
     from posttrain.config.params import read_yaml
 
     raw = read_yaml(Path(path).read_text())
-    raw["rl"].update({"steps": steps, "dynamic_sampling": "off", "checkpoint_every": steps + 1,
-                      "overlap": OVERLAP.get(arm)})
-    if OVERLAP.get(arm) and raw["rl"].get("correction") is None:  # k > 0 needs a correction (refused otherwise)
+    raw["rl"].update({"steps": steps, "dynamic_sampling": "off", "checkpoint_every": steps + 1, "overlap": None})
+    for section, values in OURS.get(arm, {}).items():
+        raw[section].update(values)
+    if raw["rl"]["overlap"] and raw["rl"].get("correction") is None:  # k > 0 needs a correction (refused otherwise)
         raw["rl"]["correction"] = {"name": "icepop"}
     raw["runtime"]["progress"] = False
     return parse_params(raw)  # validated: the overlap's rules hold as in a stage
@@ -140,6 +152,9 @@ def arm_trl(params: Params, args: argparse.Namespace, out: Path) -> dict[str, An
     inputs, _ = rl.paths(params)
     train = PromptPool.read(inputs["train"])
     prompts = select.PROMPT_SELECTIONS[cfg.select.strategy](train, read_rates(inputs["pass_rates"], train), cfg.select)
+    # TRL needs B distinct rows per step: a selection smaller than steps x B (the real profile's pass band picked 3
+    # prompts) is repeated, as our loop's cursor cycles it
+    prompts = list(prompts) * max(1, -(-cfg.steps * b // len(prompts)))
     ds = Dataset.from_list([{"prompt": [{"role": "user", "content": p["prompt"]}], "answer": p["answer"],
                              "task": p["task"]} for p in prompts])
     counts = {"tokens": 0, "samples": 0}
@@ -153,14 +168,17 @@ def arm_trl(params: Params, args: argparse.Namespace, out: Path) -> dict[str, An
     model = modeling.load_model(str(inputs["policy"]), params.model.dtype, torch.device("cpu"))
     tok = modeling.load_tokenizer(str(inputs["policy"]))
     targs = GRPOConfig(
-        output_dir=str(out / "trl"), max_steps=cfg.steps, per_device_train_batch_size=b * g, num_generations=g,
-        gradient_accumulation_steps=1, max_completion_length=cfg.sampling.max_new_tokens,
-        temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=0, learning_rate=cfg.lr,
+        output_dir=str(out / "trl"), max_steps=cfg.steps, num_generations=g,
+        # ours' micro-batches as TRL's gradient accumulation (its dapo loss divides by the whole batch's tokens)
+        per_device_train_batch_size=min(cfg.micro_batch_size, b * g),
+        gradient_accumulation_steps=max(1, b * g // cfg.micro_batch_size),
+        max_completion_length=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p, top_k=0, learning_rate=cfg.lr,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=cfg.weight_decay, adam_beta1=0.9,
         adam_beta2=0.99, max_grad_norm=cfg.max_grad_norm, beta=0.0, epsilon=cfg.clip_eps_low,
         epsilon_high=cfg.clip_eps_high, loss_type="dapo", scale_rewards="group", num_iterations=1,
         mask_truncated_completions=False, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
-        seed=params.seed, bf16=False, disable_tqdm=True, dataloader_num_workers=0)
+        seed=params.seed, bf16=False, disable_tqdm=True, dataloader_num_workers=0, **TRL[args.worker])
     trainer = GRPOTrainer(model=model, reward_funcs=correctness, args=targs, train_dataset=ds, processing_class=tok)
 
     timers = {"gen": 0.0, "reward": 0.0, "logprob": 0.0}
@@ -209,7 +227,7 @@ def arm_trl(params: Params, args: argparse.Namespace, out: Path) -> dict[str, An
         ev_time = heldout_pass1(final, tok, params, args.eval_prompts, args.eval_samples)
     else:  # TRL finished within our arm's wall time
         ev_time, snap["step"] = ev_steps, n
-    return {"arm": "trl", "steps": n, "loop_s": clock.loop_s, "samples_per_s": counts["samples"] / clock.loop_s,
+    return {"arm": args.worker, "steps": n, "loop_s": clock.loop_s, "samples_per_s": counts["samples"] / clock.loop_s,
             "tokens_per_s": counts["tokens"] / clock.loop_s, "step_s": step, "gen_s": gen, "reward_s": rew,
             "logprob_s": lp, "update_s": step - gen - rew - lp, "other_s": 0.0, "peak_rss_mb": rss,
             "pass1_same_steps": ev_steps, "pass1_same_time": ev_time, "steps_at_same_time": snap["step"],
@@ -220,8 +238,18 @@ def worker(args: argparse.Namespace) -> None:
     params = bench_params(args.params, args.steps, args.worker)
     setup(params)
     with tempfile.TemporaryDirectory() as d:
-        res = (arm_trl if args.worker == "trl" else arm_ours)(params, args, Path(d))
+        res = (arm_trl if args.worker in TRL else arm_ours)(params, args, Path(d))
     Path(args.out).write_text(json.dumps(res))
+
+
+def write(args: argparse.Namespace, p: Params, results: list[dict[str, Any]], ratios: dict[str, list[float]]) -> None:
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"settings": {"steps": args.steps, "repeats": args.repeats,
+                                                        "B": p.rl.prompts_per_step, "G": p.rl.samples_per_prompt,
+                                                        "max_new_tokens": p.rl.sampling.max_new_tokens,
+                                                        "params": args.params},
+                                           "arms": args.arms, "runs": results,
+                                           "ratio_samples_per_s": ratios}, indent=2))
 
 
 def fmt_range(vals: list[float], digits: int = 1) -> str:
@@ -236,8 +264,8 @@ def main() -> None:
     ap.add_argument("--eval-prompts", type=int, default=200)
     ap.add_argument("--eval-samples", type=int, default=8)
     ap.add_argument("--json", default="benchmarks/results/rl_vs_trl.json")
-    ap.add_argument("--arms", nargs="+", default=["ours", "ours_k1", "trl"], choices=["ours", "ours_k1", "trl"])
-    ap.add_argument("--worker", choices=["ours", "ours_k1", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--arms", nargs="+", default=["ours", "ours_k1", "trl"], choices=[*OURS, *TRL])
+    ap.add_argument("--worker", choices=[*OURS, *TRL], help=argparse.SUPPRESS)
     ap.add_argument("--snapshot-s", type=float, default=float("inf"), help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -254,13 +282,14 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--worker", arm, "--out", str(out), "--params", args.params,
                        "--steps", str(args.steps), "--eval-prompts", str(args.eval_prompts),
                        "--eval-samples", str(args.eval_samples)]
-                if arm == "trl" and ours_s is not None:
+                if arm in TRL and ours_s is not None:
                     cmd += ["--snapshot-s", str(ours_s)]
                 t = time.time()
                 subprocess.run(cmd, check=True)
                 res = json.loads(out.read_text()) | {"repeat": rep, "process_s": round(time.time() - t, 1)}
                 ours_s = res["loop_s"] if arm == "ours" else ours_s
                 results.append(res)
+                write(args, p, results, {})  # so far: a later arm's failure keeps these
                 print(f"repeat {rep} {arm}: {res['samples_per_s']:.1f} samples/s, "
                       f"pass@1 {res['pass1_same_steps']['pass@1']:.3f}", file=sys.stderr, flush=True)
 
@@ -281,17 +310,11 @@ def main() -> None:
               f"| {statistics.median(r['logprob_s'] for r in rs):.3f} "
               f"| {statistics.median(r['update_s'] + r['other_s'] for r in rs):.3f} "
               f"| {max(r['peak_rss_mb'] for r in rs):.0f} | {same_n} | {same_t} |")
-    ratios = {a: [o["samples_per_s"] / t["samples_per_s"] for o, t in zip(by[a], by["trl"], strict=True)]
-              for a in args.arms if a != "trl" and "trl" in by}
+    ratios = {f"{a}/{t}": [o["samples_per_s"] / r["samples_per_s"] for o, r in zip(by[a], by[t], strict=True)]
+              for a in by if a in OURS for t in by if t in TRL}
     for a, rs in ratios.items():
-        print(f"\n{a}/trl samples/s: median {statistics.median(rs):.2f}x (per repeat: "
-              f"{', '.join(f'{x:.2f}' for x in rs)})")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"settings": {"steps": args.steps, "repeats": args.repeats,
-                                                        "B": p.rl.prompts_per_step, "G": p.rl.samples_per_prompt,
-                                                        "max_new_tokens": p.rl.sampling.max_new_tokens},
-                                           "arms": args.arms, "runs": results,
-                                           "ratio_samples_per_s": ratios}, indent=2))
+        print(f"\n{a} samples/s: median {statistics.median(rs):.2f}x (per repeat: {', '.join(f'{x:.2f}' for x in rs)})")
+    write(args, p, results, ratios)
 
 
 if __name__ == "__main__":
