@@ -30,8 +30,9 @@ installed there). An engine's start is outside both loops' clocks (it is built b
 
     python benchmarks/rl_vs_trl.py [--steps 40] [--repeats 2] [--arms ours ours_k1 trl] \\
         [--json benchmarks/results/rl_vs_trl.json]
-    .venv-vllm/bin/python benchmarks/rl_vs_trl.py --params profiles/smollm2-gsm8k.yaml --steps 3 \\
-        --arms ours ours_vllm trl trl_vllm --eval-prompts 32 --eval-samples 4   # in a run of that profile
+    cd <a run of profiles/smollm2-gsm8k.yaml> && <repo>/.venv-vllm/bin/python <repo>/benchmarks/rl_vs_trl.py \\
+        --params <repo>/profiles/smollm2-gsm8k.yaml --steps 2 --repeats 1 --arms ours ours_vllm trl trl_vllm \\
+        --eval-prompts 16 --eval-samples 4 --json <repo>/benchmarks/results/rl_vs_trl_smollm2.json
 """
 
 from __future__ import annotations
