@@ -5,9 +5,10 @@ Both arms start from the pipeline's SFT checkpoint (``paths.sft_model``), draw f
 section: prompts per step B, group size G, max new tokens, temperature, top-p, learning rate (constant),
 AdamW betas (0.9, 0.99), clip range (eps_low / eps_high), token-mean loss (TRL: ``loss_type="dapo"``),
 group-std advantages (TRL: ``scale_rewards="group"``), one optimizer step per rollout batch, no KL, no
-entropy bonus, the task's correctness reward, CPU, no vLLM. Our arm runs with ``dynamic_sampling: off``
-(TRL has no DAPO skip); its micro-batching (``rl.micro_batch_size``) and sequence packing (``rl.pack``) are
-exact (the same loss and gradient as one padded batch), so they are not settings of the algorithm.
+entropy bonus, the task's correctness reward, CPU (vLLM only in the vLLM arms). Our arm runs with
+``dynamic_sampling: off`` (TRL has no DAPO skip); its micro-batching (``rl.micro_batch_size``) and sequence
+packing (``rl.pack``) are exact (the same loss and gradient as one padded batch), so they are not settings of the
+algorithm.
 
 Each arm runs in its own subprocess (so peak RSS is its own), in the order given within each repeat; repeat r
 seeds every arm with r (our ``rl.seed``, TRL's ``seed``), so the repeats are seeds as well as timing repeats.
@@ -23,7 +24,8 @@ on the same problems: the difference ours - TRL in pass@1 with its paired 95% in
 Needs the pipeline up to ``reward`` (``dvc repro reward``, or ``posttrain repro -p <profile> reward``) and the
 ``bench`` extra (``pip install -e ".[bench]"``, which adds trl). TRL's arm is ``benchmarks/trl_arm.py``.
 
-Arms: ``ours`` (the synchronous loop, ``runtime`` threads as in params), ``ours_k1`` (``rl.overlap`` with
+Arms: ``ours`` (the synchronous loop, ``runtime`` threads as in params), ``ours_pack`` (the same with
+``rl.pack``: the update's sequences packed into rows without padding, exact), ``ours_k1`` (``rl.overlap`` with
 ``max_staleness`` 1: one generator process of 1 torch thread beside a trainer of 1 thread), ``ours_vllm`` (the
 synchronous loop with ``rollout.backend: vllm``, the colocated engine), ``trl`` (``GRPOTrainer`` generating with
 transformers' ``generate``) and ``trl_vllm`` (``use_vllm=True, vllm_mode="colocate"``: TRL's own colocated vLLM
@@ -70,7 +72,7 @@ from posttrain.runner import setup  # noqa: E402
 from posttrain.schema import read_problems  # noqa: E402
 from stages import rl  # noqa: E402
 
-OURS = {"ours": {}, "ours_vllm": {"rollout": {"backend": "vllm"}},
+OURS = {"ours": {}, "ours_pack": {"rl": {"pack": True}}, "ours_vllm": {"rollout": {"backend": "vllm"}},
         "ours_k1": {"rl": {"overlap": {"max_staleness": 1, "generators": 1, "generator_threads": 1,
                                        "trainer_threads": 1}}}}
 TRL = ("trl", "trl_vllm")  # benchmarks/trl_arm.py: ARMS
