@@ -136,3 +136,23 @@ def test_the_sampler_draws_each_token_with_its_probability():
         freq = torch.bincount(tok, minlength=4) / len(tok)
         assert torch.allclose(freq, want, atol=0.01), (temperature, freq)  # 3 sigma of 40,000 draws: ~0.0075
         assert torch.allclose(lp, want.log()[tok], atol=1e-3)
+
+
+def test_hf_sampling_under_autocast_casts_each_weight_once(tiny_model):
+    """The rl stage samples with the trainer's fp32 model inside one ``torch.autocast`` region (model.dtype
+    bfloat16). Autocast caches a weight's bf16 cast for the region only outside ``inference_mode``: sampled in
+    inference mode, every decoded token recast every weight (docs/performance.md, The compute floor). The tiny
+    model's 1 layer has 8 weight matrices (q, k, v, o, gate, up, down, the tied head): 8 casts in all, where
+    recasting per forward gives 8 per token (>= 40 for the >= 5 tokens asserted)."""
+    from torch.profiler import profile
+
+    model, tok = tiny_model
+    shapes = {tuple(w.shape) for w in model.parameters() if w.dim() == 2}
+    ids = chat_prompt_ids(tok, ["4738*7="])
+    sp = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=12, seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16), profile(record_shapes=True) as prof:
+        c = BACKENDS["hf"](model, tok, 8).generate(ids, 1, sp)[0][0]
+    weight_casts = sum(1 for e in prof.events() if e.name == "aten::_to_copy"
+                       and e.input_shapes and tuple(e.input_shapes[0]) in shapes)
+    assert len(c.token_ids) >= 5
+    assert 0 < weight_casts <= 8, f"{weight_casts} weight casts for {len(c.token_ids)} tokens"
