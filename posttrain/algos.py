@@ -244,6 +244,8 @@ def vanilla_pg(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, cf
     return -adv.unsqueeze(-1) * ratio, torch.zeros_like(ratio, dtype=torch.bool)
 
 
+# Each loss is the advantage times a function of the ratio: 0, with a 0 gradient, where adv is 0. The update
+# relies on it to skip zero-advantage sequences (rl.update.policy_update; tests/test_algos.py checks each entry).
 POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "ppo_clip": ppo_clip, "vanilla_pg": vanilla_pg,
 }

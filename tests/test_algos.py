@@ -78,6 +78,17 @@ def test_dual_clip_caps_negative_advantage_loss():
     assert loss.item() == pytest.approx(-1.2)  # positive advantage: dual-clip does not apply
 
 
+@pytest.mark.parametrize("name", sorted(algos.POLICY_LOSSES))
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_every_policy_loss_is_zero_with_zero_gradient_at_zero_advantage(name, dual_clip):
+    """The contract rl.update relies on to skip zero-advantage sequences: at adv 0 the loss is 0 and its
+    gradient too, at any ratio (here exp(+-2), exp(+-0.1), 1: inside and outside the clip range)."""
+    logp = torch.tensor([[2.0, -2.0, 0.1, -0.1, 0.0]], requires_grad=True)
+    loss, _ = algos.POLICY_LOSSES[name](logp, torch.zeros(1, 5), torch.zeros(1), LossCfg(0.2, 0.28, dual_clip))
+    loss.sum().backward()
+    assert loss.detach().abs().max().item() == 0.0 and logp.grad.abs().max().item() == 0.0
+
+
 def test_aggregation_hand_values():
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     m = torch.tensor([[1, 1, 1], [1, 0, 0]])

@@ -1,5 +1,6 @@
 """The online loop's pieces: prompt cursor, dynamic-sampling test, and the policy update itself."""
 
+import copy
 import math
 
 import numpy as np
@@ -219,6 +220,52 @@ def test_policy_update_is_the_same_packed_or_padded():
         assert abs(m0[k] - m1[k]) < 1e-5, k
     for a, b in zip(w0, w1, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def _zero_adv_batch():
+    """Four sequences of unequal lengths, advantages [1, 0, -1, 0], and a forward counter on the model."""
+    tok, model, seqs, _ = _setup()
+    seqs += [logprobs.Seq(s.prompt_ids, s.completion_ids[: len(s.completion_ids) // 2 + 1],
+                          s.logprobs[: len(s.completion_ids) // 2 + 1], 0.0) for s in seqs]
+    seqs = [seqs[0], seqs[2], seqs[1], seqs[3]]
+    rows = []
+    model.get_decoder().register_forward_pre_hook(lambda _m, _a, kw: rows.append(int(kw["input_ids"].shape[0])),
+                                                  with_kwargs=True)  # every scoring forward (copies share it)
+    return tok, model, seqs, rows
+
+
+def test_zero_advantage_sequences_are_not_run_and_the_gradient_is_the_full_batchs():
+    """A sequence of advantage 0 adds 0 to the policy-gradient loss: the update skips its forward and backward
+    but keeps its tokens in the token-mean normaliser, so the gradient is the whole batch's, computed by hand:
+    on-policy ppo_clip (ratio 1) is -sum_i adv_i * grad(sum_t logp_it) / (all tokens, zero-advantage ones too)."""
+    tok, model, seqs, rows = _zero_adv_batch()
+    t = logprobs.batch_tensors(seqs, tok.pad_token_id, torch.device("cpu"))
+    ref = copy.deepcopy(model).train()
+    logp, _ = logprobs.token_logp_entropy(ref, t)
+    (-(logp * t["adv"][:, None] * t["mask"]).sum() / t["mask"].sum()).backward()
+    rows.clear()
+    grads, m = _grads(model, seqs, Rl(lr=1e-2, micro_batch_size=1, max_grad_norm=1e6), tok)
+    assert rows == [1, 1]  # the two sequences of advantage +-1, one micro-batch each; the zeros never ran
+    for g, p in zip(grads, ref.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, atol=1e-6, rtol=1e-5)
+    assert m["optimizer_steps"] == 1
+
+
+def test_zero_advantage_sequences_run_when_they_feed_a_term_or_are_all_there_is():
+    """With a KL to the reference or an entropy bonus a zero-advantage sequence has a gradient: it runs. A
+    minibatch of zeros only still runs, so AdamW takes its step on a zero gradient as before."""
+    tok, model, seqs, rows = _zero_adv_batch()
+    for over in ({"entropy_coef": 0.01}, {"kl_coef": 0.1}):
+        rows.clear()
+        update.policy_update(copy.deepcopy(model).train(), GradCapture(model.parameters()), seqs,
+                             Rl(lr=1e-2, micro_batch_size=1, **over), tok.pad_token_id, ref_model=model)
+        assert sum(rows) >= 4, over  # (+ the reference's own scoring forwards under kl_coef)
+    for s in seqs:
+        s.adv = 0.0
+    rows.clear()
+    m = update.policy_update(copy.deepcopy(model).train(), torch.optim.AdamW(model.parameters()), seqs,
+                             Rl(lr=1e-2, micro_batch_size=1), tok.pad_token_id)
+    assert rows == [1, 1, 1, 1] and m["optimizer_steps"] == 1
 
 
 def test_kl_in_the_reward_hand_values():

@@ -84,6 +84,12 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     ``ref_model`` scores with its adapter disabled: passing the LoRA policy itself makes its frozen base the
     reference.
 
+    Sequences of advantage 0 are not run when the loss is the policy gradient alone (no KL, no entropy
+    bonus): they add exactly 0 to it and to its gradient, and their tokens still count in the normaliser of
+    ``rl.loss_agg``, so the update is the same (up to float summation order) at a fraction of the work, e.g.
+    the groups of one reward when ``rl.dynamic_sampling`` is off. The per-token metrics (clip fraction,
+    entropy, log-prob gap) are then over the sequences that ran.
+
     ``model`` is the training handle (``distributed.Dist.wrap``; the model itself in one process); each
     minibatch is one ``training.accumulate`` step. ``seqs`` are this rank's sequences (every one in one
     process): the batch is every rank's, in rank order; minibatches are drawn over it and each rank runs
@@ -101,9 +107,14 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     selecting = cfg.token_select != "all"  # token selection needs the sampling policy's entropies first
     # the batch is every rank's seqs in rank order; each rank needs only their lengths (one int per sequence)
     # (the tokens of a sequence the loss sees: its model tokens; observation tokens of tool rollouts are out)
-    lens_local = torch.tensor([[d.rank, s.n_model_tokens()] for s in seqs], dtype=torch.int64).view(-1, 2)
+    lens_local = torch.tensor([[d.rank, s.n_model_tokens(), s.adv != 0] for s in seqs], dtype=torch.int64).view(-1, 3)
     glob = d.gather_tensor(lens_local)
     lens, offset = glob[:, 1], int((glob[:, 0] < d.rank).sum())  # [n] loss tokens; my first sequence
+    # a sequence of advantage 0 adds exactly 0 to the loss and its gradient when the loss is only the policy
+    # gradient (POLICY_LOSSES are 0 at adv 0; corrections and token selection scale that 0): it is not run,
+    # though its tokens still count in the normaliser. Not with a KL or entropy term, which it does feed.
+    skip_zero = not use_kl and not cfg.entropy_coef
+    nonzero = glob[:, 2].bool()  # [n]
     if not on_policy or selecting:  # each rank scores exactly the sequences it updates
         fill(d.scoring(model), seqs, "old_logp", pad_id, cfg.micro_batch_size, cfg.pack, temp, with_entropy=selecting)
     pg_tokens = select_tokens(seqs, cfg.token_select, cfg.token_rho, int(lens[:offset].sum())) if selecting else 1.0
@@ -125,6 +136,8 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
                 continue
             mb_seqs = [seqs[i - offset] for i in mb.tolist() if offset <= i < offset + len(seqs)]  # mine
             n_tok, n_mb = int(lens[mb].sum()), len(mb)  # the global minibatch's
+            if skip_zero and bool(nonzero[mb].any()):  # all 0: still one step on a zero gradient (AdamW moves)
+                mb_seqs = [s for s in mb_seqs if s.adv != 0]
             if not cfg.pack:  # similar lengths share a micro-batch (less padding); exact: aggregate() is order-free
                 mb_seqs.sort(key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
 
