@@ -9,7 +9,9 @@ What it counts, per rank: sharded parameters, gradients and optimizer state, the
 all-gather buffers FSDP2 holds during a layer's forward/backward, activations and temporaries at the step's
 peak (the tracker's categories), and, resident beside them, the full-weight copies our code keeps (the FSDP2
 generation copy, the KL reference, the teacher): bytes of the tensors the code allocated, not a formula. The
-vLLM engine's share (``rollout.vllm.gpu_memory_utilization`` of the card) is added to the generation phase.
+vLLM engine's share (``rollout.vllm.gpu_memory_utilization`` of the card) is added to the generation phase, and
+so are the casts autocast caches while the hf backend samples on fp32 masters in a bf16 region (counted by
+torch's caching rule, ``autocast_cache_bytes``: the one count here that is not an allocation the plan ran).
 What it does not model: the CUDA caching allocator's fragmentation and NCCL's buffers (budget ~5-10% more),
 CUDA kernels' workspaces, and which SDPA kernel a GPU picks (the plan runs CPU's flash-attention kernel, which
 like a GPU's never materialises the [T, T] scores). Fake tensors have no values, so the memory-lean log-prob
@@ -113,6 +115,20 @@ def resident_bytes(*modules: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
+def autocast_cache_bytes(module: torch.nn.Module, dtype: str) -> int:
+    """Bytes autocast holds while ``module`` samples on the hf backend in a ``dtype`` region (under ``no_grad``,
+    ``rollout.hf``): one ``dtype`` cast of each distinct fp32 leaf weight that requires grad and a linear layer
+    reads, kept until the region ends (torch caches only those; tests/test_rollout.py counts the casts). So the
+    fp32 trainer sampling under bf16 autocast (full fine-tuning, no FSDP2 copy) holds 2 more bytes per linear
+    weight; a copy already in ``dtype`` (FSDP2's) or a frozen LoRA base holds none."""
+    if dtype == "float32":
+        return 0
+    size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    cast = {id(mod.weight): mod.weight.numel() for mod in module.modules() if isinstance(mod, torch.nn.Linear)
+            and mod.weight.requires_grad and mod.weight.dtype == torch.float32}  # tied: one tensor, one cast
+    return size * sum(cast.values())
+
+
 # the trackers' categories, in the table's columns (FSDPMemTracker's and MemTracker's names)
 CATEGORIES = {"Params": ("Sharded Param", "Parameter", "Buffer"),
               "Gathered": ("Unsharded Param", "All Gather", "Reduce Scatter"),
@@ -168,6 +184,7 @@ def measure(config: Any, params: Any, shape: Shape, d: Dist, student: Any = None
         frozen, _ = placement.fsdp2(frozen.requires_grad_(False), d.main, torch.device("cpu"), False, d.mesh, m.dtype,
                                     with_copy=False)
     wrapped = d.wrap(model.train(), m.dtype)
+    cache = 0  # bytes of autocast's casts while the hf backend samples (sft never samples)
     if shape.stage != "sft":  # the backend built and synced as the stage does: the hf backend's full copy
         # (resident from here on), or the vllm engine's folder and its stream (one gathered tensor at a time)
         name = "vllm" if shape.engine_frac and shape.stage == "rl" else "hf"  # distill's student: always hf
@@ -176,6 +193,7 @@ def measure(config: Any, params: Any, shape: Shape, d: Dist, student: Any = None
         weights = d.for_generation(wrapped, SimpleNamespace(samples_with_module=name == "hf"))
         for _ in () if isinstance(weights, torch.nn.Module) else weights:
             pass
+        cache = autocast_cache_bytes(weights, m.dtype) if isinstance(weights, torch.nn.Module) else 0
     opt = training.adamw(wrapped, 1e-6, 0.0, training.ONLINE_BETAS)
     items = list(range(shape.seqs * d.world))  # one micro-batch per rank: the tracker follows one forward a step
     runs = wrapped if d.active else placement.Forward(wrapped)  # DDP's module: one root per step, as FSDP2's
@@ -208,6 +226,7 @@ def measure(config: Any, params: Any, shape: Shape, d: Dist, student: Any = None
     out = {col: sum(got.get(k, 0) for k in keys) / GiB for col, keys in CATEGORIES.items()}
     out["Full copy"] = resident_bytes(*d._copies.values()) / GiB
     out["Frozen model"] = resident_bytes(frozen) / GiB if frozen is not None else 0.0
+    out["Autocast cache"] = cache / GiB
     out["Update peak"] = got["Total"] / GiB + out["Full copy"] + out["Frozen model"]
     d._copies.clear()
     return out
@@ -226,7 +245,7 @@ def plan(config: Any, params: Any, world: int, gpu_gib: float, seq_len: int, sta
         with fake_job(1 if ddp else world) as d:
             got = measure(config, params, shape, d, student)
         engine = shape.engine_frac * gpu_gib
-        gen = got["Params"] + got["OptState"] + got["Full copy"] + got["Frozen model"] + engine
+        gen = got["Params"] + got["OptState"] + got["Full copy"] + got["Frozen model"] + got["Autocast cache"] + engine
         peak = max(got["Update peak"], gen)
         rows.append({"stage": shape.stage, "world": world, "strategy": "ddp" if ddp else "fsdp2",
                      "seqs": shape.seqs, "seq_len": seq_len,
@@ -246,7 +265,7 @@ def advice(got: dict[str, float], peak: float, gpu_gib: float) -> str:
     return f"{over}: more ranks, or LoRA (model.lora)"
 
 
-COLUMNS = (*CATEGORIES, "Full copy", "Frozen model", "Update peak", "Engine", "Generation peak")
+COLUMNS = (*CATEGORIES, "Full copy", "Frozen model", "Update peak", "Autocast cache", "Engine", "Generation peak")
 
 
 def table(rows: list[dict[str, Any]], title: str) -> str:

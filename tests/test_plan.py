@@ -52,6 +52,33 @@ def test_the_plan_of_a_small_qwen2_at_2_ranks_shards_what_fsdp2_shards():
 
 
 @pytest.mark.slow  # over 2 s: out of the fast suite
+def test_the_fp32_trainer_sampling_under_bf16_autocast_holds_a_bf16_cast_of_each_linear_weight():
+    """The hf backend samples on the trainer's fp32 masters inside the bf16 autocast region, and autocast keeps a
+    cast of every linear weight it used until the region ends: 2 bytes per linear weight in the generation phase.
+    None in fp32, none from FSDP2's generation copy (kept in bf16) and none for a frozen bf16 LoRA base."""
+    raw = tiny_raw(None)
+    raw["model"]["dtype"], raw["runtime"]["distributed"]["strategy"] = "bfloat16", "ddp"
+    config = plan.load_config(REPO / "benchmarks" / "model_configs" / "qwen2.5-1.5b.json")
+    config.num_hidden_layers, config.vocab_size = 2, 1024
+    linear = 2 * (1536 * 1536 * 2 + 256 * 1536 * 2 + 3 * 1536 * 8960) + 1024 * 1536
+    # per layer q, o (1536 x 1536), k, v (256 x 1536), the MLP's three 1536 x 8960; the LM head, tied to the
+    # embedding (one tensor, cast once); biases and norms are not cast by a linear's weight cast
+    gib = 2**30
+    (rl,) = plan.plan(config, parse_params(raw), 1, 80.0, 64, ("rl",))
+    assert abs(rl["Autocast cache"] - 2 * linear / gib) < 1e-6  # (the rows round to 1e-6 GiB)
+    resident = rl["Params"] + rl["OptState"] + rl["Full copy"] + rl["Frozen model"] + rl["Engine"]
+    assert abs(rl["Generation peak"] - resident - rl["Autocast cache"]) < 1e-5
+    raw["model"]["dtype"] = "float32"
+    assert plan.plan(config, parse_params(raw), 1, 80.0, 64, ("rl",))[0]["Autocast cache"] == 0
+    raw["model"]["dtype"], raw["runtime"]["distributed"]["strategy"] = "bfloat16", "fsdp2"
+    assert plan.plan(config, parse_params(raw), 2, 80.0, 64, ("rl",))[0]["Autocast cache"] == 0
+    raw["runtime"]["distributed"]["strategy"] = "ddp"
+    raw["model"]["lora"] = {"r": 8, "alpha": 16, "target_modules": "all-linear"}
+    (lora,) = plan.plan(config, parse_params(raw), 1, 80.0, 64, ("rl",))
+    assert 0 < lora["Autocast cache"] < 0.02 * rl["Autocast cache"]  # the fp32 adapters only
+
+
+@pytest.mark.slow  # over 2 s: out of the fast suite
 def test_the_cli_prints_the_table_and_refuses_a_wrong_stage_in_one_line(tmp_path):
     out, config, params = tmp_path / "plan.json", tmp_path / "config.json", tmp_path / "params.yaml"
     params.write_text((REPO / "params.yaml").read_text().replace("strategy: ddp", "strategy: fsdp2", 1))
