@@ -6,9 +6,10 @@ section: prompts per step B, group size G, max new tokens, temperature, top-p, l
 AdamW betas (0.9, 0.99), clip range (eps_low / eps_high), token-mean loss (TRL: ``loss_type="dapo"``),
 group-std advantages (TRL: ``scale_rewards="group"``), one optimizer step per rollout batch, no KL, no
 entropy bonus, the task's correctness reward, CPU (vLLM only in the vLLM arms). Our arm runs with
-``dynamic_sampling: off`` (TRL has no DAPO skip); its micro-batching (``rl.micro_batch_size``) and sequence
-packing (``rl.pack``) are exact (the same loss and gradient as one padded batch), so they are not settings of the
-algorithm.
+``dynamic_sampling: off`` (TRL has no DAPO skip); its micro-batching (``rl.micro_batch_size``), sequence
+packing (``rl.pack``) and, since a15d6bb, its skipping of sequences of advantage 0 in the update (they add
+exactly 0 to the loss and gradient; their tokens stay in the token-mean normaliser; TRL runs them) are exact (the
+same loss and gradient as one padded batch), so they are not settings of the algorithm.
 
 Each arm runs in its own subprocess (so peak RSS is its own), in the order given within each repeat; repeat r
 seeds every arm with r (our ``rl.seed``, TRL's ``seed``), so the repeats are seeds as well as timing repeats.
