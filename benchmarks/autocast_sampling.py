@@ -3,11 +3,13 @@
 The rl stage samples each step with the trainer's model (fp32 master weights that require grad) inside one
 ``torch.autocast`` region when ``model.dtype`` is bfloat16. This times ``HFBackend.generate`` on that setup: 8
 arithmetic prompts x 8 samples, at most 64 new tokens, T 1, seed 0, 2 threads. ``--root`` picks the checkout
-whose ``posttrain`` is imported, so two commits can be timed against each other under ``farm-bench --vs``:
+whose ``posttrain`` is imported, so two commits can be timed against each other, alternated (one warm-up
+pair, then A B A B ...; the JSON lines are the per-run figures):
 
-    farm-bench -n 3 --timeout 400 --vs "python benchmarks/autocast_sampling.py --root <old worktree> \\
-        --model models/sft --dtype bfloat16 --json J" -- python benchmarks/autocast_sampling.py \\
-        --model models/sft --dtype bfloat16 --json J
+    for i in 0 1 2 3; do
+      python benchmarks/autocast_sampling.py --root <old worktree> --model models/sft --dtype bfloat16 --json J
+      python benchmarks/autocast_sampling.py --model models/sft --dtype bfloat16 --json J
+    done
 
 Appends one JSON line (root, dtype, completion tokens, generation seconds, tokens/s) to ``--json``.
 """

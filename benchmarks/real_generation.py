@@ -1,6 +1,6 @@
 """Generation on a real model: tokens/s of one rollout backend on GSM8K-test prompts, one arm per process.
 
-The arms run alternately under ``farm-bench`` (this machine is noisy: compare arms in one run, every repeat kept):
+Run the arms alternately, one process each (this machine is noisy: compare arms in one run, every repeat kept):
 
     python benchmarks/real_generation.py --model models/sft --backend hf --prompts 64 --n 8 --new 256
     .venv-vllm/bin/python benchmarks/real_generation.py --model models/sft --backend vllm ...   # vLLM's CPU build
