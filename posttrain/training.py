@@ -129,6 +129,9 @@ def accumulate(model: torch.nn.Module, opt: torch.optim.Optimizer, items: Sequen
     grad_norm = d.clip_grad_norm(model, max_grad_norm)
     opt.step()
     opt.zero_grad(set_to_none=True)  # no gradient memory held through the next generation (a colocated engine's)
+    # autocast caches its bf16 cast of each fp32 master until its region ends, blind to the in-place step just
+    # taken: a region held over several steps (the sft stage's, rl's epochs x minibatches) would run on stale casts
+    torch.clear_autocast_cache()
     return grad_norm
 
 

@@ -181,3 +181,36 @@ def test_a_resumed_run_reports_the_whole_runs_padding_fraction(tmp_path):
     res = training.sft_train(_model()[0], _model()[1], demos, cfg, 0, ck, checkpoint.fingerprint(cfg), progress=False)
     assert res["start"] == 2 and 0 < straight["data"]["padding_frac"] < 1
     assert res["data"] == straight["data"]
+
+
+def test_steps_inside_one_autocast_region_see_the_weights_each_step_wrote():
+    """model.dtype bfloat16 keeps fp32 masters and casts them under autocast, which caches each weight's cast until
+    its region ends and never sees an in-place optimizer step. The sft stage holds one region over the whole run:
+    without clearing that cache after each step, every forward after the first used the first step's weights
+    (the stale cast) and the masters moved on gradients taken there. Two steps in one region must equal two
+    steps in regions of their own."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    ref = torch.nn.Linear(8, 8)
+    losses = {}
+    for arm in ("one region", "a region each"):
+        lin = copy.deepcopy(ref)
+        opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+        seen = []
+
+        def loss_of(chunk, real, lin=lin, seen=seen):
+            loss = lin(x).float().pow(2).mean()
+            seen.append(float(loss))
+            return loss
+
+        if arm == "one region":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                for _ in range(2):
+                    training.accumulate(lin, opt, [0], 1, loss_of, 1e9)
+        else:
+            for _ in range(2):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    training.accumulate(lin, opt, [0], 1, loss_of, 1e9)
+        losses[arm] = seen
+    assert losses["a region each"][1] != losses["a region each"][0]  # the step changed the loss
+    assert losses["one region"] == losses["a region each"]
