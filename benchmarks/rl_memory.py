@@ -109,7 +109,7 @@ def worker(arm: str, out: str, n_prompts: int, g: int, tokens: int) -> None:
                 for grp in sb.rows.values() for r in grp if r["reward"] is not None]
         for s in seqs:  # fill: the rank's own sequences, no collective
             s.old_logp, s.ref_logp = s.logprobs + 0.0, s.logprobs + 0.0
-        d.gather_tensor(torch.tensor([[d.rank, len(s.completion_ids)] for s in seqs]))  # policy_update's lengths
+        d.gather_tensor(torch.tensor([[d.rank, len(s.completion_ids), 1] for s in seqs]))  # policy_update's gather
         held = (sb, seqs)
     d.barrier()
     res = {"arm": arm, "rank": d.rank, "seconds": round(time.time() - t0, 3), "rss_before_mb": round(rss0, 1),

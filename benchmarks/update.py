@@ -39,7 +39,7 @@ from posttrain.schema import read_problems  # noqa: E402
 def sample_batch(model: Any, tok: Any, problems: list[dict[str, Any]], g: int, new: int) -> list[logprobs.Seq]:
     ids = chat_prompt_ids(tok, [p["prompt"] for p in problems])
     out = BACKENDS["hf"](model.eval(), tok, 256).generate(ids, g, SamplingParams(1.0, 1.0, new, 0))
-    # alternating advantages: the update's cost does not depend on their values
+    # alternating advantages +-1: the update's cost does not depend on their values (it skips only 0s)
     return [logprobs.Seq(p, c.token_ids, c.logprobs, 1.0 if j % 2 else -1.0)
             for p, grp in zip(ids, out, strict=True) for j, c in enumerate(grp)]
 

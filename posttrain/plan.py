@@ -117,16 +117,16 @@ def resident_bytes(*modules: torch.nn.Module) -> int:
 
 def autocast_cache_bytes(module: torch.nn.Module, dtype: str) -> int:
     """Bytes autocast holds while ``module`` samples on the hf backend in a ``dtype`` region (under ``no_grad``,
-    ``rollout.hf``): one ``dtype`` cast of each distinct fp32 leaf weight that requires grad and a linear layer
-    reads, kept until the region ends (torch caches only those; tests/test_rollout.py counts the casts). So the
+    ``rollout.hf``): one ``dtype`` cast of each distinct fp32 leaf weight and bias that requires grad and a
+    linear layer reads, kept until the region ends (torch caches only those; tests/test_rollout.py counts the casts). So the
     fp32 trainer sampling under bf16 autocast (full fine-tuning, no FSDP2 copy) holds 2 more bytes per linear
-    weight; a copy already in ``dtype`` (FSDP2's) or a frozen LoRA base holds none."""
+    parameter; a copy already in ``dtype`` (FSDP2's) or a frozen LoRA base holds none."""
     if dtype == "float32":
         return 0
     size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-    cast = {id(mod.weight): mod.weight.numel() for mod in module.modules() if isinstance(mod, torch.nn.Linear)
-            and mod.weight.requires_grad and mod.weight.dtype == torch.float32}  # tied: one tensor, one cast
-    return size * sum(cast.values())
+    cast = {id(t): t.numel() for mod in module.modules() if isinstance(mod, torch.nn.Linear)
+            for t in (mod.weight, mod.bias) if t is not None and t.requires_grad and t.dtype == torch.float32}
+    return size * sum(cast.values())  # (tied weights: one tensor, one cast)
 
 
 # the trackers' categories, in the table's columns (FSDPMemTracker's and MemTracker's names)

@@ -60,9 +60,9 @@ def test_the_fp32_trainer_sampling_under_bf16_autocast_holds_a_bf16_cast_of_each
     raw["model"]["dtype"], raw["runtime"]["distributed"]["strategy"] = "bfloat16", "ddp"
     config = plan.load_config(REPO / "benchmarks" / "model_configs" / "qwen2.5-1.5b.json")
     config.num_hidden_layers, config.vocab_size = 2, 1024
-    linear = 2 * (1536 * 1536 * 2 + 256 * 1536 * 2 + 3 * 1536 * 8960) + 1024 * 1536
-    # per layer q, o (1536 x 1536), k, v (256 x 1536), the MLP's three 1536 x 8960; the LM head, tied to the
-    # embedding (one tensor, cast once); biases and norms are not cast by a linear's weight cast
+    linear = 2 * (1536 * 1536 * 2 + 256 * 1536 * 2 + 3 * 1536 * 8960 + 1536 + 256 * 2) + 1024 * 1536
+    # per layer q, o (1536 x 1536), k, v (256 x 1536), the MLP's three 1536 x 8960, the biases of q, k, v (1536,
+    # 256, 256); the LM head, tied to the embedding (one tensor, cast once); norms are not linear layers
     gib = 2**30
     (rl,) = plan.plan(config, parse_params(raw), 1, 80.0, 64, ("rl",))
     assert abs(rl["Autocast cache"] - 2 * linear / gib) < 1e-6  # (the rows round to 1e-6 GiB)

@@ -255,17 +255,21 @@ def test_zero_advantage_sequences_run_when_they_feed_a_term_or_are_all_there_is(
     """With a KL to the reference or an entropy bonus a zero-advantage sequence has a gradient: it runs. A
     minibatch of zeros only still runs, so AdamW takes its step on a zero gradient as before."""
     tok, model, seqs, rows = _zero_adv_batch()
-    for over in ({"entropy_coef": 0.01}, {"kl_coef": 0.1}):
+    for over, forwards in (({"entropy_coef": 0.01}, 4), ({"kl_coef": 0.1}, 8)):  # kl: + the reference's 4
         rows.clear()
-        update.policy_update(copy.deepcopy(model).train(), GradCapture(model.parameters()), seqs,
+        update.policy_update(copy.deepcopy(model).train(), GradCapture(model.parameters()), copy.deepcopy(seqs),
                              Rl(lr=1e-2, micro_batch_size=1, **over), tok.pad_token_id, ref_model=model)
-        assert sum(rows) >= 4, over  # (+ the reference's own scoring forwards under kl_coef)
+        assert rows == [1] * forwards, over
     for s in seqs:
         s.adv = 0.0
     rows.clear()
-    m = update.policy_update(copy.deepcopy(model).train(), torch.optim.AdamW(model.parameters()), seqs,
-                             Rl(lr=1e-2, micro_batch_size=1), tok.pad_token_id)
-    assert rows == [1, 1, 1, 1] and m["optimizer_steps"] == 1
+    m = copy.deepcopy(model).train()
+    w0 = [p.detach().clone() for p in m.parameters()]
+    update.policy_update(m, torch.optim.AdamW(m.parameters(), lr=1e-2), seqs, Rl(lr=1e-2, micro_batch_size=1),
+                         tok.pad_token_id)
+    assert rows == [1, 1, 1, 1]
+    # AdamW stepped on a zero gradient (not on None, which it skips): only its weight decay moved the weights
+    assert all(not torch.equal(p.detach(), w) for p, w in zip(m.parameters(), w0, strict=True) if w.abs().sum() > 0)
 
 
 def test_kl_in_the_reward_hand_values():

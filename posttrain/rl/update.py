@@ -88,7 +88,7 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     bonus): they add exactly 0 to it and to its gradient, and their tokens still count in the normaliser of
     ``rl.loss_agg``, so the update is the same (up to float summation order) at a fraction of the work, e.g.
     the groups of one reward when ``rl.dynamic_sampling`` is off. The per-token metrics (clip fraction,
-    entropy, log-prob gap) are then over the sequences that ran.
+    entropy, ratio max, log-prob gap, capped and masked shares) are then over the sequences that ran.
 
     ``model`` is the training handle (``distributed.Dist.wrap``; the model itself in one process); each
     minibatch is one ``training.accumulate`` step. ``seqs`` are this rank's sequences (every one in one

@@ -28,7 +28,7 @@ Sampling runs under ``no_grad``, not ``inference_mode``: the rl stage samples wi
 a ``torch.autocast`` region (``model.dtype: bfloat16``), and autocast caches a weight's low-precision cast for
 the region only outside inference mode; inside it, every decoded token recast all the model's weights (on
 SmolLM2-135M on 2 Xeon cores bf16 sampling took 1.4x fp32's time). The cache costs one bf16 copy of the weights
-(2 bytes a parameter) while the region lasts, which ``posttrain plan``'s generation phase does not count.
+(2 bytes a parameter) while the region lasts, which ``posttrain plan`` counts in its generation phase.
 """
 
 from __future__ import annotations
