@@ -118,9 +118,9 @@ def resident_bytes(*modules: torch.nn.Module) -> int:
 def autocast_cache_bytes(module: torch.nn.Module, dtype: str) -> int:
     """Bytes autocast holds while ``module`` samples on the hf backend in a ``dtype`` region (under ``no_grad``,
     ``rollout.hf``): one ``dtype`` cast of each distinct fp32 leaf weight and bias that requires grad and a
-    linear layer reads, kept until the region ends (torch caches only those; tests/test_rollout.py counts the casts). So the
-    fp32 trainer sampling under bf16 autocast (full fine-tuning, no FSDP2 copy) holds 2 more bytes per linear
-    parameter; a copy already in ``dtype`` (FSDP2's) or a frozen LoRA base holds none."""
+    linear layer reads, kept until the region ends (torch caches only those; tests/test_rollout.py counts the
+    casts). So the fp32 trainer sampling under bf16 autocast (full fine-tuning, no FSDP2 copy) holds 2 more
+    bytes per linear parameter; a copy already in ``dtype`` (FSDP2's) or a frozen LoRA base holds none."""
     if dtype == "float32":
         return 0
     size = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
