@@ -105,7 +105,8 @@ def policy_update(model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: Sequ
     norm_len = cfg.sampling.max_new_tokens
     on_policy = cfg.epochs * cfg.minibatches == 1  # then old log-probs come from the update's own forward
     selecting = cfg.token_select != "all"  # token selection needs the sampling policy's entropies first
-    # the batch is every rank's seqs in rank order; each rank needs only their lengths (one int per sequence)
+    # the batch is every rank's seqs in rank order; each rank needs only their lengths and whether their
+    # advantage is 0 (two ints per sequence)
     # (the tokens of a sequence the loss sees: its model tokens; observation tokens of tool rollouts are out)
     lens_local = torch.tensor([[d.rank, s.n_model_tokens(), s.adv != 0] for s in seqs], dtype=torch.int64).view(-1, 3)
     glob = d.gather_tensor(lens_local)
