@@ -251,7 +251,7 @@ def test_rl_step_at_world_size_2_gathers_scalars_only_and_every_rank_gets_the_ha
     exactly, per rank (2 ranks):
       collect: the sizes (2 x 8 bytes) + 2 x (8 samples x 4 float64 scalars: reward, correct, length, tool
       calls) = 16 + 512 = 528 bytes;
-      update:  the sizes (16) + 2 x (8 sequences x 2 int64: rank, length)   = 16 + 256 = 272 bytes,
+      update:  the sizes (16) + 2 x (8 sequences x 3 int64: rank, length, advantage != 0) = 16 + 384 = 400 bytes,
     whatever the completions' lengths (the step holds 1,240 tokens; a pickled gather of rows, the old path, sent
     every token id and log-prob to every rank). No ``all_gather_object`` runs (it raises in the script). Every
     rank computes GRPO's advantages of every group, by hand (unbiased std): [1000] -> mean 1/4, std 1/2 ->
@@ -274,7 +274,7 @@ def test_rl_step_at_world_size_2_gathers_scalars_only_and_every_rank_gets_the_ha
     assert (r0["local_groups"], r1["local_groups"]) == ([0, 1], [2, 3])  # each rank holds only its own rows
     assert r0["local_tokens"] + r1["local_tokens"] == one["local_tokens"] == 1240
     for res in (r0, r1):
-        assert res["collect_bytes"] == 528 and res["step_bytes"] == 528 + 272
+        assert res["collect_bytes"] == 528 and res["step_bytes"] == 528 + 400
         assert res["metrics"] == r0["metrics"]  # the same reduced metrics on every rank
     assert r0["sent_bytes"] == 0 and r1["sent_bytes"] > 4 * 684  # rank 1's rows reach rank 0 (to be written) only
     assert one["collect_bytes"] == one["step_bytes"] == 0  # one process: nothing to gather
