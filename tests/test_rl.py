@@ -201,8 +201,6 @@ def test_packed_update_equals_padded_update():
 def test_policy_update_is_the_same_packed_or_padded():
     """rl.pack changes the layout, not the update: the same weights after two off-policy optimizer steps
     (old log-probs recomputed packed too) and the same metrics."""
-    import copy
-
     tok, model, seqs, _ = _setup()
     half = [len(s.completion_ids) // 2 + 1 for s in seqs]
     seqs += [logprobs.Seq(s.prompt_ids, s.completion_ids[:h], s.logprobs[:h], -s.adv)
@@ -310,8 +308,6 @@ def test_kl_in_the_reward_separates_a_group_of_equal_rewards():
 
 def _grads(model, seqs, cfg, tok, ref_model=None):
     """The update's gradient (one optimizer step: epochs = minibatches = 1) and its metrics."""
-    import copy
-
     m = copy.deepcopy(model).train()
     opt = GradCapture(m.parameters())
     metrics = update.policy_update(m, opt, seqs, cfg, tok.pad_token_id, ref_model=ref_model)
