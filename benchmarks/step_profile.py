@@ -12,7 +12,8 @@ ops (AdamW on CPU tensors runs per-tensor elementwise ops instead: its ``step`` 
 phase under the profiler is slower than without it: both times are printed).
 
     python benchmarks/step_profile.py --model <run>/models/sft --rl-dir <run>/data/rl --step 3 \
-        [--params profiles/smollm2-gsm8k.yaml] [--new 64] [--json benchmarks/results/step_profile.json]
+        [--params profiles/smollm2-gsm8k.yaml] [--new 64] [--dtype bfloat16] \
+        [--json benchmarks/results/step_profile.json]
 
 prints a table per phase and writes the JSON (every op's self time, top 40 per phase).
 """
@@ -90,10 +91,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--phases", nargs="+", default=["generation", "update"], choices=["generation", "update"])
     ap.add_argument("--pack", action="store_true", help="rl.pack on (sequences packed, no padding)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="autocast dtype over the fp32 masters, as "
+                    "the rl stage runs them (default: the params' model.dtype)")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "step_profile.json"))
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    cfg = parse_params(read_yaml(Path(a.params).read_text())).rl
+    params = parse_params(read_yaml(Path(a.params).read_text()))
+    cfg, dtype = params.rl, a.dtype or params.model.dtype
     cfg = cfg.model_copy(update={"pack": cfg.pack or a.pack})
     rows = pq.read_table(a.rl_dir / "shards" / f"step_{a.step:05d}.parquet").to_pylist()
     tok = modeling.load_tokenizer(a.model)
@@ -104,13 +108,14 @@ def main() -> None:
     sp = SamplingParams(cfg.sampling.temperature, cfg.sampling.top_p, a.new, 0)
     backend = BACKENDS["hf"](model, tok, cfg.generate_batch_size)
     out: dict[str, Any] = {"model": a.model, "params": a.params, "pack": cfg.pack, "step": a.step,
-                           "prompts": len(prompts), "samples_per_prompt": g,
+                           "dtype": dtype, "prompts": len(prompts), "samples_per_prompt": g,
                            "new": a.new, "threads": a.threads, "phases": {}}
     tokens = []
 
     def generate() -> None:
         model.eval()
-        groups = backend.generate(ids, g, sp)
+        with modeling.autocast(dtype, torch.device("cpu")):  # one region a phase, as the stage's step
+            groups = backend.generate(ids, g, sp)
         tokens.append(sum(len(c.token_ids) for grp in groups for c in grp))
 
     by_prompt = dict(zip(prompts, ids, strict=True))
@@ -132,7 +137,8 @@ def main() -> None:
 
     def train() -> None:
         model.train()
-        update.policy_update(model, opt, seqs, cfg, pad_id=tok.pad_token_id)
+        with modeling.autocast(dtype, torch.device("cpu")):
+            update.policy_update(model, opt, seqs, cfg, pad_id=tok.pad_token_id)
 
     for phase, fn in ((ph, {"generation": generate, "update": train}[ph]) for ph in a.phases):
         t0 = time.perf_counter()

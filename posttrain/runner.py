@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from posttrain import seeds, slurm
+from posttrain import allocator, seeds, slurm
 from posttrain.config import EXIT_CONFIG_ERROR, ConfigError, Params, load_params, repo_root
 from posttrain.config.sandbox import ENV as SANDBOX_ENV
 from posttrain.dvcrestore import restore_outputs
@@ -42,6 +42,8 @@ def seed_everything(seed: int) -> None:
 def setup(params: Params) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ[SANDBOX_ENV] = params.sandbox.model_dump_json()  # every process of the stage runs code alike
+    if params.runtime.keep_freed_memory:
+        allocator.keep_freed_memory()
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(params.runtime.train_threads)
     if "transformers" in sys.modules:

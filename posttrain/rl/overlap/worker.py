@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from posttrain import modeling, seeds
+from posttrain import allocator, modeling, seeds
 from posttrain.config import Params
 from posttrain.rewards import RewardPool
 from posttrain.rl import collect
@@ -79,6 +79,8 @@ def generator_main(index: int, spec: Spec, out: Any, stop: Any, parent: int) -> 
     try:
         p, o = spec.params, spec.params.rl.overlap
         torch.set_num_threads(o.generator_threads)
+        if p.runtime.keep_freed_memory:  # a spawned process: the stage's setup did not run here
+            allocator.keep_freed_memory()
         # hf samples with this model; vLLM's engine loads its own copy, and this one (on the CPU) only stages
         # each version's weights for the engine (a LoRA policy's merged as they stream in)
         where = p.runtime.device if p.rollout.backend == "hf" else "cpu"
