@@ -5,7 +5,7 @@ back to the kernel on ``free``. A training step on CPU allocates many such block
 step: at a 49k vocabulary the tied embedding's gradient is [49,152, 576] fp32 (113 MB, zero-filled by the
 embedding's backward), its bf16 cast and fp32 recast are as large, and each head chunk's logits are [256,
 49,152] (50 MB). Every one is then faulted in page by page, and the kernel zeroes each page first: on
-SmolLM2-135M's bf16 update (40 sequences, micro-batches of 8) those faults cost more than a quarter of the
+SmolLM2-135M's bf16 update (40 sequences, micro-batches of 8) those faults cost a fifth to a quarter of the
 update (docs/performance.md, "Where the bf16 update goes").
 
 ``keep_freed_memory`` turns both off with ``mallopt``: no mmap for large blocks (``M_MMAP_MAX`` 0) and no

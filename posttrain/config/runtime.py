@@ -121,6 +121,6 @@ class Runtime(Section):
     progress: bool = Field(True, description="show tqdm progress bars on long loops")
     keep_freed_memory: bool = Field(True, description="glibc: freed blocks stay in the process for reuse (no mmap "
                                     "for large ones, no trimming), so big CPU tensors are not page-faulted in again "
-                                    "every step (the bf16 update 1.3x faster on SmolLM2); RSS keeps its peak "
+                                    "every step (the rl update 1.14-1.29x faster on SmolLM2); RSS keeps its peak "
                                     "(posttrain/allocator.py)")
     distributed: Distributed = Field(default_factory=Distributed)
