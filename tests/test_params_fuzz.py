@@ -33,7 +33,8 @@ ACCEPTED = {
                         "rl.clip_eps_high", "rl.clip_eps_low", "rl.entropy_coef", "rl.kl_coef", "rl.kl_reward_coef",
                         "rl.max_refill_rounds", "rl.prior_budget",
                         "rl.select.min_pass_rate", "rollout.vllm.enforce_eager", "tools.enabled",
-                        "curate.dedup.numbers_must_match", "runtime.progress", "sft.phases[0].cot_frac",
+                        "curate.dedup.numbers_must_match", "runtime.progress", "runtime.keep_freed_memory",
+                        "sft.phases[0].cot_frac",
                         "sft.warmup_steps", "sft.weight_decay", "task.min_multiplier", "tracking.enabled",
                         "evaluate.sampling.temperature", "rollout.sampling.temperature",  # 0 = greedy
                         "evaluate.max_unusable_frac",  # 0 = no benchmark row may be dropped
