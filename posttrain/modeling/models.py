@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -119,7 +121,21 @@ def load_model(name: str, dtype: str = "float32", device: str | torch.device = "
                                                      revision=revision, attn_implementation=attn_implementation)
     except (OSError, ValueError) as e:
         raise ModelLoadError(load_hint(name, e)) from None
+    slow_bf16(dtype, device)
     return model.to(device).eval()
+
+
+def slow_bf16(dtype: str, device: str | torch.device) -> bool:
+    """True, with a warning, for bf16 on an x86 CPU without AVX512-BF16 or AMX: there its matmuls run at a
+    fifth of fp32's (14.6 against 71.1 GFLOP/s on a 2-core AMD EPYC; docs/performance.md), so fp32 is faster."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    if dtype != "bfloat16" or torch.device(device).type != "cpu" or not x86:
+        return False
+    if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+        return False
+    logging.getLogger(__name__).warning("model.dtype bfloat16 on a CPU without bf16 instructions (AVX512-BF16, AMX): "
+                                        "its matmuls run several times slower than float32's; set model.dtype: float32")
+    return True
 
 
 def autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextManager:
