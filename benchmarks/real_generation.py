@@ -8,7 +8,8 @@ Run the arms alternately, one process each (this machine is noisy: compare arms 
                                                  # grouped row drops and inverse-transform sampling (kept to compare)
 
 Prints one JSON line: completion tokens, seconds (generation only; the engine start is reported apart as
-``start_s``), tokens/s, the share of completions that stopped, and appends it to ``--json`` when given.
+``start_s``), tokens/s, the share of completions that stopped, torch's thread count when generation starts and
+the process's CPU seconds per wall second while it runs (``cpu_per_wall``: about 2 when both cores work), and appends it to ``--json`` when given.
 Prompts: the first ``--prompts`` GSM8K-test questions through the model folder's chat template (``--bench`` or
 ``$POSTTRAIN_BENCH``). Sampling at temperature 1 (``--greedy``: 0), seed 0.
 """
@@ -114,7 +115,8 @@ def main() -> None:
         model = modeling.load_model(a.model, a.dtype)
         backend = BACKENDS["hf"](model, tok, a.batch)
     start_s = time.time() - t0
-    t0 = time.time()
+    threads_at_start = torch.get_num_threads()  # after vLLM's engine init, which sets 1 for serving
+    t0, cpu0 = time.time(), time.process_time()
     if a.loop == "reference":
         parts = reference_generate(model, tok, ids, a.n, sp, a.batch)
         tokens, stopped, total = (sum(x) for x in zip(*parts, strict=True))
@@ -123,11 +125,12 @@ def main() -> None:
         comps = [c for g in groups for c in g]
         tokens, stopped, total = sum(len(c.token_ids) for c in comps), sum(c.finish_reason == "stop"
                                                                            for c in comps), len(comps)
-    secs = time.time() - t0
+    secs, cpu_s = time.time() - t0, time.process_time() - cpu0
     row = {"model": a.model, "backend": a.backend, "loop": a.loop, "dtype": a.dtype, "prompts": a.prompts, "n": a.n,
            "new": a.new, "batch": a.batch, "greedy": a.greedy, "threads": a.threads, "tokens": tokens,
            "seconds": round(secs, 2), "tokens_per_s": round(tokens / secs, 1), "stopped": round(stopped / total, 3),
-           "start_s": round(start_s, 1)}
+           "start_s": round(start_s, 1),
+           "torch_threads": threads_at_start, "cpu_per_wall": round(cpu_s / secs, 2)}
     print(json.dumps(row))
     if a.json:
         with open(a.json, "a") as f:
