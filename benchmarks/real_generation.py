@@ -9,7 +9,8 @@ Run the arms alternately, one process each (this machine is noisy: compare arms 
 
 Prints one JSON line: completion tokens, seconds (generation only; the engine start is reported apart as
 ``start_s``), tokens/s, the share of completions that stopped, torch's thread count when generation starts and
-the process's CPU seconds per wall second while it runs (``cpu_per_wall``: about 2 when both cores work), and appends it to ``--json`` when given.
+the process's CPU seconds per wall second while it runs (``cpu_per_wall``: about 2 when both cores work), and
+appends it to ``--json`` when given.
 Prompts: the first ``--prompts`` GSM8K-test questions through the model folder's chat template (``--bench`` or
 ``$POSTTRAIN_BENCH``). Sampling at temperature 1 (``--greedy``: 0), seed 0.
 """
