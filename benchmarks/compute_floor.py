@@ -89,6 +89,13 @@ def rates(cfg: dict, ms: dict[str, int], dtypes: list[str]) -> dict[str, dict]:
     return out
 
 
+def token_flops(cfg: dict) -> tuple[float, float]:
+    """Matmul FLOPs of one token through the body (2 N_body: every linear layer but the LM head) and through the
+    LM head (2 d V)."""
+    body = sum(2.0 * i * o * c for k, (i, o, c) in shapes(cfg).items() if k != "lm_head")
+    return body, 2.0 * cfg["hidden_size"] * cfg["vocab_size"]
+
+
 Sample = tuple[str, int, int, bool]  # (prompt id, prompt tokens, completion tokens, used in the update)
 
 
@@ -111,8 +118,7 @@ def step_flops(cfg: dict, lens: list[Sample], forwards: int) -> dict[str, dict[s
     attention, for one step (module docstring); ``forwards``: the update's extra no-grad forwards (old
     log-probs, a reference)."""
     sh = shapes(cfg)
-    body = sum(2.0 * i * o * c for k, (i, o, c) in sh.items() if k != "lm_head")  # per token
-    head = 2.0 * cfg["hidden_size"] * cfg["vocab_size"]
+    body, head = token_flops(cfg)
     d_attn, n_layers = sh["q"][1], cfg["num_hidden_layers"]
     g = {"body": 0.0, "lm_head": 0.0, "attention": 0.0}
     u = dict(g)

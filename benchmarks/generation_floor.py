@@ -1,7 +1,7 @@
 """The matmul floor of decoding one token on this CPU (issue 45, item 3): tokens/s at the model's own linear
 shapes, fp32 and bf16, at the decode rows ``--rows`` (the sequences decoded together).
 
-A token costs 2 (N_body + d V) FLOPs of matmuls (``compute_floor.shapes``: every linear layer, the LM head apart);
+A token costs 2 (N_body + d V) FLOPs of matmuls (``compute_floor.token_flops``: every linear layer, the LM head apart);
 the floor is that at the rates ``compute_floor.rates`` measures at M = rows. It leaves out attention over the KV
 cache, sampling and the prefill, so it is a lower bound on a decode's time.
 
@@ -32,9 +32,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     cfg = json.loads((Path(a.model) / "config.json").read_text())
-    sh = compute_floor.shapes(cfg)
-    body = sum(2.0 * i * o * n for k, (i, o, n) in sh.items() if k != "lm_head")
-    head = 2.0 * cfg["hidden_size"] * cfg["vocab_size"]
+    body, head = compute_floor.token_flops(cfg)
     rates = compute_floor.rates(cfg, {f"decode_{m}": m for m in a.rows}, ["float32", "bfloat16"])
     out = {"model": a.model, "threads": a.threads, "cmd": " ".join(sys.argv),
            "per_token_mflop": {"body": round(body / 1e6, 1), "lm_head": round(head / 1e6, 1)}}
