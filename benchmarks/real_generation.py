@@ -10,7 +10,9 @@ Run the arms alternately, one process each (this machine is noisy: compare arms 
 Prints one JSON line: completion tokens, seconds (generation only; the engine start is reported apart as
 ``start_s``), tokens/s, the share of completions that stopped, torch's thread count when generation starts and
 the process's CPU seconds per wall second while it runs (``cpu_per_wall``: about 2 when both cores work), and
-appends it to ``--json`` when given.
+appends it to ``--json`` when given. The process applies the stages' ``runtime.keep_freed_memory`` (glibc keeps freed
+blocks) unless ``--default-malloc``; each line says which (``keep_freed_memory``; lines without it predate the flag
+and ran with glibc's default).
 Prompts: the first ``--prompts`` GSM8K-test questions through the model folder's chat template (``--bench`` or
 ``$POSTTRAIN_BENCH``). Sampling at temperature 1 (``--greedy``: 0), seed 0.
 """
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from posttrain import modeling  # noqa: E402
+from posttrain import allocator, modeling  # noqa: E402
 from posttrain.config import VLLMOptions  # noqa: E402
 from posttrain.rollout import BACKENDS, ModelFolder, SamplingParams, chat_prompt_ids  # noqa: E402
 
@@ -88,6 +90,33 @@ def reference_generate(model, tok, prompt_ids: list[list[int]], n: int, sp: Samp
     return out
 
 
+def gsm8k_prompts(tok: object, bench: str, k: int) -> list[list[int]]:
+    """The first ``k`` GSM8K-test questions of ``bench`` through the tokenizer's chat template, as token ids."""
+    with open(Path(bench) / "gsm8k_test.jsonl") as f:
+        questions = [json.loads(next(f))["question"] for _ in range(k)]
+    return chat_prompt_ids(tok, questions)
+
+
+def add_malloc_arg(ap: argparse.ArgumentParser) -> None:
+    """``--default-malloc``: leave glibc's malloc as it is. By default a benchmark applies what the stages apply
+    (``runtime.keep_freed_memory``, default on): without it every vocabulary-sized sampling tensor is page-faulted
+    in afresh each step."""
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="do not apply runtime.keep_freed_memory (the stages' default) to this process")
+
+
+def apply_malloc(a: argparse.Namespace) -> bool:
+    """Apply ``runtime.keep_freed_memory`` unless ``--default-malloc``; whether it took effect."""
+    return False if a.default_malloc else allocator.keep_freed_memory()
+
+
+def make_backend(name: str, model: str, tok: object, dtype: str, batch: int) -> object:
+    """The rollout backend ``name`` (hf or vllm) over the model folder, its weights in ``dtype``."""
+    if name == "vllm":
+        return BACKENDS["vllm"](ModelFolder(model, dtype), tok, batch, VLLMOptions(dtype=dtype))
+    return BACKENDS["hf"](modeling.load_model(model, dtype), tok, batch)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="a model folder (e.g. models/sft of the SmolLM2 profile)")
@@ -102,19 +131,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bench", default=os.environ.get("POSTTRAIN_BENCH", "."))
     ap.add_argument("--json", help="append the result line to this JSON-lines file")
+    add_malloc_arg(ap)
     a = ap.parse_args()
+    kept = apply_malloc(a)
     torch.set_num_threads(a.threads)
     tok = modeling.load_tokenizer(a.model)
-    with open(Path(a.bench) / "gsm8k_test.jsonl") as f:
-        questions = [json.loads(next(f))["question"] for _ in range(a.prompts)]
-    ids = chat_prompt_ids(tok, questions)
+    ids = gsm8k_prompts(tok, a.bench, a.prompts)
     sp = SamplingParams(0.0 if a.greedy else 1.0, 1.0, a.new, 0)
     t0 = time.time()
-    if a.backend == "vllm":
-        backend = BACKENDS["vllm"](ModelFolder(a.model, a.dtype), tok, a.batch, VLLMOptions(dtype=a.dtype))
-    else:
-        model = modeling.load_model(a.model, a.dtype)
-        backend = BACKENDS["hf"](model, tok, a.batch)
+    backend = make_backend(a.backend, a.model, tok, a.dtype, a.batch)
+    model = getattr(backend, "model", None)
     start_s = time.time() - t0
     threads_at_start = torch.get_num_threads()  # after vLLM's engine init, which sets 1 for serving
     t0, cpu0 = time.time(), time.process_time()
@@ -128,7 +154,8 @@ def main() -> None:
                                                                            for c in comps), len(comps)
     secs, cpu_s = time.time() - t0, time.process_time() - cpu0
     row = {"model": a.model, "backend": a.backend, "loop": a.loop, "dtype": a.dtype, "prompts": a.prompts, "n": a.n,
-           "new": a.new, "batch": a.batch, "greedy": a.greedy, "threads": a.threads, "tokens": tokens,
+           "new": a.new, "batch": a.batch, "greedy": a.greedy, "threads": a.threads, "keep_freed_memory": kept,
+           "tokens": tokens,
            "seconds": round(secs, 2), "tokens_per_s": round(tokens / secs, 1), "stopped": round(stopped / total, 3),
            "start_s": round(start_s, 1),
            "torch_threads": threads_at_start, "cpu_per_wall": round(cpu_s / secs, 2)}
