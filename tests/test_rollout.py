@@ -156,3 +156,20 @@ def test_hf_sampling_under_autocast_casts_each_weight_once(tiny_model):
                        and e.input_shapes and tuple(e.input_shapes[0]) in shapes)
     assert len(c.token_ids) >= 5
     assert 0 < weight_casts <= 8, f"{weight_casts} weight casts for {len(c.token_ids)} tokens"
+
+
+def test_hf_chunks_prompts_of_like_length_and_returns_the_callers_order(tiny_model, monkeypatch):
+    """Prompts of 2, 9, 3 and 8 tokens, 2 per chunk: sorted by length the chunks pad to 3 and 9 positions
+    (2*3 + 2*9 = 24 prefilled, 22 real) where the caller's order pads to 9 and 8 (2*9 + 2*8 = 34); each prompt's
+    greedy completion still comes back at its own index (equal to that prompt generated alone)."""
+    model, tok = tiny_model
+    ids = [[1, 2], [3, 4, 5, 6, 7, 8, 9, 10, 11], [4, 5, 6], [7, 8, 9, 10, 11, 12, 13, 14]]
+    backend = BACKENDS["hf"](model, tok, 2)
+    widths = []
+    chunk = backend._chunk
+    monkeypatch.setattr(backend, "_chunk", lambda ps, *a, **k: widths.append(max(map(len, ps))) or chunk(ps, *a, **k))
+    sp = SamplingParams(0.0, 1.0, 6, 0)
+    out = backend.generate(ids, 1, sp)
+    assert sorted(widths) == [3, 9]
+    monkeypatch.undo()
+    assert [g[0].token_ids for g in out] == [backend.generate([p], 1, sp)[0][0].token_ids for p in ids]

@@ -10,6 +10,9 @@ is cut before the model's own, the token ids keep everything sampled); the rest 
 Finished rows stay in the batch (computed, never sampled or recorded) until they are a quarter of it, then leave
 together: dropping a row copies every layer's KV cache, and one copy per finished row made a 128-row batch of
 ~130-token GSM8K answers spend most of its time copying.
+Prompts are chunked in order of length (a stable sort; the results come back in the caller's order), so a chunk
+pads its prompts to like lengths: the evaluate stage's 256-prompt chunks of GSM8K-test (54-218 prompt tokens)
+prefilled 237,147 positions for 121,347 real ones in the caller's order, 136,246 sorted.
 Sampling applies temperature, then top-p, and records the log-prob of each sampled token under that processed
 distribution (the sampler's log-prob). Each chunk is seeded from ``sampling.seed`` and its index with its own
 ``torch.Generator``: the same call gives the same completions. Works on CPU and GPU (the model's device).
@@ -147,10 +150,14 @@ class HFBackend:
     @torch.no_grad()  # not inference_mode: there autocast recasts every weight at every forward (module docstring)
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
         per = max(1, self.batch_size // n)  # whole groups per chunk: each prompt is prefilled once for its n rows
-        out: list[Completion] = []
-        for c, start in enumerate(range(0, len(prompt_ids), per)):
-            out += self._chunk(prompt_ids[start : start + per], n, sampling, chunk_seed=sampling.seed + c)
-        return [out[i * n : (i + 1) * n] for i in range(len(prompt_ids))]
+        order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))  # chunks of like lengths: less padding
+        out: list[list[Completion]] = [[] for _ in prompt_ids]
+        for c, start in enumerate(range(0, len(order), per)):
+            idx = order[start : start + per]
+            done = self._chunk([prompt_ids[i] for i in idx], n, sampling, chunk_seed=sampling.seed + c)
+            for j, i in enumerate(idx):
+                out[i] = done[j * n : (j + 1) * n]
+        return out
 
     def _chunk(self, prompts: list[list[int]], n: int, s: SamplingParams, chunk_seed: int) -> list[Completion]:
         """Rows i*n .. i*n+n-1 sample prompt i."""
