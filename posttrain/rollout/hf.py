@@ -154,9 +154,9 @@ class HFBackend:
         out: list[list[Completion]] = [[] for _ in prompt_ids]
         for c, start in enumerate(range(0, len(order), per)):
             idx = order[start : start + per]
-            done = self._chunk([prompt_ids[i] for i in idx], n, sampling, chunk_seed=sampling.seed + c)
+            comps = self._chunk([prompt_ids[i] for i in idx], n, sampling, chunk_seed=sampling.seed + c)
             for j, i in enumerate(idx):
-                out[i] = done[j * n : (j + 1) * n]
+                out[i] = comps[j * n : (j + 1) * n]
         return out
 
     def _chunk(self, prompts: list[list[int]], n: int, s: SamplingParams, chunk_seed: int) -> list[Completion]:
